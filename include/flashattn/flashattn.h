@@ -1,0 +1,123 @@
+// flashattn/flashattn.h — the public C++ API: forward, backward, forward with KV cache, combine.
+//
+// Every entry point takes non-owning views of caller-owned memory, one Options struct and a
+// stream. It validates the call completely before writing anything (SPEC §5): a bad call throws
+// flashattn::Error and leaves every output untouched.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "flashattn/error.h"
+#include "flashattn/options.h"
+#include "flashattn/tensor.h"
+
+namespace flashattn {
+
+// Variable-length batches: sequences packed along the first dimension. Given cu_seqlens_q makes a
+// call varlen; then q is (total_q, h, d), k/v (total_k, hk, d/dv), out (total_q, h, dv) and
+// lse (h, total_q).
+struct Varlen {
+  TensorView cu_seqlens_q;  // (b + 1) int32, prefix sums starting at 0
+  TensorView cu_seqlens_k;  // (b + 1) int32
+  TensorView seqused_k;     // optional (b) int32: use only the first seqused_k[i] keys
+  int max_seqlen_q = 0;
+  int max_seqlen_k = 0;
+  bool enabled() const { return cu_seqlens_q.defined(); }
+};
+
+struct ForwardInputs {
+  TensorView q;  // (b, sq, h, d)   or varlen (total_q, h, d)
+  TensorView k;  // (b, sk, hk, d)  or varlen (total_k, hk, d)
+  TensorView v;  // (b, sk, hk, dv) or varlen (total_k, hk, dv)
+  Varlen varlen = {};
+};
+
+struct ForwardOutputs {
+  TensorView out;  // (b, sq, h, dv) or varlen (total_q, h, dv), q's dtype
+  TensorView lse;  // (b, h, sq)     or varlen (h, total_q), fp32; optional if !return_lse
+};
+
+struct BackwardInputs {
+  TensorView dout;  // like out
+  TensorView q, k, v;
+  TensorView out;
+  TensorView lse;  // fp32, as written by forward
+  Varlen varlen = {};
+};
+
+struct BackwardOutputs {
+  TensorView dq;         // like q
+  TensorView dk;         // like k
+  TensorView dv;         // like v
+  TensorView softmax_d;  // (b, h, sq) or varlen (h, total_q), fp32: rowsum(dout ∘ out)
+};
+
+// Decoding / chunked prefill against a KV cache (the reference API's fwd_kvcache).
+// Without block_table the cache is (b_cache, sk_cache, hk, d); with it the cache is paged:
+// (num_blocks, page_size, hk, d) and block_table (b, max_blocks_per_seq) int32 lists each
+// sequence's pages. Sequence i attends to cache_seqlens[i] + sk_new keys.
+struct KVCacheInputs {
+  TensorView q;                // (b, sq, h, d)
+  TensorView k_cache;          // (b_cache, sk_cache, hk, d) or paged (num_blocks, page_size, hk, d)
+  TensorView v_cache;          // likewise with dv
+  TensorView k_new;            // optional (b, sk_new, hk, d): appended in place at cache_seqlens
+  TensorView v_new;            // optional (b, sk_new, hk, dv)
+  TensorView cache_seqlens;    // optional (b) int32; absent = the whole cache is valid
+  TensorView cache_batch_idx;  // optional (b) int32: the cache row of each batch entry
+  TensorView block_table;      // optional (b, max_blocks_per_seq) int32: paged cache
+  TensorView rotary_cos;       // optional (seqlen_ro, rotary_dim / 2), q's dtype
+  TensorView rotary_sin;       // optional, like rotary_cos
+  bool rotary_interleaved = false;  // rotate pairs (0,1),(2,3)… instead of (i, i + rotary_dim/2)
+};
+
+// Merge partial attention results over disjoint key sets (split-KV, context parallelism).
+struct CombineInputs {
+  TensorView out_partial;  // (splits, b, sq, h, dv) fp32
+  TensorView lse_partial;  // (splits, b, h, sq) fp32
+};
+
+// --- entry points -------------------------------------------------------------------------------
+
+void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt = {},
+             Workspace workspace = {}, Stream stream = {});
+
+void backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt = {},
+              Workspace workspace = {}, Stream stream = {});
+
+// Appends k_new/v_new into the caches (rotated when rotary_cos/sin are given), then attends.
+void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt = {},
+                     Workspace workspace = {}, Stream stream = {});
+
+// out (b, sq, h, dv) in out's dtype (f16/bf16/f32), lse (b, h, sq) fp32 (optional).
+void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace workspace = {},
+             Stream stream = {});
+
+// --- what a call needs --------------------------------------------------------------------------
+
+// Bytes of workspace a call needs (0 when none). Only shapes, dtypes and devices are read.
+std::size_t forward_workspace_size(const ForwardInputs& in, const Options& opt = {});
+std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt = {});
+std::size_t forward_kvcache_workspace_size(const KVCacheInputs& in, const Options& opt = {});
+
+// Whether a backend can serve a call, and why not. Validation errors are reported as a "no"
+// with the same message the call would throw.
+struct Support {
+  bool ok = false;
+  Backend backend = Backend::automatic;  // the backend that would serve it when ok
+  std::string reason;                    // why not, when !ok
+  explicit operator bool() const { return ok; }
+};
+
+Support can_implement(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt = {});
+Support can_implement(const BackwardInputs& in, const BackwardOutputs& out,
+                      const Options& opt = {});
+Support can_implement(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt = {});
+
+// The backends compiled into this build, e.g. {cpu, cpu_reference}.
+std::vector<Backend> compiled_backends();
+// A one-line description of the build (version, backends, compiled kernel sets).
+std::string build_info();
+
+}  // namespace flashattn

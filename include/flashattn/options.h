@@ -1,0 +1,51 @@
+// flashattn/options.h — the ONE options struct shared by every entry point (SPEC §4).
+#pragma once
+
+#include <cstdint>
+
+#include "flashattn/tensor.h"
+
+namespace flashattn {
+
+// Which implementation serves a call. `automatic` picks the fastest backend that can serve the
+// call on the tensors' device (CUDA tensors → CUDA kernels, host tensors → the CPU flash backend).
+enum class Backend : std::uint8_t {
+  automatic,
+  cpu,            // the tiled CPU flash backend (threads; memory O(tiles))
+  cpu_reference,  // the naive fp64 reference (materialises scores; the test oracle)
+  cuda,
+};
+
+const char* backend_name(Backend backend);
+
+struct Options {
+  // Scores are softmax_scale · q·k; 0 means 1/sqrt(d).
+  float softmax_scale = 0.0f;
+  // Bottom-right aligned causal mask; the same as window_right = 0.
+  bool causal = false;
+  // Sliding window: key j is visible to query i iff j ≥ r − window_left and j ≤ r + window_right,
+  // r = i + seqlen_k − seqlen_q. −1 means unbounded on that side.
+  int window_left = -1;
+  int window_right = -1;
+  // Soft-capping: s = softcap · tanh(s / softcap) when softcap > 0.
+  float softcap = 0.0f;
+  // ALiBi slopes, fp32, shape (h) or (b, h); s −= slope · |i + seqlen_k − seqlen_q − j|.
+  TensorView alibi_slopes = {};
+  // Dropout probability in [0, 1). The mask is a pure function of (seed, offset, batch, head,
+  // i, j): see docs/dropout.md.
+  float dropout_p = 0.0f;
+  std::uint64_t dropout_seed = 0;
+  std::uint64_t dropout_offset = 0;
+  // Optional {seed, offset} pair in memory on the tensors' device, read at run time instead of
+  // dropout_seed / dropout_offset (this lets a captured CUDA graph replay with new randomness).
+  const std::uint64_t* dropout_rng_state = nullptr;
+  // Backward: bitwise identical results from run to run (and across thread counts on the CPU).
+  bool deterministic = false;
+  // Forward: write lse (when false, the lse view may be left undefined).
+  bool return_lse = true;
+  Backend backend = Backend::automatic;
+  // CPU backends: worker threads; 0 = std::thread::hardware_concurrency().
+  int num_threads = 0;
+};
+
+}  // namespace flashattn

@@ -1,0 +1,65 @@
+// flashattn/tensor.h — non-owning tensor views and the small vocabulary types of the API.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+namespace flashattn {
+
+enum class DType : std::uint8_t { f16, bf16, f32, i32 };
+
+enum class DeviceType : std::uint8_t { cpu, cuda };
+
+struct Device {
+  DeviceType type = DeviceType::cpu;
+  int index = 0;
+  friend bool operator==(Device a, Device b) { return a.type == b.type && a.index == b.index; }
+  friend bool operator!=(Device a, Device b) { return !(a == b); }
+};
+
+// A CUDA stream (cudaStream_t) or nullptr for the default stream; ignored by the CPU backend.
+struct Stream {
+  void* handle = nullptr;
+};
+
+// Scratch memory that the caller owns and the library may use for the duration of one call.
+// Ask the *_workspace_size functions how many bytes a call needs.
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+inline constexpr int kMaxDims = 5;
+
+// A view of memory the caller owns: pointer, element type, shape and strides (in elements).
+// A default-constructed view (ndim == 0) means "not given" for optional arguments.
+// A view with a zero-sized dimension may have data == nullptr.
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int ndim = 0;
+  std::int64_t shape[kMaxDims] = {};
+  std::int64_t stride[kMaxDims] = {};
+  Device device = {};
+
+  bool defined() const { return ndim > 0; }
+  std::int64_t numel() const;
+  bool is_contiguous() const;
+
+  // A view with the given shape and strides.
+  static TensorView strided(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                            std::initializer_list<std::int64_t> strides, Device device = {});
+  // A row-major (C-contiguous) view of the given shape.
+  static TensorView contiguous(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                               Device device = {});
+};
+
+std::size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+const char* device_name(DeviceType type);
+// "(2, 128, 16, 64)"
+std::string shape_string(const TensorView& t);
+
+}  // namespace flashattn

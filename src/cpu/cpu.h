@@ -1,0 +1,30 @@
+// src/cpu/cpu.h — the CPU backends behind the API layer. Each function reads and writes tensors
+// only through common::AttentionParams (src/common/params.h), so dense, varlen and paged batches
+// share one code path. Validation has already happened: these functions trust their input.
+#pragma once
+
+#include "common/params.h"
+
+namespace flashattn::cpu {
+
+// How the reference computes.
+enum class RefPrecision {
+  fp64,               // the oracle: fp64 everywhere, from the stored low-precision inputs
+  emulate_storage,    // "naive_lowprec" of SPEC §7: fp32 math, every materialised intermediate
+                      // (scores, probabilities, products, gradients) rounded to the input dtype
+};
+
+// Naive attention: materialises each (sq × sk) score matrix of one (batch, head).
+// Forward writes out and lse (lse may be null).
+void reference_forward(const common::AttentionParams& p, RefPrecision precision = RefPrecision::fp64);
+// Backward writes dq, dk, dv and softmax_d. It recomputes the forward itself (it does not read
+// p.out or p.lse), so it is the exact gradient of the function SPEC §2 defines.
+void reference_backward(const common::AttentionParams& p,
+                        RefPrecision precision = RefPrecision::fp64);
+
+// The tiled CPU flash backend: online softmax forward, recomputing backward, threads over
+// (batch, head, row blocks), memory O(tiles), deterministic for any num_threads (≥ 1).
+void flash_forward(const common::AttentionParams& p, int num_threads);
+void flash_backward(const common::AttentionParams& p, int num_threads);
+
+}  // namespace flashattn::cpu
