@@ -1,0 +1,34 @@
+// src/api/validate.h — SPEC §5: every check of a call, done before anything is written, and the
+// translation of a valid call into common::AttentionParams for the backends.
+#pragma once
+
+#include <string>
+
+#include "common/params.h"
+#include "flashattn/flashattn.h"
+
+namespace flashattn::detail {
+
+// A validated call: the backend-neutral parameter block plus what dispatch needs to know.
+struct Problem {
+  common::AttentionParams params;
+  DType dtype = DType::f16;
+  Device device = {};
+  bool is_backward = false;
+  bool is_kvcache = false;
+};
+
+// Each throws flashattn::Error naming the argument, the rule, the expected and the actual value.
+// `api` prefixes messages ("flashattn::forward").
+Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt,
+                         const char* api = "flashattn::forward");
+Problem validate_backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt,
+                          const char* api = "flashattn::backward");
+// For the KV cache the params describe the attention AFTER k_new/v_new are appended: the caller
+// must point params.cache_seqlens at the updated lengths (see src/api/kvcache.cpp).
+Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt,
+                         const char* api = "flashattn::forward_kvcache");
+void validate_combine(const CombineInputs& in, const ForwardOutputs& out,
+                      const char* api = "flashattn::combine");
+
+}  // namespace flashattn::detail
