@@ -43,3 +43,44 @@ void flash_forward(const common::AttentionParams& p, int num_threads);
 void flash_backward(const common::AttentionParams& p, int num_threads);
 
 }  // namespace flashattn::cpu
+
+namespace flashattn::cpu {
+
+// KV cache, before attention: writes k_new/v_new (b, sk_new, hk, d/dv) into the cache rows
+// [cache_seqlens[b], cache_seqlens[b] + sk_new) of sequence b (following p's cache layout:
+// cache_batch_idx or block_table), rotating k by rotary_cos/sin when given.
+struct AppendArgs {
+  const void* k_new = nullptr;  // (b, sk_new, hk, d) with the strides below
+  const void* v_new = nullptr;
+  std::int64_t k_new_strides[3] = {};  // batch, row, head
+  std::int64_t v_new_strides[3] = {};
+  int seqlen_new = 0;
+  const std::int32_t* cache_seqlens = nullptr;  // before the append
+  const void* rotary_cos = nullptr;  // (seqlen_ro, rotary_dim / 2), row stride below
+  const void* rotary_sin = nullptr;
+  std::int64_t rotary_cos_stride = 0;
+  std::int64_t rotary_sin_stride = 0;
+  int rotary_dim = 0;  // 0: no rotary
+  bool rotary_interleaved = false;
+};
+void append_kv(const common::AttentionParams& p, const AppendArgs& a);
+
+// Rotates q (b, sq, h, d) into q_rotated (contiguous, same dtype) for the KV-cache call: row i of
+// sequence b sits at position cache_seqlens[b] + i when the mask is causal or windowed, else all
+// rows at cache_seqlens[b] (the reference API's convention).
+void rotate_q(const common::AttentionParams& p, const AppendArgs& a, bool positions_per_row, void* q_rotated);
+
+// Merges partial (out, lse) over splits: out (b, sq, h, dv) in out_storage, lse (b, h, sq) or null.
+struct CombineArgs {
+  const float* out_partial = nullptr;  // (splits, b, sq, h, dv)
+  std::int64_t op_strides[5] = {};
+  const float* lse_partial = nullptr;  // (splits, b, h, sq) contiguous
+  void* out = nullptr;
+  std::int64_t out_strides[4] = {};
+  common::Storage out_storage = common::Storage::f32;
+  float* lse = nullptr;  // (b, h, sq) contiguous, optional
+  int splits = 0, batch = 0, seqlen_q = 0, heads = 0, head_dim_v = 0;
+};
+void combine(const CombineArgs& a);
+
+}  // namespace flashattn::cpu

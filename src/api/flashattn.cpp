@@ -1,0 +1,183 @@
+// src/api/flashattn.cpp — the public entry points: validate (SPEC §5), choose a backend, run.
+#include "flashattn/flashattn.h"
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "api/validate.h"
+#include "common/numeric.h"
+#include "cpu/cpu.h"
+
+namespace flashattn {
+namespace {
+
+using detail::Problem;
+
+int resolve_threads(const Options& opt) {
+  if (opt.num_threads > 0) return opt.num_threads;
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// Backend choice: an ordered list of "can this backend serve it?" checks, each with a reason.
+// Validation has already passed, so the question is only where the tensors live and what was
+// asked for.
+Support choose_backend(const Problem& pr, const Options& opt) {
+  Support s;
+  if (pr.device.type == DeviceType::cuda) {
+    s.reason = "no CUDA backend is compiled into this build (configure with -DFLASHATTN_CUDA=ON)";
+    return s;
+  }
+  s.ok = true;
+  s.backend = opt.backend == Backend::cpu_reference ? Backend::cpu_reference : Backend::cpu;
+  return s;
+}
+
+Support require_backend(const Problem& pr, const Options& opt, const char* api) {
+  Support s = choose_backend(pr, opt);
+  if (!s.ok) throw Error(std::string(api) + ": " + s.reason);
+  return s;
+}
+
+void run_forward(const Problem& pr, const Support& s, const Options& opt) {
+  if (s.backend == Backend::cpu_reference) {
+    cpu::reference_forward(pr.params);
+  } else {
+    cpu::flash_forward(pr.params, resolve_threads(opt));
+  }
+}
+
+template <class Validate>
+Support support_of(Validate&& validate, const Options& opt) {
+  try {
+    const Problem pr = validate();
+    return choose_backend(pr, opt);
+  } catch (const Error& e) {
+    Support s;
+    s.reason = e.what();
+    return s;
+  }
+}
+
+}  // namespace
+
+void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream) {
+  const Problem pr = detail::validate_forward(in, out, opt);
+  run_forward(pr, require_backend(pr, opt, "flashattn::forward"), opt);
+}
+
+void backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, Workspace, Stream) {
+  const Problem pr = detail::validate_backward(in, out, opt);
+  const Support s = require_backend(pr, opt, "flashattn::backward");
+  if (s.backend == Backend::cpu_reference) {
+    cpu::reference_backward(pr.params);
+  } else {
+    cpu::flash_backward(pr.params, resolve_threads(opt));
+  }
+}
+
+void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream) {
+  Problem pr = detail::validate_kvcache(in, out, opt);
+  const Support s = require_backend(pr, opt, "flashattn::forward_kvcache");
+  common::AttentionParams& p = pr.params;
+
+  cpu::AppendArgs a;
+  a.cache_seqlens = in.cache_seqlens.defined() ? static_cast<const std::int32_t*>(in.cache_seqlens.data) : nullptr;
+  if (in.k_new.defined()) {
+    a.k_new = in.k_new.data;
+    a.v_new = in.v_new.data;
+    a.seqlen_new = int(in.k_new.shape[1]);
+    for (int i = 0; i < 3; ++i) {
+      a.k_new_strides[i] = in.k_new.stride[i];
+      a.v_new_strides[i] = in.v_new.stride[i];
+    }
+  }
+  if (in.rotary_cos.defined()) {
+    a.rotary_cos = in.rotary_cos.data;
+    a.rotary_sin = in.rotary_sin.data;
+    a.rotary_cos_stride = in.rotary_cos.stride[0];
+    a.rotary_sin_stride = in.rotary_sin.stride[0];
+    a.rotary_dim = int(2 * in.rotary_cos.shape[1]);
+    a.rotary_interleaved = in.rotary_interleaved;
+  }
+
+  // Lengths after the append: what the attention reads.
+  std::vector<std::int32_t> seqlens_after;
+  if (a.cache_seqlens) {
+    seqlens_after.assign(a.cache_seqlens, a.cache_seqlens + p.batch);
+    for (std::int32_t& len : seqlens_after) len += a.seqlen_new;
+  }
+  if (a.k_new) cpu::append_kv(p, a);
+
+  std::vector<std::uint8_t> q_rotated;
+  if (a.rotary_dim > 0) {
+    const common::Mask m = common::make_mask(p.causal, p.window_left, p.window_right, p.max_seqlen_k, 0, 0);
+    const bool per_row = m.window_left >= 0 || m.window_right >= 0;
+    q_rotated.resize(std::size_t(in.q.numel()) * dtype_size(in.q.dtype));
+    cpu::rotate_q(p, a, per_row, q_rotated.data());
+    p.q.data = q_rotated.data();
+    p.q.head_stride = p.head_dim;
+    p.q.row_stride = std::int64_t(p.heads) * p.head_dim;
+    p.q.batch_stride = p.q.row_stride * p.max_seqlen_q;
+  }
+  if (!seqlens_after.empty()) p.cache_seqlens = seqlens_after.data();
+  run_forward(pr, s, opt);
+}
+
+void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace, Stream) {
+  detail::validate_combine(in, out);
+  if (in.out_partial.device.type != DeviceType::cpu) {
+    throw Error("flashattn::combine: no CUDA backend is compiled into this build (configure with -DFLASHATTN_CUDA=ON)");
+  }
+  cpu::CombineArgs a;
+  a.out_partial = static_cast<const float*>(in.out_partial.data);
+  for (int i = 0; i < 5; ++i) a.op_strides[i] = in.out_partial.stride[i];
+  a.lse_partial = static_cast<const float*>(in.lse_partial.data);
+  a.out = out.out.data;
+  for (int i = 0; i < 4; ++i) a.out_strides[i] = out.out.stride[i];
+  a.out_storage = out.out.dtype == DType::f16 ? common::Storage::f16
+                  : out.out.dtype == DType::bf16 ? common::Storage::bf16
+                                                 : common::Storage::f32;
+  a.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;
+  a.splits = int(in.out_partial.shape[0]);
+  a.batch = int(in.out_partial.shape[1]);
+  a.seqlen_q = int(in.out_partial.shape[2]);
+  a.heads = int(in.out_partial.shape[3]);
+  a.head_dim_v = int(in.out_partial.shape[4]);
+  cpu::combine(a);
+}
+
+std::size_t forward_workspace_size(const ForwardInputs& in, const Options& opt) {
+  // The CPU backends keep their scratch on the host heap; no device workspace is needed.
+  (void)in;
+  (void)opt;
+  return 0;
+}
+std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt) {
+  (void)in;
+  (void)opt;
+  return 0;
+}
+std::size_t forward_kvcache_workspace_size(const KVCacheInputs& in, const Options& opt) {
+  (void)in;
+  (void)opt;
+  return 0;
+}
+
+Support can_implement(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt) {
+  return support_of([&] { return detail::validate_forward(in, out, opt); }, opt);
+}
+Support can_implement(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt) {
+  return support_of([&] { return detail::validate_backward(in, out, opt); }, opt);
+}
+Support can_implement(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt) {
+  return support_of([&] { return detail::validate_kvcache(in, out, opt); }, opt);
+}
+
+std::vector<Backend> compiled_backends() { return {Backend::cpu, Backend::cpu_reference}; }
+
+std::string build_info() {
+  return std::string("flashattn ") + FLASHATTN_VERSION + " (backends: cpu, cpu_reference; CUDA: not built)";
+}
+
+}  // namespace flashattn

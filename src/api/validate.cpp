@@ -1,0 +1,641 @@
+// src/api/validate.cpp — SPEC §5. Every rule throws flashattn::Error before anything is written;
+// messages read "<api>: <argument>: <rule>; expected <x>, got <y>".
+#include "api/validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace flashattn::detail {
+namespace {
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kHeadDimMultiple = 8;
+constexpr int kRotaryDimMultiple = 16;
+
+std::string device_string(Device d) {
+  return d.type == DeviceType::cpu ? "cpu" : "cuda:" + std::to_string(d.index);
+}
+
+std::string shape_of(std::initializer_list<std::int64_t> dims) {
+  std::string s = "(";
+  bool first = true;
+  for (std::int64_t d : dims) {
+    s += (first ? "" : ", ") + std::to_string(d);
+    first = false;
+  }
+  return s + ")";
+}
+
+class Checker {
+ public:
+  explicit Checker(const char* api) : api_(api) {}
+
+  [[noreturn]] void fail(const std::string& arg, const std::string& rule, const std::string& expected,
+                         const std::string& actual) const {
+    throw Error(std::string(api_) + ": " + arg + ": " + rule + "; expected " + expected + ", got " +
+                actual);
+  }
+
+  void require(const std::string& name, const TensorView& t) const {
+    if (!t.defined()) fail(name, "is required", "a tensor", "none");
+  }
+
+  // Structure every given tensor must have: rank, non-negative strides, memory when non-empty.
+  void well_formed(const std::string& name, const TensorView& t) const {
+    if (t.ndim < 1 || t.ndim > kMaxDims) {
+      fail(name, "rank out of range", "1 to " + std::to_string(kMaxDims), std::to_string(t.ndim));
+    }
+    for (int i = 0; i < t.ndim; ++i) {
+      if (t.shape[i] < 0) fail(name, "negative dimension", "sizes ≥ 0", shape_string(t));
+      if (t.stride[i] < 0) {
+        fail(name, "negative stride in dimension " + std::to_string(i), "strides ≥ 0",
+             std::to_string(t.stride[i]));
+      }
+    }
+    if (t.numel() > 0 && t.data == nullptr) fail(name, "null data pointer", "memory for " + shape_string(t), "nullptr");
+  }
+
+  void dtype(const std::string& name, const TensorView& t, DType expected, const std::string& why) const {
+    if (t.dtype != expected) fail(name, why, dtype_name(expected), dtype_name(t.dtype));
+  }
+
+  void shape(const std::string& name, const TensorView& t, std::initializer_list<std::int64_t> expected) const {
+    bool ok = t.ndim == int(expected.size());
+    int i = 0;
+    for (std::int64_t e : expected) ok = ok && t.shape[i++] == e;
+    if (!ok) fail(name, "wrong shape", shape_of(expected), shape_string(t));
+  }
+
+  void last_dim_contiguous(const std::string& name, const TensorView& t) const {
+    if (t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1) {
+      fail(name, "last dimension must be contiguous", "stride 1", "stride " + std::to_string(t.stride[t.ndim - 1]));
+    }
+  }
+
+  void contiguous(const std::string& name, const TensorView& t) const {
+    if (!t.is_contiguous()) fail(name, "must be contiguous (row-major)", "contiguous strides", "other strides");
+  }
+
+  void same_device(const std::string& name, const TensorView& t, Device device) const {
+    if (t.device != device) fail(name, "all tensors must be on one device", device_string(device), device_string(t.device));
+  }
+
+  const char* api() const { return api_; }
+
+ private:
+  const char* api_;
+};
+
+common::Storage storage_of(DType dtype) {
+  switch (dtype) {
+    case DType::f16: return common::Storage::f16;
+    case DType::bf16: return common::Storage::bf16;
+    default: return common::Storage::f32;
+  }
+}
+
+common::RowHeadTensor row_head(const TensorView& t) {
+  common::RowHeadTensor r;
+  r.data = t.data;
+  if (t.ndim == 4) {
+    r.batch_stride = t.stride[0];
+    r.row_stride = t.stride[1];
+    r.head_stride = t.stride[2];
+  } else {  // varlen (total, heads, dim)
+    r.row_stride = t.stride[0];
+    r.head_stride = t.stride[1];
+  }
+  return r;
+}
+
+// The attention input dtype rule and the device rule, shared by every entry point.
+void check_element_type(const Checker& c, const TensorView& q, const Options& opt) {
+  const bool low_precision = q.dtype == DType::f16 || q.dtype == DType::bf16;
+  const bool cpu_only = q.device.type == DeviceType::cpu && opt.backend != Backend::cuda;
+  if (!low_precision && !(q.dtype == DType::f32 && cpu_only)) {
+    c.fail("q", "FlashAttention supports fp16 and bf16 (the CPU backends also fp32)",
+           cpu_only ? "f16, bf16 or f32" : "f16 or bf16", dtype_name(q.dtype));
+  }
+}
+
+void check_device_served(const Checker& c, const TensorView& q, const Options& opt) {
+  if (q.device.type == DeviceType::cuda) {
+#ifndef FLASHATTN_WITH_CUDA
+    c.fail("q", "is a CUDA tensor but this build has no CUDA backend (configure with "
+                "-DFLASHATTN_CUDA=ON, e.g. the dev or full preset)",
+           "a host tensor", device_string(q.device));
+#endif
+    if (opt.backend == Backend::cpu || opt.backend == Backend::cpu_reference) {
+      c.fail("options.backend", "a CPU backend cannot read CUDA tensors", "auto or cuda", backend_name(opt.backend));
+    }
+  } else if (opt.backend == Backend::cuda) {
+    c.fail("options.backend", "the CUDA backend needs CUDA tensors", "auto, cpu or cpu_reference", "cuda with host tensors");
+  }
+}
+
+void check_head_dim(const Checker& c, const std::string& name, std::int64_t d) {
+  if (d % kHeadDimMultiple != 0 || d <= 0 || d > kMaxHeadDim) {
+    c.fail(name, "head dimension must be a positive multiple of 8 and at most 256",
+           "8, 16, ..., 256", std::to_string(d));
+  }
+}
+
+void check_options(const Checker& c, const Options& opt) {
+  if (!(opt.dropout_p >= 0.0f && opt.dropout_p < 1.0f)) {
+    c.fail("options.dropout_p", "dropout probability must be in [0, 1)", "0 ≤ p < 1", std::to_string(opt.dropout_p));
+  }
+  if (!(opt.softcap >= 0.0f) || std::isinf(opt.softcap)) {
+    c.fail("options.softcap", "softcap must be finite and ≥ 0 (0 disables it)", "≥ 0", std::to_string(opt.softcap));
+  }
+  if (!std::isfinite(opt.softmax_scale) || opt.softmax_scale < 0.0f) {
+    c.fail("options.softmax_scale", "softmax_scale must be finite and ≥ 0 (0 means 1/sqrt(d))", "≥ 0",
+           std::to_string(opt.softmax_scale));
+  }
+  if (opt.window_left < -1) c.fail("options.window_left", "window sizes must be ≥ −1 (−1: unbounded)", "≥ −1", std::to_string(opt.window_left));
+  if (opt.window_right < -1) c.fail("options.window_right", "window sizes must be ≥ −1 (−1: unbounded)", "≥ −1", std::to_string(opt.window_right));
+  if (opt.num_threads < 0) c.fail("options.num_threads", "thread count must be ≥ 0 (0: all cores)", "≥ 0", std::to_string(opt.num_threads));
+}
+
+void check_alibi(const Checker& c, const Options& opt, std::int64_t b, std::int64_t h, Device device,
+                 common::AttentionParams& p) {
+  const TensorView& a = opt.alibi_slopes;
+  if (!a.defined()) return;
+  c.well_formed("alibi_slopes", a);
+  c.dtype("alibi_slopes", a, DType::f32, "ALiBi slopes must be fp32");
+  c.same_device("alibi_slopes", a, device);
+  c.last_dim_contiguous("alibi_slopes", a);
+  if (!((a.ndim == 1 && a.shape[0] == h) || (a.ndim == 2 && a.shape[0] == b && a.shape[1] == h))) {
+    c.fail("alibi_slopes", "wrong shape", shape_of({h}) + " or " + shape_of({b, h}), shape_string(a));
+  }
+  p.alibi_slopes = static_cast<const float*>(a.data);
+  p.alibi_batch_stride = a.ndim == 2 ? a.stride[0] : 0;
+}
+
+// Dropout: resolve the seed and offset (from memory when rng_state is given; on the host it can
+// be read now, on a GPU the kernel reads it).
+void set_semantics(const Checker& c, const Options& opt, Device device, common::AttentionParams& p) {
+  check_options(c, opt);
+  p.softmax_scale = opt.softmax_scale > 0.0f ? opt.softmax_scale : 1.0f / std::sqrt(float(p.head_dim));
+  p.softcap = opt.softcap;
+  p.causal = opt.causal;
+  p.window_left = opt.window_left;
+  p.window_right = opt.window_right;
+  p.deterministic = opt.deterministic;
+  p.dropout_p = opt.dropout_p;
+  if (opt.dropout_p > 0.0f) {
+    p.dropout.seed = opt.dropout_seed;
+    p.dropout.offset = opt.dropout_offset;
+    if (opt.dropout_rng_state != nullptr && device.type == DeviceType::cpu) {
+      p.dropout.seed = opt.dropout_rng_state[0];
+      p.dropout.offset = opt.dropout_rng_state[1];
+    }
+    p.dropout.keep_threshold = common::dropout_keep_threshold(opt.dropout_p);
+    p.dropout.keep_scale = 1.0f / (1.0f - opt.dropout_p);
+  }
+}
+
+const std::int32_t* int_data(const TensorView& t) { return static_cast<const std::int32_t*>(t.data); }
+
+void check_int_vector(const Checker& c, const std::string& name, const TensorView& t, std::int64_t n, Device device) {
+  c.well_formed(name, t);
+  c.dtype(name, t, DType::i32, "must be int32");
+  c.same_device(name, t, device);
+  c.shape(name, t, {n});
+  c.contiguous(name, t);
+}
+
+// Varlen: shapes of the index tensors, and (on the host, where they can be read) their values.
+void check_varlen(const Checker& c, const Varlen& vl, std::int64_t total_q, std::int64_t total_k,
+                  Device device, std::int64_t& batch) {
+  c.require("varlen.cu_seqlens_k", vl.cu_seqlens_k);
+  c.well_formed("varlen.cu_seqlens_q", vl.cu_seqlens_q);
+  if (vl.cu_seqlens_q.ndim != 1 || vl.cu_seqlens_q.shape[0] < 2) {
+    c.fail("varlen.cu_seqlens_q", "must have length batch + 1 with batch > 0", "(b + 1) with b ≥ 1", shape_string(vl.cu_seqlens_q));
+  }
+  batch = vl.cu_seqlens_q.shape[0] - 1;
+  check_int_vector(c, "varlen.cu_seqlens_q", vl.cu_seqlens_q, batch + 1, device);
+  check_int_vector(c, "varlen.cu_seqlens_k", vl.cu_seqlens_k, batch + 1, device);
+  if (vl.seqused_k.defined()) check_int_vector(c, "varlen.seqused_k", vl.seqused_k, batch, device);
+  if (vl.max_seqlen_q < 0) c.fail("varlen.max_seqlen_q", "must be ≥ 0", "≥ 0", std::to_string(vl.max_seqlen_q));
+  if (vl.max_seqlen_k < 0) c.fail("varlen.max_seqlen_k", "must be ≥ 0", "≥ 0", std::to_string(vl.max_seqlen_k));
+  if (device.type != DeviceType::cpu) return;
+  const std::int32_t* cq = int_data(vl.cu_seqlens_q);
+  const std::int32_t* ck = int_data(vl.cu_seqlens_k);
+  const std::int32_t* used = vl.seqused_k.defined() ? int_data(vl.seqused_k) : nullptr;
+  struct Side {
+    const char* name;
+    const std::int32_t* cu;
+    std::int64_t total;
+    int max_len;
+    const char* max_name;
+  };
+  for (const Side& s : {Side{"varlen.cu_seqlens_q", cq, total_q, vl.max_seqlen_q, "varlen.max_seqlen_q"},
+                        Side{"varlen.cu_seqlens_k", ck, total_k, vl.max_seqlen_k, "varlen.max_seqlen_k"}}) {
+    if (s.cu[0] != 0) c.fail(s.name, "prefix sums must start at 0", "0", std::to_string(s.cu[0]));
+    for (std::int64_t i = 0; i < batch; ++i) {
+      const std::int64_t len = std::int64_t(s.cu[i + 1]) - s.cu[i];
+      if (len < 0) {
+        c.fail(s.name, "prefix sums must be non-decreasing", "entry " + std::to_string(i + 1) + " ≥ " + std::to_string(s.cu[i]),
+               std::to_string(s.cu[i + 1]));
+      }
+      if (len > s.max_len) {
+        c.fail(s.max_name, "must be at least every sequence's length", "≥ " + std::to_string(len), std::to_string(s.max_len));
+      }
+    }
+    if (s.cu[batch] > s.total) {
+      c.fail(s.name, "last prefix sum exceeds the packed rows", "≤ " + std::to_string(s.total), std::to_string(s.cu[batch]));
+    }
+  }
+  if (used) {
+    for (std::int64_t i = 0; i < batch; ++i) {
+      const std::int64_t len = std::int64_t(ck[i + 1]) - ck[i];
+      if (used[i] < 0 || used[i] > len) {
+        c.fail("varlen.seqused_k", "entry " + std::to_string(i) + " must lie in [0, that sequence's key count]",
+               "0 ≤ x ≤ " + std::to_string(len), std::to_string(used[i]));
+      }
+    }
+  }
+}
+
+// The shape vocabulary of one call: batch mode (b, s, h, d) or varlen (total, h, d).
+struct Dims {
+  std::int64_t b = 0, sq = 0, sk = 0, h = 0, hk = 0, d = 0, dv = 0;
+  std::int64_t total_q = 0, total_k = 0;
+  bool varlen = false;
+};
+
+// Checks q, k, v against each other and fills dims; returns the params skeleton.
+Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
+               const Varlen& vl, const Options& opt) {
+  c.require("q", q);
+  c.require("k", k);
+  c.require("v", v);
+  c.well_formed("q", q);
+  check_element_type(c, q, opt);
+  check_device_served(c, q, opt);
+  Dims dims;
+  dims.varlen = vl.enabled();
+  const int rank = dims.varlen ? 3 : 4;
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+    c.well_formed(name, *t);
+    if (t->ndim != rank) {
+      c.fail(name, dims.varlen ? "varlen tensors are (total, heads, head_dim)" : "tensors are (batch, seqlen, heads, head_dim)",
+             "rank " + std::to_string(rank), "rank " + std::to_string(t->ndim) + " " + shape_string(*t));
+    }
+    if (t != &q) c.dtype(name, *t, q.dtype, "must have q's dtype");
+    c.same_device(name, *t, q.device);
+    c.last_dim_contiguous(name, *t);
+  }
+  const int o = dims.varlen ? 0 : 1;  // offset of the row axis
+  dims.h = q.shape[o + 1];
+  dims.d = q.shape[o + 2];
+  dims.hk = k.shape[o + 1];
+  dims.dv = v.shape[o + 2];
+  if (dims.varlen) {
+    dims.total_q = q.shape[0];
+    dims.total_k = k.shape[0];
+    check_varlen(c, vl, dims.total_q, dims.total_k, q.device, dims.b);
+    dims.sq = vl.max_seqlen_q;
+    dims.sk = vl.max_seqlen_k;
+    c.shape("k", k, {dims.total_k, dims.hk, dims.d});
+    c.shape("v", v, {dims.total_k, dims.hk, dims.dv});
+  } else {
+    dims.b = q.shape[0];
+    dims.sq = q.shape[1];
+    dims.sk = k.shape[1];
+    if (dims.b <= 0) c.fail("q", "batch size must be positive", "b ≥ 1", std::to_string(dims.b));
+    c.shape("k", k, {dims.b, dims.sk, dims.hk, dims.d});
+    c.shape("v", v, {dims.b, dims.sk, dims.hk, dims.dv});
+  }
+  if (dims.h <= 0) c.fail("q", "number of heads must be positive", "h ≥ 1", std::to_string(dims.h));
+  if (dims.hk <= 0) c.fail("k", "number of heads must be positive", "hk ≥ 1", std::to_string(dims.hk));
+  check_head_dim(c, "q", dims.d);
+  check_head_dim(c, "v", dims.dv);
+  if (dims.h % dims.hk != 0) {
+    c.fail("k", "number of heads in key/value must divide number of heads in query",
+           "a divisor of " + std::to_string(dims.h), std::to_string(dims.hk));
+  }
+  constexpr std::int64_t kMaxSeqlen = std::int64_t(1) << 30;
+  if (dims.sq > kMaxSeqlen || dims.sk > kMaxSeqlen) {
+    c.fail("q", "sequence lengths must be below 2^30", "≤ 2^30", std::to_string(std::max(dims.sq, dims.sk)));
+  }
+  return dims;
+}
+
+// The q-like tensors (out, dout, dq): q's rows and heads with the given head dim.
+void check_q_like(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims,
+                  std::int64_t head_dim, const TensorView& q) {
+  c.require(name, t);
+  c.well_formed(name, t);
+  c.dtype(name, t, q.dtype, "must have q's dtype");
+  c.same_device(name, t, q.device);
+  if (dims.varlen) {
+    c.shape(name, t, {dims.total_q, dims.h, head_dim});
+  } else {
+    c.shape(name, t, {dims.b, dims.sq, dims.h, head_dim});
+  }
+  c.last_dim_contiguous(name, t);
+}
+
+void check_k_like(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims,
+                  std::int64_t head_dim, const TensorView& q) {
+  c.require(name, t);
+  c.well_formed(name, t);
+  c.dtype(name, t, q.dtype, "must have q's dtype");
+  c.same_device(name, t, q.device);
+  if (dims.varlen) {
+    c.shape(name, t, {dims.total_k, dims.hk, head_dim});
+  } else {
+    c.shape(name, t, {dims.b, dims.sk, dims.hk, head_dim});
+  }
+  c.last_dim_contiguous(name, t);
+}
+
+// lse-like tensors: (b, h, sq) or varlen (h, total_q), fp32, contiguous.
+void check_row_stat(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims, Device device) {
+  c.require(name, t);
+  c.well_formed(name, t);
+  c.dtype(name, t, DType::f32, "must be fp32");
+  c.same_device(name, t, device);
+  if (dims.varlen) {
+    c.shape(name, t, {dims.h, dims.total_q});
+  } else {
+    c.shape(name, t, {dims.b, dims.h, dims.sq});
+  }
+  c.contiguous(name, t);
+}
+
+common::AttentionParams base_params(const Dims& dims, const TensorView& q, const TensorView& k,
+                                    const TensorView& v, const Varlen& vl) {
+  common::AttentionParams p;
+  p.storage = storage_of(q.dtype);
+  p.batch = int(dims.b);
+  p.heads = int(dims.h);
+  p.heads_k = int(dims.hk);
+  p.head_dim = int(dims.d);
+  p.head_dim_v = int(dims.dv);
+  p.max_seqlen_q = int(dims.sq);
+  p.max_seqlen_k = int(dims.sk);
+  p.q = row_head(q);
+  p.k = row_head(k);
+  p.v = row_head(v);
+  if (dims.varlen) {
+    p.cu_seqlens_q = int_data(vl.cu_seqlens_q);
+    p.cu_seqlens_k = int_data(vl.cu_seqlens_k);
+    p.seqused_k = vl.seqused_k.defined() ? int_data(vl.seqused_k) : nullptr;
+    p.lse_head_stride = dims.total_q;
+  } else {
+    p.lse_batch_stride = dims.h * dims.sq;
+    p.lse_head_stride = dims.sq;
+  }
+  return p;
+}
+
+}  // namespace
+
+Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, const char* api) {
+  const Checker c(api);
+  const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt);
+  check_q_like(c, "out", out.out, dims, dims.dv, in.q);
+  if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, in.q.device);
+  Problem pr;
+  pr.dtype = in.q.dtype;
+  pr.device = in.q.device;
+  pr.params = base_params(dims, in.q, in.k, in.v, in.varlen);
+  pr.params.out = row_head(out.out);
+  pr.params.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;
+  check_alibi(c, opt, dims.b, dims.h, in.q.device, pr.params);
+  set_semantics(c, opt, in.q.device, pr.params);
+  return pr;
+}
+
+Problem validate_backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, const char* api) {
+  const Checker c(api);
+  const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt);
+  check_q_like(c, "dout", in.dout, dims, dims.dv, in.q);
+  check_q_like(c, "out", in.out, dims, dims.dv, in.q);
+  check_row_stat(c, "lse", in.lse, dims, in.q.device);
+  check_q_like(c, "dq", out.dq, dims, dims.d, in.q);
+  check_k_like(c, "dk", out.dk, dims, dims.d, in.q);
+  check_k_like(c, "dv", out.dv, dims, dims.dv, in.q);
+  check_row_stat(c, "softmax_d", out.softmax_d, dims, in.q.device);
+  Problem pr;
+  pr.dtype = in.q.dtype;
+  pr.device = in.q.device;
+  pr.is_backward = true;
+  common::AttentionParams& p = pr.params;
+  p = base_params(dims, in.q, in.k, in.v, in.varlen);
+  p.out = row_head(in.out);
+  p.dout = row_head(in.dout);
+  p.lse = static_cast<float*>(in.lse.data);
+  p.dq = row_head(out.dq);
+  p.dk = row_head(out.dk);
+  p.dv = row_head(out.dv);
+  p.softmax_d = static_cast<float*>(out.softmax_d.data);
+  check_alibi(c, opt, dims.b, dims.h, in.q.device, p);
+  set_semantics(c, opt, in.q.device, p);
+  return pr;
+}
+
+Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, const char* api) {
+  const Checker c(api);
+  c.require("q", in.q);
+  c.require("k_cache", in.k_cache);
+  c.require("v_cache", in.v_cache);
+  c.well_formed("q", in.q);
+  check_element_type(c, in.q, opt);
+  check_device_served(c, in.q, opt);
+  const Device device = in.q.device;
+  for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &in.q}, {"k_cache", &in.k_cache}, {"v_cache", &in.v_cache}}) {
+    c.well_formed(name, *t);
+    if (t->ndim != 4) c.fail(name, "KV-cache tensors are 4-dimensional", "rank 4", "rank " + std::to_string(t->ndim));
+    if (t != &in.q) c.dtype(name, *t, in.q.dtype, "must have q's dtype");
+    c.same_device(name, *t, device);
+    c.last_dim_contiguous(name, *t);
+  }
+  Dims dims;
+  dims.b = in.q.shape[0];
+  dims.sq = in.q.shape[1];
+  dims.h = in.q.shape[2];
+  dims.d = in.q.shape[3];
+  dims.hk = in.k_cache.shape[2];
+  dims.dv = in.v_cache.shape[3];
+  if (dims.b <= 0) c.fail("q", "batch size must be positive", "b ≥ 1", std::to_string(dims.b));
+  if (dims.h <= 0) c.fail("q", "number of heads must be positive", "h ≥ 1", std::to_string(dims.h));
+  if (dims.hk <= 0) c.fail("k_cache", "number of heads must be positive", "hk ≥ 1", std::to_string(dims.hk));
+  check_head_dim(c, "q", dims.d);
+  check_head_dim(c, "v_cache", dims.dv);
+  if (dims.h % dims.hk != 0) {
+    c.fail("k_cache", "number of heads in key/value must divide number of heads in query",
+           "a divisor of " + std::to_string(dims.h), std::to_string(dims.hk));
+  }
+  const bool paged = in.block_table.defined();
+  const std::int64_t rows0 = in.k_cache.shape[0], rows1 = in.k_cache.shape[1];
+  c.shape("k_cache", in.k_cache, {rows0, rows1, dims.hk, dims.d});
+  c.shape("v_cache", in.v_cache, {rows0, rows1, dims.hk, dims.dv});
+  std::int64_t capacity = rows1;  // keys a sequence can hold
+  if (paged) {
+    c.well_formed("block_table", in.block_table);
+    c.dtype("block_table", in.block_table, DType::i32, "must be int32");
+    c.same_device("block_table", in.block_table, device);
+    if (in.block_table.ndim != 2 || in.block_table.shape[0] != dims.b) {
+      c.fail("block_table", "wrong shape", "(" + std::to_string(dims.b) + ", max_blocks_per_seq)", shape_string(in.block_table));
+    }
+    c.last_dim_contiguous("block_table", in.block_table);
+    if (in.cache_batch_idx.defined()) {
+      c.fail("cache_batch_idx", "cannot be combined with a paged cache (block_table)", "none", "a tensor");
+    }
+    if (rows1 <= 0) c.fail("k_cache", "page size must be positive", "≥ 1", std::to_string(rows1));
+    capacity = in.block_table.shape[1] * rows1;
+  } else if (!in.cache_batch_idx.defined() && rows0 != dims.b) {
+    c.fail("k_cache", "batch of the cache must equal q's batch (or give cache_batch_idx)",
+           std::to_string(dims.b), std::to_string(rows0));
+  }
+  std::int64_t sk_new = 0;
+  if (in.k_new.defined() != in.v_new.defined()) {
+    c.fail(in.k_new.defined() ? "v_new" : "k_new", "k_new and v_new must be given together", "both or neither", "one");
+  }
+  if (in.k_new.defined()) {
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"k_new", &in.k_new}, {"v_new", &in.v_new}}) {
+      c.well_formed(name, *t);
+      c.dtype(name, *t, in.q.dtype, "must have q's dtype");
+      c.same_device(name, *t, device);
+      if (t->ndim != 4) c.fail(name, "wrong rank", "rank 4", "rank " + std::to_string(t->ndim));
+      c.last_dim_contiguous(name, *t);
+    }
+    sk_new = in.k_new.shape[1];
+    c.shape("k_new", in.k_new, {dims.b, sk_new, dims.hk, dims.d});
+    c.shape("v_new", in.v_new, {dims.b, sk_new, dims.hk, dims.dv});
+    if (!in.cache_seqlens.defined()) {
+      c.fail("cache_seqlens", "is required when k_new/v_new are appended (it says where)", "a (b) int32 tensor", "none");
+    }
+  }
+  if (in.cache_seqlens.defined()) check_int_vector(c, "cache_seqlens", in.cache_seqlens, dims.b, device);
+  if (in.cache_batch_idx.defined()) check_int_vector(c, "cache_batch_idx", in.cache_batch_idx, dims.b, device);
+  std::int64_t rotary_dim = 0;
+  if (in.rotary_cos.defined() != in.rotary_sin.defined()) {
+    c.fail(in.rotary_cos.defined() ? "rotary_sin" : "rotary_cos", "rotary_cos and rotary_sin must be given together", "both or neither", "one");
+  }
+  if (in.rotary_cos.defined()) {
+    for (auto [name, t] : {std::pair<const char*, const TensorView*>{"rotary_cos", &in.rotary_cos}, {"rotary_sin", &in.rotary_sin}}) {
+      c.well_formed(name, *t);
+      c.dtype(name, *t, in.q.dtype, "must have q's dtype");
+      c.same_device(name, *t, device);
+      if (t->ndim != 2) c.fail(name, "wrong rank", "(seqlen_ro, rotary_dim / 2)", shape_string(*t));
+      c.last_dim_contiguous(name, *t);
+    }
+    c.shape("rotary_sin", in.rotary_sin, {in.rotary_cos.shape[0], in.rotary_cos.shape[1]});
+    rotary_dim = 2 * in.rotary_cos.shape[1];
+    if (rotary_dim <= 0 || rotary_dim > dims.d || rotary_dim % kRotaryDimMultiple != 0) {
+      c.fail("rotary_cos", "rotary_dim = 2 · shape[1] must be a positive multiple of 16 and at most d",
+             "≤ " + std::to_string(dims.d), std::to_string(rotary_dim));
+    }
+    if (!in.cache_seqlens.defined()) {
+      c.fail("cache_seqlens", "is required with rotary embedding (positions start there)", "a (b) int32 tensor", "none");
+    }
+  }
+  dims.sk = capacity;
+  check_q_like(c, "out", out.out, dims, dims.dv, in.q);
+  if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, device);
+
+  // Values, where they can be read: every position written or read stays inside the cache.
+  if (device.type == DeviceType::cpu) {
+    const std::int32_t* seqlens = in.cache_seqlens.defined() ? int_data(in.cache_seqlens) : nullptr;
+    const std::int32_t* idx = in.cache_batch_idx.defined() ? int_data(in.cache_batch_idx) : nullptr;
+    for (std::int64_t b = 0; b < dims.b; ++b) {
+      const std::int64_t len = (seqlens ? seqlens[b] : capacity) + sk_new;
+      if (seqlens && (seqlens[b] < 0 || len > capacity)) {
+        c.fail("cache_seqlens", "entry " + std::to_string(b) + " plus the appended keys must fit the cache",
+               "0 ≤ x ≤ " + std::to_string(capacity - sk_new), std::to_string(seqlens[b]));
+      }
+      if (rotary_dim > 0 && seqlens[b] + std::max(dims.sq, sk_new) > in.rotary_cos.shape[0]) {
+        c.fail("rotary_cos", "must cover every rotated position (cache_seqlens[" + std::to_string(b) + "] + max(seqlen_q, seqlen_new))",
+               "seqlen_ro ≥ " + std::to_string(seqlens[b] + std::max(dims.sq, sk_new)), std::to_string(in.rotary_cos.shape[0]));
+      }
+      if (idx && (idx[b] < 0 || idx[b] >= rows0)) {
+        c.fail("cache_batch_idx", "entry " + std::to_string(b) + " out of range", "0 ≤ x < " + std::to_string(rows0), std::to_string(idx[b]));
+      }
+      if (paged) {
+        const std::int32_t* row = int_data(in.block_table) + b * in.block_table.stride[0];
+        for (std::int64_t blk = 0; blk * rows1 < len; ++blk) {
+          if (row[blk] < 0 || row[blk] >= rows0) {
+            c.fail("block_table", "entry (" + std::to_string(b) + ", " + std::to_string(blk) + ") is not a page of the cache",
+                   "0 ≤ x < " + std::to_string(rows0), std::to_string(row[blk]));
+          }
+        }
+      }
+    }
+  }
+
+  Problem pr;
+  pr.dtype = in.q.dtype;
+  pr.device = device;
+  pr.is_kvcache = true;
+  common::AttentionParams& p = pr.params;
+  p.storage = storage_of(in.q.dtype);
+  p.batch = int(dims.b);
+  p.heads = int(dims.h);
+  p.heads_k = int(dims.hk);
+  p.head_dim = int(dims.d);
+  p.head_dim_v = int(dims.dv);
+  p.max_seqlen_q = int(dims.sq);
+  p.max_seqlen_k = int(capacity);
+  p.q = row_head(in.q);
+  p.k = row_head(in.k_cache);
+  p.v = row_head(in.v_cache);
+  p.out = row_head(out.out);
+  p.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;
+  p.lse_batch_stride = dims.h * dims.sq;
+  p.lse_head_stride = dims.sq;
+  p.cache_batch_idx = in.cache_batch_idx.defined() ? int_data(in.cache_batch_idx) : nullptr;
+  if (paged) {
+    p.block_table = int_data(in.block_table);
+    p.block_table_batch_stride = in.block_table.stride[0];
+    p.page_size = int(rows1);
+  }
+  check_alibi(c, opt, dims.b, dims.h, device, p);
+  set_semantics(c, opt, device, p);
+  return pr;
+}
+
+void validate_combine(const CombineInputs& in, const ForwardOutputs& out, const char* api) {
+  const Checker c(api);
+  c.require("out_partial", in.out_partial);
+  c.require("lse_partial", in.lse_partial);
+  c.require("out", out.out);
+  c.well_formed("out_partial", in.out_partial);
+  if (in.out_partial.ndim != 5) c.fail("out_partial", "wrong rank", "(splits, b, sq, h, dv)", shape_string(in.out_partial));
+  const auto* s = in.out_partial.shape;
+  const std::int64_t splits = s[0], b = s[1], sq = s[2], h = s[3], dv = s[4];
+  const Device device = in.out_partial.device;
+  if (device.type == DeviceType::cuda) {
+#ifndef FLASHATTN_WITH_CUDA
+    c.fail("out_partial", "is a CUDA tensor but this build has no CUDA backend (configure with -DFLASHATTN_CUDA=ON)",
+           "a host tensor", device_string(device));
+#endif
+  }
+  if (splits < 1) c.fail("out_partial", "needs at least one split", "splits ≥ 1", std::to_string(splits));
+  c.dtype("out_partial", in.out_partial, DType::f32, "partial results are fp32");
+  c.last_dim_contiguous("out_partial", in.out_partial);
+  c.well_formed("lse_partial", in.lse_partial);
+  c.dtype("lse_partial", in.lse_partial, DType::f32, "partial results are fp32");
+  c.same_device("lse_partial", in.lse_partial, device);
+  c.shape("lse_partial", in.lse_partial, {splits, b, h, sq});
+  c.contiguous("lse_partial", in.lse_partial);
+  c.well_formed("out", out.out);
+  if (out.out.dtype == DType::i32) c.fail("out", "must be a floating-point tensor", "f16, bf16 or f32", dtype_name(out.out.dtype));
+  c.same_device("out", out.out, device);
+  c.shape("out", out.out, {b, sq, h, dv});
+  c.last_dim_contiguous("out", out.out);
+  if (out.lse.defined()) {
+    c.well_formed("lse", out.lse);
+    c.dtype("lse", out.lse, DType::f32, "must be fp32");
+    c.same_device("lse", out.lse, device);
+    c.shape("lse", out.lse, {b, h, sq});
+    c.contiguous("lse", out.lse);
+  }
+}
+
+}  // namespace flashattn::detail
