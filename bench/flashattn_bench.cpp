@@ -1,0 +1,1107 @@
+// bench/flashattn_bench.cpp — flashattn-bench: times the forward and backward pass of one attention
+// configuration (or a fixed suite of them) on a chosen backend, optionally checks the results
+// against the fp64 reference backend and times a plain sgemm of the same FLOP count beside it, and
+// reports text plus JSON.
+//
+// FLOP convention (stated in every report): matrix-multiply FLOPs only, 2 per multiply-add,
+// counted over exactly the visible (i, j) pairs of the mask (src/common/mask.h decides which):
+//   forward  = 2 · pairs · (d + dv)        (S = Q·Kᵀ, O = P·V)
+//   backward = 2 · pairs · (3·d + 2·dv)    (S, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q)
+// summed over batches and query heads. For d = dv the backward is 2.5× the forward. Softmax,
+// exponentials and dropout are not counted.
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include "common/mask.h"
+#include "common/numeric.h"
+#include "flashattn/flashattn.h"
+
+#ifdef FLASHATTN_BENCH_BLAS
+#include <cblas.h>
+#endif
+
+namespace {
+
+using flashattn::Backend;
+using flashattn::DType;
+using flashattn::TensorView;
+
+// --- exit codes ---------------------------------------------------------------------------------
+constexpr int kExitOk = 0;
+constexpr int kExitCheckFailed = 1;
+constexpr int kExitUsage = 2;
+
+// A single run longer than this gets a progress line on stderr.
+constexpr double kProgressAfterSeconds = 1.0;
+
+// --- configuration ------------------------------------------------------------------------------
+
+enum class Direction { fwd, bwd, both };
+
+struct Config {
+  int b = 1;
+  int sq = 1024;
+  int sk = -1;  // −1: same as sq
+  int h = 8;
+  int hk = -1;  // −1: same as h
+  int d = 64;
+  int dv = -1;  // −1: same as d
+  DType dtype = DType::bf16;
+  bool causal = false;
+  int window_left = -1;
+  int window_right = -1;
+  float softcap = 0.0f;
+  bool alibi = false;
+  float dropout = 0.0f;
+  std::uint64_t seed = 0;
+  Direction direction = Direction::both;
+  Backend backend = Backend::automatic;
+  int threads = 0;  // 0: all hardware threads
+  int warmup = 1;
+  int repeats = 5;
+  double min_time = 0.0;  // keep timing past `repeats` until this many seconds were measured
+  bool check = false;
+  bool gemm = false;
+  bool deterministic = false;
+
+  void resolve_defaults() {
+    if (sk < 0) sk = sq;
+    if (hk < 0) hk = h;
+    if (dv < 0) dv = d;
+  }
+  bool runs_fwd() const { return direction != Direction::bwd; }
+  bool runs_bwd() const { return direction != Direction::fwd; }
+};
+
+struct Cli {
+  Config config;
+  std::string json_path;  // "" none, "-" stdout
+  std::string suite;      // "" or "cpu-report"
+};
+
+const char* direction_name(Direction d) {
+  switch (d) {
+    case Direction::fwd: return "fwd";
+    case Direction::bwd: return "bwd";
+    case Direction::both: return "both";
+  }
+  return "?";
+}
+
+void print_help() {
+  std::printf(
+      "flashattn-bench — time flashattn forward/backward, check it, compare it with sgemm\n"
+      "\n"
+      "usage: flashattn-bench [flags]\n"
+      "       flashattn-bench --suite cpu-report [--json PATH] [--threads N] [--repeats N]\n"
+      "\n"
+      "shape (q is (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)):\n"
+      "  --b N            batch size                                   (default 1)\n"
+      "  --sq N           query length                                 (default 1024)\n"
+      "  --sk N           key length                                   (default: sq)\n"
+      "  --s N            set sq and sk together\n"
+      "  --h N            query heads                                  (default 8)\n"
+      "  --hk N           key/value heads, h %% hk == 0 (GQA/MQA)       (default: h)\n"
+      "  --d N            head dim of q and k                          (default 64)\n"
+      "  --dv N           head dim of v and out                        (default: d)\n"
+      "  --dtype T        f16 | bf16 | f32                             (default bf16)\n"
+      "semantics:\n"
+      "  --causal         bottom-right aligned causal mask\n"
+      "  --window L,R     sliding window (−1 = unbounded side)\n"
+      "  --softcap X      soft-capping of the scores (0 = off)\n"
+      "  --alibi          ALiBi with the usual geometric slopes 2^(−8(i+1)/h)\n"
+      "  --dropout P      dropout probability in [0, 1)\n"
+      "  --seed N         seed of the random inputs and of the dropout mask (default 0)\n"
+      "  --deterministic  bitwise reproducible backward\n"
+      "run:\n"
+      "  --direction D    fwd | bwd | both                             (default both)\n"
+      "  --backend B      auto | cpu | cpu_reference | cuda            (default auto)\n"
+      "  --threads N      CPU worker threads, 0 = all                  (default 0)\n"
+      "  --warmup N       untimed runs before timing                   (default 1)\n"
+      "  --repeats N      timed runs; the median is reported           (default 5)\n"
+      "  --min-time S     keep timing past --repeats until S seconds were measured\n"
+      "  --check          compare out, lse, dq, dk, dv, softmax_d with the fp64 reference backend\n"
+      "                   (cpu_reference) on the same inputs; exit 1 when over tolerance\n"
+      "  --gemm           also time OpenBLAS cblas_sgemm on the attention's matmul shapes, with\n"
+      "                   the same FLOP count, and report the ratio of the two GFLOP/s\n"
+      "  --json PATH      write the results as JSON to PATH ('-' = stdout)\n"
+      "  --suite NAME     run a fixed suite instead of one configuration:\n"
+      "                   cpu-report: b=1 h=16 s=2048 d=128, {f32, bf16} x {causal, not} x\n"
+      "                   {fwd, bwd}, each beside sgemm (--gemm implied)\n"
+      "  --help           this text\n"
+      "\n"
+      "FLOP convention: matmul FLOPs over exactly the visible (i, j) pairs of the mask;\n"
+      "forward 2·pairs·(d+dv), backward 2·pairs·(3d+2dv) (2.5x forward when d = dv).\n"
+      "Exit status: 0 ok, 1 a --check exceeded its tolerance, 2 bad usage or unsupported call.\n");
+}
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "flashattn-bench: %s (see --help)\n", message.c_str());
+  std::exit(kExitUsage);
+}
+
+long long parse_int(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || errno != 0) usage_error(flag + " wants an integer, got '" + value + "'");
+  return v;
+}
+
+int parse_int32(const std::string& flag, const std::string& value, long long lo) {
+  const long long v = parse_int(flag, value);
+  if (v < lo || v > std::numeric_limits<int>::max()) {
+    usage_error(flag + " must be in [" + std::to_string(lo) + ", 2^31), got " + value);
+  }
+  return int(v);
+}
+
+double parse_double(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  const double v = std::strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0' || !std::isfinite(v)) usage_error(flag + " wants a number, got '" + value + "'");
+  return v;
+}
+
+DType parse_dtype(const std::string& value) {
+  if (value == "f16" || value == "fp16") return DType::f16;
+  if (value == "bf16") return DType::bf16;
+  if (value == "f32" || value == "fp32") return DType::f32;
+  usage_error("--dtype must be f16, bf16 or f32, got '" + value + "'");
+}
+
+Backend parse_backend(const std::string& value) {
+  if (value == "auto") return Backend::automatic;
+  if (value == "cpu") return Backend::cpu;
+  if (value == "cpu_reference") return Backend::cpu_reference;
+  if (value == "cuda") return Backend::cuda;
+  usage_error("--backend must be auto, cpu, cpu_reference or cuda, got '" + value + "'");
+}
+
+Direction parse_direction(const std::string& value) {
+  if (value == "fwd") return Direction::fwd;
+  if (value == "bwd") return Direction::bwd;
+  if (value == "both") return Direction::both;
+  usage_error("--direction must be fwd, bwd or both, got '" + value + "'");
+}
+
+Cli parse_cli(int argc, char** argv) {
+  Cli cli;
+  Config& c = cli.config;
+  bool repeats_given = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::string value;
+    bool has_inline_value = false;
+    if (const auto eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+      has_inline_value = true;
+    }
+    auto next = [&]() -> std::string {
+      if (has_inline_value) return value;
+      if (i + 1 >= argc) usage_error(flag + " needs a value");
+      return argv[++i];
+    };
+    auto no_value = [&]() {
+      if (has_inline_value) usage_error(flag + " takes no value");
+    };
+    if (flag == "--help" || flag == "-h") {
+      print_help();
+      std::exit(kExitOk);
+    } else if (flag == "--b") {
+      c.b = parse_int32(flag, next(), 1);
+    } else if (flag == "--sq") {
+      c.sq = parse_int32(flag, next(), 0);
+    } else if (flag == "--sk") {
+      c.sk = parse_int32(flag, next(), 0);
+    } else if (flag == "--s") {
+      c.sq = c.sk = parse_int32(flag, next(), 0);
+    } else if (flag == "--h") {
+      c.h = parse_int32(flag, next(), 1);
+    } else if (flag == "--hk") {
+      c.hk = parse_int32(flag, next(), 1);
+    } else if (flag == "--d") {
+      c.d = parse_int32(flag, next(), 1);
+    } else if (flag == "--dv") {
+      c.dv = parse_int32(flag, next(), 1);
+    } else if (flag == "--dtype") {
+      c.dtype = parse_dtype(next());
+    } else if (flag == "--causal") {
+      no_value();
+      c.causal = true;
+    } else if (flag == "--window") {
+      const std::string w = next();
+      const auto comma = w.find(',');
+      if (comma == std::string::npos) usage_error("--window wants L,R (e.g. 256,0), got '" + w + "'");
+      c.window_left = parse_int32(flag, w.substr(0, comma), -1);
+      c.window_right = parse_int32(flag, w.substr(comma + 1), -1);
+    } else if (flag == "--softcap") {
+      c.softcap = float(parse_double(flag, next()));
+    } else if (flag == "--alibi") {
+      no_value();
+      c.alibi = true;
+    } else if (flag == "--dropout") {
+      c.dropout = float(parse_double(flag, next()));
+    } else if (flag == "--seed") {
+      c.seed = std::uint64_t(parse_int(flag, next()));
+    } else if (flag == "--deterministic") {
+      no_value();
+      c.deterministic = true;
+    } else if (flag == "--direction") {
+      c.direction = parse_direction(next());
+    } else if (flag == "--backend") {
+      c.backend = parse_backend(next());
+    } else if (flag == "--threads") {
+      c.threads = parse_int32(flag, next(), 0);
+    } else if (flag == "--warmup") {
+      c.warmup = parse_int32(flag, next(), 0);
+    } else if (flag == "--repeats") {
+      c.repeats = parse_int32(flag, next(), 1);
+      repeats_given = true;
+    } else if (flag == "--min-time") {
+      c.min_time = parse_double(flag, next());
+      if (c.min_time < 0) usage_error("--min-time must be ≥ 0");
+    } else if (flag == "--check") {
+      no_value();
+      c.check = true;
+    } else if (flag == "--gemm") {
+      no_value();
+      c.gemm = true;
+    } else if (flag == "--json") {
+      cli.json_path = next();
+    } else if (flag == "--suite") {
+      cli.suite = next();
+      if (cli.suite != "cpu-report") usage_error("unknown suite '" + cli.suite + "' (known: cpu-report)");
+    } else {
+      usage_error("unknown flag '" + std::string(argv[i]) + "'");
+    }
+  }
+  // The suite's shapes are large: three timed runs keep it to a few minutes on two cores.
+  if (!cli.suite.empty() && !repeats_given) c.repeats = 3;
+  c.resolve_defaults();
+  return cli;
+}
+
+// --- the machine --------------------------------------------------------------------------------
+
+struct MachineInfo {
+  std::string cpu_model = "unknown CPU";
+  int logical_cpus = 0;
+  std::string vector_flags;  // the SIMD extensions that matter for this code
+};
+
+MachineInfo read_machine_info() {
+  MachineInfo info;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  std::string family, model;
+  bool first_cpu_read = false;
+  while (std::getline(cpuinfo, line)) {
+    const auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string key = line.substr(0, colon);
+    key.erase(key.find_last_not_of(" \t") + 1);
+    std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
+    if (key == "processor") {
+      ++info.logical_cpus;
+      first_cpu_read = info.logical_cpus > 1;
+    }
+    if (first_cpu_read) continue;
+    if (key == "model name") info.cpu_model = value;
+    if (key == "cpu family") family = value;
+    if (key == "model") model = value;
+    if (key == "flags") {
+      std::istringstream words(value);
+      std::string w;
+      static const char* const kInteresting[] = {"avx2", "fma", "avx512f", "avx512_bf16",
+                                                 "avx512_fp16", "amx_bf16", "amx_tile"};
+      while (words >> w) {
+        for (const char* wanted : kInteresting) {
+          if (w == wanted) info.vector_flags += (info.vector_flags.empty() ? "" : " ") + w;
+        }
+      }
+    }
+  }
+  if (!family.empty()) info.cpu_model += " (family " + family + ", model " + model + ")";
+  if (info.logical_cpus == 0) info.logical_cpus = int(std::thread::hardware_concurrency());
+  return info;
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string blas_info() {
+#if defined(FLASHATTN_BENCH_BLAS) && defined(OPENBLAS_VERSION)
+  std::string config = openblas_get_config();
+  while (!config.empty() && config.back() == ' ') config.pop_back();
+  return config;
+#elif defined(FLASHATTN_BENCH_BLAS)
+  return "a CBLAS library";
+#else
+  return "";
+#endif
+}
+
+// --- JSON ---------------------------------------------------------------------------------------
+
+// A minimal JSON writer: values are appended in order; the caller keeps the nesting right.
+class Json {
+ public:
+  Json& begin_object() { return open('{'); }
+  Json& end_object() { return close('}'); }
+  Json& begin_array() { return open('['); }
+  Json& end_array() { return close(']'); }
+  Json& key(const std::string& k) {
+    separate();
+    out_ << quote(k) << ": ";
+    after_key_ = true;
+    return *this;
+  }
+  Json& value(const std::string& s) { return raw(quote(s)); }
+  Json& value(const char* s) { return raw(quote(s)); }
+  Json& value(bool b) { return raw(b ? "true" : "false"); }
+  Json& value(int v) { return raw(std::to_string(v)); }
+  Json& value(long long v) { return raw(std::to_string(v)); }
+  Json& value(std::uint64_t v) { return raw(std::to_string(v)); }
+  Json& value(double v) {
+    if (!std::isfinite(v)) return raw("null");  // JSON has no NaN or infinity
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.6g", v);
+    return raw(buf);
+  }
+  template <class T>
+  Json& field(const std::string& k, T v) {
+    key(k);
+    return value(v);
+  }
+  std::string str() const { return out_.str() + "\n"; }
+
+ private:
+  Json& open(char c) {
+    separate();
+    out_ << c;
+    first_.push_back(true);
+    return *this;
+  }
+  Json& close(char c) {
+    const bool empty = first_.back();
+    first_.pop_back();
+    if (!empty) newline();
+    out_ << c;
+    return *this;
+  }
+  Json& raw(const std::string& s) {
+    separate();
+    out_ << s;
+    return *this;
+  }
+  void separate() {
+    if (after_key_) {
+      after_key_ = false;
+      return;
+    }
+    if (first_.empty()) return;
+    if (!first_.back()) out_ << ",";
+    first_.back() = false;
+    newline();
+  }
+  void newline() { out_ << "\n" << std::string(2 * first_.size(), ' '); }
+  static std::string quote(const std::string& s) {
+    std::string q = "\"";
+    for (const unsigned char ch : s) {
+      if (ch == '"' || ch == '\\') {
+        q += '\\';
+        q += char(ch);
+      } else if (ch < 0x20) {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", ch);
+        q += buf;
+      } else {
+        q += char(ch);
+      }
+    }
+    return q + "\"";
+  }
+
+  std::ostringstream out_;
+  std::vector<bool> first_;
+  bool after_key_ = false;
+};
+
+// --- host tensors -------------------------------------------------------------------------------
+
+// Caller-owned memory for one tensor: fp32 values, or f16/bf16 bit patterns.
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType dtype, std::vector<std::int64_t> shape) : dtype_(dtype), shape_(std::move(shape)) {
+    numel_ = 1;
+    for (const auto n : shape_) numel_ *= n;
+    if (dtype_ == DType::f32) {
+      f32_.assign(std::size_t(numel_), 0.0f);
+    } else {
+      half_.assign(std::size_t(numel_), 0);
+    }
+  }
+
+  std::int64_t numel() const { return numel_; }
+  DType dtype() const { return dtype_; }
+  void* data() { return dtype_ == DType::f32 ? static_cast<void*>(f32_.data()) : half_.data(); }
+
+  TensorView view() {
+    const auto& s = shape_;
+    switch (s.size()) {
+      case 1: return TensorView::contiguous(data(), dtype_, {s[0]});
+      case 2: return TensorView::contiguous(data(), dtype_, {s[0], s[1]});
+      case 3: return TensorView::contiguous(data(), dtype_, {s[0], s[1], s[2]});
+      case 4: return TensorView::contiguous(data(), dtype_, {s[0], s[1], s[2], s[3]});
+      default: throw std::logic_error("HostTensor: unsupported rank");
+    }
+  }
+
+  float get(std::int64_t i) const {
+    switch (dtype_) {
+      case DType::f32: return f32_[std::size_t(i)];
+      case DType::bf16: return flashattn::common::to_float(flashattn::common::bf16_t{half_[std::size_t(i)]});
+      case DType::f16: return flashattn::common::to_float(flashattn::common::f16_t{half_[std::size_t(i)]});
+      default: return 0.0f;
+    }
+  }
+  void set(std::int64_t i, float v) {
+    switch (dtype_) {
+      case DType::f32: f32_[std::size_t(i)] = v; break;
+      case DType::bf16: half_[std::size_t(i)] = flashattn::common::to_bf16(v).bits; break;
+      case DType::f16: half_[std::size_t(i)] = flashattn::common::to_f16(v).bits; break;
+      default: break;
+    }
+  }
+  void fill_normal(std::mt19937_64& rng) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::int64_t i = 0; i < numel_; ++i) set(i, normal(rng));
+  }
+  // NaN everywhere, so that an element the library forgot to write fails the check.
+  void poison() {
+    for (std::int64_t i = 0; i < numel_; ++i) set(i, std::numeric_limits<float>::quiet_NaN());
+  }
+
+ private:
+  DType dtype_ = DType::f32;
+  std::vector<std::int64_t> shape_;
+  std::int64_t numel_ = 0;
+  std::vector<float> f32_;
+  std::vector<std::uint16_t> half_;
+};
+
+// Element-wise max |a − b|. NaN anywhere gives +∞ (NaN never passes); equal infinities (lse of a
+// row with no visible key) count as 0.
+double max_abs_diff(const HostTensor& a, const HostTensor& b) {
+  double worst = 0.0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a.get(i);
+    const double y = b.get(i);
+    if (std::isnan(x) || std::isnan(y)) return std::numeric_limits<double>::infinity();
+    if (x == y) continue;
+    worst = std::max(worst, std::fabs(x - y));
+  }
+  return worst;
+}
+
+double max_abs_finite(const HostTensor& a) {
+  double m = 0.0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a.get(i);
+    if (std::isfinite(x)) m = std::max(m, std::fabs(x));
+  }
+  return m;
+}
+
+// --- the problem ----------------------------------------------------------------------------------
+
+// Visible (i, j) pairs of one (batch, head) under the mask, by the library's own mask definition.
+std::int64_t visible_pairs(const Config& c) {
+  const auto mask = flashattn::common::make_mask(c.causal, c.window_left, c.window_right, c.sk, c.sq, c.sk);
+  std::int64_t pairs = 0;
+  for (int i = 0; i < c.sq; ++i) pairs += std::max(0, mask.col_end(i) - mask.col_begin(i));
+  return pairs;
+}
+
+double forward_flops(const Config& c, std::int64_t pairs) {
+  return 2.0 * double(pairs) * double(c.d + c.dv) * double(c.b) * double(c.h);
+}
+double backward_flops(const Config& c, std::int64_t pairs) {
+  return 2.0 * double(pairs) * double(3 * c.d + 2 * c.dv) * double(c.b) * double(c.h);
+}
+
+struct Problem {
+  HostTensor q, k, v, out, lse;
+  HostTensor dout, dq, dk, dv, softmax_d;
+  std::vector<float> alibi_slopes;  // (h)
+  flashattn::Options opt;
+
+  Problem(const Config& c) {
+    const DType t = c.dtype;
+    q = HostTensor(t, {c.b, c.sq, c.h, c.d});
+    k = HostTensor(t, {c.b, c.sk, c.hk, c.d});
+    v = HostTensor(t, {c.b, c.sk, c.hk, c.dv});
+    out = HostTensor(t, {c.b, c.sq, c.h, c.dv});
+    lse = HostTensor(DType::f32, {c.b, c.h, c.sq});
+    std::mt19937_64 rng(c.seed);
+    q.fill_normal(rng);
+    k.fill_normal(rng);
+    v.fill_normal(rng);
+    if (c.runs_bwd() || c.check) {
+      dout = HostTensor(t, {c.b, c.sq, c.h, c.dv});
+      dq = HostTensor(t, {c.b, c.sq, c.h, c.d});
+      dk = HostTensor(t, {c.b, c.sk, c.hk, c.d});
+      dv = HostTensor(t, {c.b, c.sk, c.hk, c.dv});
+      softmax_d = HostTensor(DType::f32, {c.b, c.h, c.sq});
+      dout.fill_normal(rng);
+    }
+    opt.causal = c.causal;
+    opt.window_left = c.window_left;
+    opt.window_right = c.window_right;
+    opt.softcap = c.softcap;
+    opt.dropout_p = c.dropout;
+    opt.dropout_seed = c.seed;
+    opt.deterministic = c.deterministic;
+    opt.backend = c.backend;
+    opt.num_threads = c.threads;
+    if (c.alibi) {
+      // The geometric slopes of the ALiBi paper: 2^(−8(i+1)/h) for head i.
+      alibi_slopes.resize(std::size_t(c.h));
+      for (int i = 0; i < c.h; ++i) alibi_slopes[std::size_t(i)] = std::exp2(-8.0f * float(i + 1) / float(c.h));
+      opt.alibi_slopes = TensorView::contiguous(alibi_slopes.data(), DType::f32, {c.h});
+    }
+  }
+
+  flashattn::ForwardInputs fwd_in() { return {q.view(), k.view(), v.view()}; }
+  flashattn::ForwardOutputs fwd_out() { return {out.view(), lse.view()}; }
+  flashattn::BackwardInputs bwd_in() { return {dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view()}; }
+  flashattn::BackwardOutputs bwd_out() { return {dq.view(), dk.view(), dv.view(), softmax_d.view()}; }
+};
+
+// --- timing -------------------------------------------------------------------------------------
+
+struct Timing {
+  std::vector<double> seconds;
+  double median() const {
+    std::vector<double> s = seconds;
+    std::sort(s.begin(), s.end());
+    const std::size_t n = s.size();
+    if (n == 0) return 0.0;
+    return n % 2 ? s[n / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+  }
+  double min() const { return seconds.empty() ? 0.0 : *std::min_element(seconds.begin(), seconds.end()); }
+};
+
+// A one-line progress report on stderr, rewritten in place on a terminal and printed line by line
+// otherwise; silent for short runs.
+class Progress {
+ public:
+  explicit Progress(std::string label) : label_(std::move(label)), tty_(isatty(STDERR_FILENO) != 0) {}
+  ~Progress() { finish(); }
+  void update(const char* phase, int done, int total, double last_seconds) {
+    if (last_seconds < kProgressAfterSeconds && !shown_) return;
+    shown_ = true;
+    char line[160];
+    std::snprintf(line, sizeof line, "%s: %s %d/%d (last %.3f s)", label_.c_str(), phase, done, total,
+                  last_seconds);
+    if (tty_) {
+      std::fprintf(stderr, "\r%-78s", line);
+    } else {
+      std::fprintf(stderr, "%s\n", line);
+    }
+    std::fflush(stderr);
+  }
+  void finish() {
+    if (shown_ && tty_) std::fprintf(stderr, "\r%-78s\r", "");
+    shown_ = false;
+  }
+
+ private:
+  std::string label_;
+  bool tty_;
+  bool shown_ = false;
+};
+
+Timing time_it(const std::string& label, const Config& c, const std::function<void()>& run) {
+  using clock = std::chrono::steady_clock;
+  Progress progress(label);
+  for (int i = 0; i < c.warmup; ++i) {
+    const auto t0 = clock::now();
+    run();
+    progress.update("warmup", i + 1, c.warmup, std::chrono::duration<double>(clock::now() - t0).count());
+  }
+  Timing timing;
+  double total = 0.0;
+  while (int(timing.seconds.size()) < c.repeats || total < c.min_time) {
+    const auto t0 = clock::now();
+    run();
+    const double s = std::chrono::duration<double>(clock::now() - t0).count();
+    timing.seconds.push_back(s);
+    total += s;
+    progress.update("repeat", int(timing.seconds.size()), std::max(c.repeats, int(timing.seconds.size())), s);
+  }
+  return timing;
+}
+
+// --- the sgemm baseline -------------------------------------------------------------------------
+
+struct GemmResult {
+  bool available = false;
+  std::string note;
+  double flops = 0.0;
+  Timing timing;
+};
+
+#ifdef FLASHATTN_BENCH_BLAS
+// The matmuls attention does for one (batch, head), as dense fp32 sgemm calls on buffers of the
+// same shapes (row-major): forward S = Q·Kᵀ (sq×sk×d), O = S·V (sq×dv×sk); backward S = Q·Kᵀ,
+// dP = dO·Vᵀ, dV = Sᵀ·dO, dQ = dP·K, dK = dPᵀ·Q. The loop runs over as many heads as makes the
+// same FLOP count as the attention call (fewer than b·h when the mask hides pairs).
+GemmResult time_sgemm(const Config& c, bool backward, double target_flops, int threads) {
+  GemmResult r;
+  r.available = true;
+  const int sq = c.sq, sk = c.sk, d = c.d, dv = c.dv;
+  const double head_flops = backward ? 2.0 * sq * sk * double(3 * d + 2 * dv) : 2.0 * sq * sk * double(d + dv);
+  if (head_flops <= 0.0) {
+    r.note = "empty problem";
+    return r;
+  }
+  const long long heads = std::max(1LL, std::llround(target_flops / head_flops));
+  r.flops = double(heads) * head_flops;
+  std::mt19937_64 rng(c.seed + 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto matrix = [&](std::size_t n) {
+    std::vector<float> m(n);
+    for (auto& x : m) x = normal(rng);
+    return m;
+  };
+  auto Q = matrix(std::size_t(sq) * d), K = matrix(std::size_t(sk) * d), V = matrix(std::size_t(sk) * dv);
+  auto dO = matrix(std::size_t(sq) * dv);
+  std::vector<float> S(std::size_t(sq) * sk), dP(std::size_t(sq) * sk), O(std::size_t(sq) * dv);
+  std::vector<float> dQ(std::size_t(sq) * d), dK(std::size_t(sk) * d), dV(std::size_t(sk) * dv);
+#ifdef OPENBLAS_VERSION
+  openblas_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+  const auto rm = CblasRowMajor;
+  const auto N = CblasNoTrans, T = CblasTrans;
+  auto one_head = [&]() {
+    cblas_sgemm(rm, N, T, sq, sk, d, 1.0f, Q.data(), d, K.data(), d, 0.0f, S.data(), sk);
+    if (!backward) {
+      cblas_sgemm(rm, N, N, sq, dv, sk, 1.0f, S.data(), sk, V.data(), dv, 0.0f, O.data(), dv);
+      return;
+    }
+    cblas_sgemm(rm, N, T, sq, sk, dv, 1.0f, dO.data(), dv, V.data(), dv, 0.0f, dP.data(), sk);
+    cblas_sgemm(rm, T, N, sk, dv, sq, 1.0f, S.data(), sk, dO.data(), dv, 0.0f, dV.data(), dv);
+    cblas_sgemm(rm, N, N, sq, d, sk, 1.0f, dP.data(), sk, K.data(), d, 0.0f, dQ.data(), d);
+    cblas_sgemm(rm, T, N, sk, d, sq, 1.0f, dP.data(), sk, Q.data(), d, 0.0f, dK.data(), d);
+  };
+  r.timing = time_it(std::string("sgemm ") + (backward ? "bwd" : "fwd"), c, [&]() {
+    for (long long i = 0; i < heads; ++i) one_head();
+  });
+  r.note = std::to_string(heads) + " head(s) of the attention's matmul shapes, fp32, " + blas_info();
+  return r;
+}
+#else
+GemmResult time_sgemm(const Config&, bool, double, int) {
+  GemmResult r;
+  r.note = "not available: flashattn-bench was built without OpenBLAS (install libopenblas-dev and "
+           "reconfigure)";
+  return r;
+}
+#endif
+
+// --- one configuration --------------------------------------------------------------------------
+
+struct DirectionResult {
+  std::string name;
+  double flops = 0.0;
+  Timing timing;
+  GemmResult gemm;
+  bool gemm_requested = false;
+};
+
+struct CheckResult {
+  bool ran = false;
+  bool passed = true;
+  struct Item {
+    std::string tensor;
+    double error;
+    double tolerance;
+  };
+  std::vector<Item> items;
+};
+
+struct RunResult {
+  Config config;
+  std::string backend_served;
+  std::int64_t pairs = 0;
+  std::vector<DirectionResult> directions;
+  CheckResult check;
+};
+
+// Unit roundoff of the storage type: half the gap between 1 and the next representable value.
+double unit_roundoff(DType t) {
+  switch (t) {
+    case DType::f16: return std::ldexp(1.0, -11);
+    case DType::bf16: return std::ldexp(1.0, -8);
+    default: return std::ldexp(1.0, -24);
+  }
+}
+
+// The --check tolerance. SPEC §7 bounds a kernel's error by twice that of a naive low-precision
+// attention; that naive run is not part of the public API, so the bench uses a dtype-based bound
+// of the same size: tolerance = c · u · max(1, max|ref|), u the unit roundoff of the tensor's
+// storage dtype (lse and softmax_d are fp32 but inherit the input rounding of P and dout·out,
+// so they use the input dtype's u too), c = kOutputTolerance for the forward outputs and
+// kGradientTolerance for the gradients, whose fp32 sums run over sk (dq) or sq·h/hk (dk, dv)
+// terms of rounded products. With softcap the bound is 1.5× larger, as SPEC §7's 3× vs 2×.
+constexpr double kOutputTolerance = 8.0;
+constexpr double kGradientTolerance = 16.0;
+constexpr double kSoftcapFactor = 1.5;
+
+double tolerance(const Config& c, bool gradient, const HostTensor& ref) {
+  double t = (gradient ? kGradientTolerance : kOutputTolerance) * unit_roundoff(c.dtype) *
+             std::max(1.0, max_abs_finite(ref));
+  if (c.softcap > 0) t *= kSoftcapFactor;
+  return t;
+}
+
+void describe_config(const Config& c, Json* json, std::string* text) {
+  if (text) {
+    char buf[320];
+    std::snprintf(buf, sizeof buf,
+                  "b=%d sq=%d sk=%d h=%d hk=%d d=%d dv=%d dtype=%s causal=%s window=(%d,%d) "
+                  "softcap=%g alibi=%s dropout=%g seed=%llu direction=%s",
+                  c.b, c.sq, c.sk, c.h, c.hk, c.d, c.dv, flashattn::dtype_name(c.dtype),
+                  c.causal ? "yes" : "no", c.window_left, c.window_right, double(c.softcap),
+                  c.alibi ? "yes" : "no", double(c.dropout), (unsigned long long)c.seed,
+                  direction_name(c.direction));
+    *text = buf;
+  }
+  if (json) {
+    json->key("config").begin_object();
+    json->field("b", c.b).field("sq", c.sq).field("sk", c.sk).field("h", c.h).field("hk", c.hk);
+    json->field("d", c.d).field("dv", c.dv).field("dtype", flashattn::dtype_name(c.dtype));
+    json->field("causal", c.causal).field("window_left", c.window_left).field("window_right", c.window_right);
+    json->field("softcap", double(c.softcap)).field("alibi", c.alibi).field("dropout", double(c.dropout));
+    json->field("seed", c.seed).field("deterministic", c.deterministic);
+    json->field("direction", direction_name(c.direction));
+    json->field("backend_requested", flashattn::backend_name(c.backend));
+    json->field("warmup", c.warmup).field("repeats", c.repeats).field("min_time_s", c.min_time);
+    json->end_object();
+  }
+}
+
+int resolved_threads(const Config& c) {
+  return c.threads > 0 ? c.threads : std::max(1, int(std::thread::hardware_concurrency()));
+}
+
+// Runs one configuration; throws flashattn::Error when the library refuses the call.
+RunResult run_config(const Config& c) {
+  RunResult r;
+  r.config = c;
+  r.pairs = visible_pairs(c);
+  Problem p(c);
+
+  const flashattn::Support fwd_support = flashattn::can_implement(p.fwd_in(), p.fwd_out(), p.opt);
+  if (!fwd_support) throw flashattn::Error("forward not supported: " + fwd_support.reason);
+  r.backend_served = flashattn::backend_name(fwd_support.backend);
+  if (c.runs_bwd()) {
+    const flashattn::Support bwd_support = flashattn::can_implement(p.bwd_in(), p.bwd_out(), p.opt);
+    if (!bwd_support) throw flashattn::Error("backward not supported: " + bwd_support.reason);
+    if (bwd_support.backend != fwd_support.backend) {
+      r.backend_served += std::string(" (backward: ") + flashattn::backend_name(bwd_support.backend) + ")";
+    }
+  }
+
+  std::vector<unsigned char> fwd_ws(flashattn::forward_workspace_size(p.fwd_in(), p.opt));
+  const flashattn::Workspace fwd_workspace{fwd_ws.data(), fwd_ws.size()};
+  auto forward = [&]() { flashattn::forward(p.fwd_in(), p.fwd_out(), p.opt, fwd_workspace); };
+
+  p.out.poison();
+  p.lse.poison();
+  const int threads = resolved_threads(c);
+  if (c.runs_fwd()) {
+    DirectionResult d;
+    d.name = "fwd";
+    d.flops = forward_flops(c, r.pairs);
+    d.timing = time_it("fwd", c, forward);
+    d.gemm_requested = c.gemm;
+    if (c.gemm) d.gemm = time_sgemm(c, false, d.flops, threads);
+    r.directions.push_back(std::move(d));
+  } else {
+    forward();  // the backward pass reads out and lse
+  }
+
+  std::vector<unsigned char> bwd_ws;
+  flashattn::Workspace bwd_workspace;
+  if (c.runs_bwd()) {
+    bwd_ws.resize(flashattn::backward_workspace_size(p.bwd_in(), p.opt));
+    bwd_workspace = {bwd_ws.data(), bwd_ws.size()};
+    p.dq.poison();
+    p.dk.poison();
+    p.dv.poison();
+    p.softmax_d.poison();
+    DirectionResult d;
+    d.name = "bwd";
+    d.flops = backward_flops(c, r.pairs);
+    d.timing = time_it("bwd", c, [&]() { flashattn::backward(p.bwd_in(), p.bwd_out(), p.opt, bwd_workspace); });
+    d.gemm_requested = c.gemm;
+    if (c.gemm) d.gemm = time_sgemm(c, true, d.flops, threads);
+    r.directions.push_back(std::move(d));
+  }
+
+  if (c.check) {
+    // The fp64 reference on the same inputs and the same options (the dropout mask is a pure
+    // function of seed and position, so the reference drops the same elements).
+    r.check.ran = true;
+    Problem ref(c);  // same seed: the same q, k, v, dout
+    ref.opt.backend = Backend::cpu_reference;
+    ref.out.poison();
+    ref.lse.poison();
+    std::fprintf(stderr, "check: running the fp64 reference (backend cpu_reference)...\n");
+    flashattn::forward(ref.fwd_in(), ref.fwd_out(), ref.opt);
+    auto add = [&](const char* name, bool gradient, const HostTensor& got, const HostTensor& want) {
+      const double err = max_abs_diff(got, want);
+      const double tol = tolerance(c, gradient, want);
+      r.check.items.push_back({name, err, tol});
+      if (!(err <= tol)) r.check.passed = false;
+    };
+    add("out", false, p.out, ref.out);
+    add("lse", false, p.lse, ref.lse);
+    if (c.runs_bwd()) {
+      ref.dq.poison();
+      ref.dk.poison();
+      ref.dv.poison();
+      ref.softmax_d.poison();
+      flashattn::backward(ref.bwd_in(), ref.bwd_out(), ref.opt);
+      add("dq", true, p.dq, ref.dq);
+      add("dk", true, p.dk, ref.dk);
+      add("dv", true, p.dv, ref.dv);
+      add("softmax_d", false, p.softmax_d, ref.softmax_d);
+    }
+  }
+  return r;
+}
+
+// --- reporting ----------------------------------------------------------------------------------
+
+const char* kFlopConvention =
+    "matmul FLOPs (2 per multiply-add) over exactly the visible (i, j) pairs of the mask: "
+    "forward 2*pairs*(d+dv), backward 2*pairs*(3d+2dv), summed over batch and query heads; "
+    "softmax and exp not counted";
+
+double gflops(double flops, double seconds) { return seconds > 0 ? flops / seconds * 1e-9 : 0.0; }
+
+void print_run(const RunResult& r) {
+  const Config& c = r.config;
+  std::string text;
+  describe_config(c, nullptr, &text);
+  std::printf("config    %s\n", text.c_str());
+  std::printf("backend   %s (requested %s)\n", r.backend_served.c_str(), flashattn::backend_name(c.backend));
+  const double dense = double(c.sq) * double(c.sk);
+  std::printf("pairs     %lld visible (i, j) pairs per head (%.1f%% of sq*sk)\n", (long long)r.pairs,
+              dense > 0 ? 100.0 * double(r.pairs) / dense : 0.0);
+  std::printf("%-5s %12s %12s %10s %14s %8s\n", "dir", "median ms", "min ms", "GFLOP/s", "sgemm GFLOP/s",
+              "ratio");
+  std::string gemm_note;
+  for (const auto& d : r.directions) {
+    const double g = gflops(d.flops, d.timing.median());
+    std::printf("%-5s %12.3f %12.3f %10.2f", d.name.c_str(), 1e3 * d.timing.median(), 1e3 * d.timing.min(), g);
+    if (d.gemm.available && d.gemm.timing.median() > 0) {
+      const double gg = gflops(d.gemm.flops, d.gemm.timing.median());
+      std::printf(" %14.2f %8.3f\n", gg, gg > 0 ? g / gg : 0.0);
+      gemm_note = d.gemm.note;
+    } else {
+      std::printf(" %14s %8s\n", "-", "-");
+      if (d.gemm_requested) gemm_note = d.gemm.note;
+    }
+  }
+  if (!gemm_note.empty()) std::printf("sgemm     %s\n", gemm_note.c_str());
+  if (r.check.ran) {
+    std::printf("check     vs cpu_reference (fp64), max abs error (tolerance):\n");
+    for (const auto& item : r.check.items) {
+      std::printf("          %-10s %.3e (%.3e) %s\n", item.tensor.c_str(), item.error, item.tolerance,
+                  item.error <= item.tolerance ? "ok" : "FAIL");
+    }
+    std::printf("check     %s\n", r.check.passed ? "PASSED" : "FAILED");
+  }
+}
+
+void json_run(Json& j, const RunResult& r) {
+  j.begin_object();
+  describe_config(r.config, &j, nullptr);
+  j.field("backend", r.backend_served);
+  j.field("visible_pairs_per_head", (long long)r.pairs);
+  j.key("results").begin_array();
+  for (const auto& d : r.directions) {
+    j.begin_object();
+    j.field("direction", d.name).field("flops", d.flops);
+    j.field("median_ms", 1e3 * d.timing.median()).field("min_ms", 1e3 * d.timing.min());
+    j.field("gflops", gflops(d.flops, d.timing.median()));
+    j.key("times_ms").begin_array();
+    for (const double s : d.timing.seconds) j.value(1e3 * s);
+    j.end_array();
+    if (d.gemm_requested) {
+      j.key("sgemm").begin_object();
+      j.field("available", d.gemm.available).field("note", d.gemm.note);
+      if (d.gemm.available) {
+        const double gg = gflops(d.gemm.flops, d.gemm.timing.median());
+        j.field("flops", d.gemm.flops).field("median_ms", 1e3 * d.gemm.timing.median());
+        j.field("gflops", gg).field("ratio", gg > 0 ? gflops(d.flops, d.timing.median()) / gg : 0.0);
+      }
+      j.end_object();
+    }
+    j.end_object();
+  }
+  j.end_array();
+  if (r.check.ran) {
+    j.key("check").begin_object();
+    j.field("reference", "cpu_reference (fp64)").field("passed", r.check.passed);
+    j.field("tolerance_rule", "c*u*max(1, max|ref|), u = unit roundoff of the input dtype, c = 8 for out/lse/softmax_d, "
+                              "16 for dq/dk/dv, x1.5 with softcap");
+    j.key("max_abs_error").begin_object();
+    for (const auto& item : r.check.items) j.field(item.tensor, item.error);
+    j.end_object();
+    j.key("tolerance").begin_object();
+    for (const auto& item : r.check.items) j.field(item.tensor, item.tolerance);
+    j.end_object();
+    j.end_object();
+  }
+  j.end_object();
+}
+
+// With --json - the JSON owns the process's stdout and the text report moves to stderr; this is
+// the saved stdout.
+FILE* g_json_stdout = nullptr;
+
+void write_json(const std::string& path, const std::string& text) {
+  if (path.empty()) return;
+  if (path == "-") {
+    std::fputs(text.c_str(), g_json_stdout);
+    std::fflush(g_json_stdout);
+    return;
+  }
+  std::ofstream f(path);
+  f << text;
+  if (!f) {
+    std::fprintf(stderr, "flashattn-bench: cannot write %s\n", path.c_str());
+    std::exit(kExitUsage);
+  }
+  std::fprintf(stderr, "wrote %s\n", path.c_str());
+}
+
+std::vector<Config> suite_configs(const std::string& suite, const Config& base) {
+  std::vector<Config> configs;
+  if (suite == "cpu-report") {
+    for (const DType t : {DType::f32, DType::bf16}) {
+      for (const bool causal : {false, true}) {
+        Config c = base;
+        c.b = 1;
+        c.h = c.hk = 16;
+        c.sq = c.sk = 2048;
+        c.d = c.dv = 128;
+        c.dtype = t;
+        c.causal = causal;
+        c.window_left = c.window_right = -1;
+        c.softcap = 0.0f;
+        c.alibi = false;
+        c.dropout = 0.0f;
+        c.direction = Direction::both;
+        c.gemm = true;
+        configs.push_back(c);
+      }
+    }
+  }
+  return configs;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Cli cli = parse_cli(argc, argv);
+  // With --json - the JSON owns stdout; the human-readable report goes to stderr.
+  if (cli.json_path == "-") {
+    std::fflush(stdout);
+    const int saved = dup(STDOUT_FILENO);
+    g_json_stdout = saved >= 0 ? fdopen(saved, "w") : nullptr;
+    if (!g_json_stdout || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) return kExitUsage;
+  }
+
+  const MachineInfo machine = read_machine_info();
+  const std::string info = flashattn::build_info();
+  const int threads = resolved_threads(cli.config);
+  std::printf("flashattn-bench  %s\n", info.c_str());
+  std::printf("cpu       %s, %d logical CPUs%s%s\n", machine.cpu_model.c_str(), machine.logical_cpus,
+              machine.vector_flags.empty() ? "" : "; ", machine.vector_flags.c_str());
+  std::printf("threads   %d\n", threads);
+  std::printf("flops     %s\n", kFlopConvention);
+  std::fflush(stdout);
+
+  std::vector<Config> configs =
+      cli.suite.empty() ? std::vector<Config>{cli.config} : suite_configs(cli.suite, cli.config);
+  std::vector<RunResult> results;
+  bool all_passed = true;
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    if (configs.size() > 1) std::printf("\n[%zu/%zu]\n", i + 1, configs.size());
+    try {
+      results.push_back(run_config(configs[i]));
+    } catch (const flashattn::Error& e) {
+      std::fprintf(stderr, "flashattn-bench: the library refused the call: %s\n", e.what());
+      return kExitUsage;
+    }
+    print_run(results.back());
+    std::fflush(stdout);
+    all_passed = all_passed && results.back().check.passed;
+  }
+
+  if (!cli.json_path.empty()) {
+    Json j;
+    j.begin_object();
+    j.field("tool", "flashattn-bench").field("build_info", info).field("date", utc_now());
+    j.key("device").begin_object();
+    j.field("type", "cpu").field("model", machine.cpu_model).field("logical_cpus", machine.logical_cpus);
+    j.field("vector_flags", machine.vector_flags).field("blas", blas_info());
+    j.end_object();
+    j.field("threads", threads);
+    j.field("flop_convention", kFlopConvention);
+    if (!cli.suite.empty()) j.field("suite", cli.suite);
+    j.key("runs").begin_array();
+    for (const auto& r : results) json_run(j, r);
+    j.end_array();
+    j.end_object();
+    std::fflush(stdout);
+    write_json(cli.json_path, j.str());
+  }
+  return all_passed ? kExitOk : kExitCheckFailed;
+}
