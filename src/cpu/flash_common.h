@@ -1,0 +1,228 @@
+// src/cpu/flash_common.h — helpers shared by the CPU flash forward (flash_fwd.cpp) and backward
+// (flash_bwd.cpp): storage-type dispatch, aligned fp32 scratch, row loads and stores with dtype
+// conversion, rounding to the storage precision, a vector exp2, the dropout keep tile, and the
+// query rows that see a key block. Semantics (mask, score, dropout bits, conversions) come from
+// src/common/; this file only arranges them for tiles.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "common/mask.h"
+#include "common/numeric.h"
+#include "common/params.h"
+#include "common/philox.h"
+#include "cpu/tile_gemm.h"
+
+namespace flashattn::cpu::flash {
+
+inline constexpr float kLog2e = 1.44269504088896340736f;  // log2(e): exp(x) = exp2(x · log2 e)
+inline constexpr float kLn2 = 0.69314718055994530942f;    // ln(2) = 1 / log2(e)
+inline constexpr float kInfinity = __builtin_inff();
+inline constexpr int kScratchAlign = 64;  // bytes: one cache line, one VecF
+
+inline constexpr int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
+inline constexpr int ceil_div(int x, int y) { return (x + y - 1) / y; }
+
+// Calls fn(T{}) with T the C++ type of the storage dtype.
+template <class Fn>
+void with_storage_type(common::Storage storage, Fn&& fn) {
+  switch (storage) {
+    case common::Storage::f16: fn(common::f16_t{}); break;
+    case common::Storage::bf16: fn(common::bf16_t{}); break;
+    case common::Storage::f32: fn(float{}); break;
+  }
+}
+
+// A cache-line aligned fp32 array, zero-filled at allocation.
+class FloatBuffer {
+ public:
+  FloatBuffer() = default;
+  explicit FloatBuffer(std::size_t count)
+      : data_(static_cast<float*>(::operator new[](bytes(count), std::align_val_t(kScratchAlign)))) {
+    for (std::size_t e = 0; e < count; ++e) data_.get()[e] = 0.0f;
+  }
+  float* get() const { return data_.get(); }
+
+ private:
+  static std::size_t bytes(std::size_t count) {
+    const std::size_t b = count * sizeof(float);
+    return b == 0 ? kScratchAlign : (b + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+  }
+  struct Free {
+    void operator()(float* p) const { ::operator delete[](p, std::align_val_t(kScratchAlign)); }
+  };
+  std::unique_ptr<float, Free> data_;
+};
+
+// --- dtype conversion of rows ---------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+// The masked-zero forms of the conversion intrinsics, with every lane on, are the plain
+// instructions; GCC 12's unmasked forms trip -Wmaybe-uninitialized inside its own headers.
+inline constexpr __mmask16 kAllLanes = 0xFFFF;
+#endif
+
+// dst[e] = to_float(src[e]) for e < n.
+template <class T>
+inline void load_row(const T* src, int n, float* dst) {
+  for (int e = 0; e < n; ++e) dst[e] = common::to_float(src[e]);
+}
+// fp16 → fp32 is exact, so the F16C instruction gives exactly common::to_float's values; GCC does
+// not vectorise the branchy bit-level version, and this load sits in the inner tile loop.
+template <>
+inline void load_row<common::f16_t>(const common::f16_t* src, int n, float* dst) {
+  int e = 0;
+#if defined(__AVX512F__)
+  for (; e + kVecWidth <= n; e += kVecWidth) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
+    _mm512_storeu_ps(dst + e, _mm512_maskz_cvtph_ps(kAllLanes, h));
+  }
+#endif
+  for (; e < n; ++e) dst[e] = common::to_float(src[e]);
+}
+
+// dst[e] = from_float<T>(src[e] · scale) for e < n.
+template <class T>
+inline void store_row(const float* src, float scale, int n, T* dst) {
+  for (int e = 0; e < n; ++e) dst[e] = common::from_float<T>(src[e] * scale);
+}
+#if defined(__AVX512F__)
+// vcvtps2ph with round-to-nearest-even is IEEE fp32 → fp16 conversion (subnormals, overflow to
+// inf), the function common::to_f16 computes bit by bit.
+inline constexpr int kF16RoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+template <>
+inline void store_row<common::f16_t>(const float* src, float scale, int n, common::f16_t* dst) {
+  int e = 0;
+  for (; e + kVecWidth <= n; e += kVecWidth) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + e), _mm512_set1_ps(scale));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e), _mm512_maskz_cvtps_ph(kAllLanes, x, kF16RoundNearest));
+  }
+  for (; e < n; ++e) dst[e] = common::from_float<common::f16_t>(src[e] * scale);
+}
+#endif
+
+// x[e] = round_to<T>(x[e]) for e < n: what storing to T and loading back gives.
+template <class T>
+inline void round_row(float* x, int n) {
+  for (int e = 0; e < n; ++e) x[e] = common::round_to<T>(x[e]);
+}
+template <>
+inline void round_row<float>(float*, int) {}
+#if defined(__AVX512F__)
+template <>
+inline void round_row<common::f16_t>(float* x, int n) {
+  int e = 0;
+  for (; e + kVecWidth <= n; e += kVecWidth) {
+    const __m512 v = _mm512_loadu_ps(x + e);
+    _mm512_storeu_ps(x + e, _mm512_maskz_cvtph_ps(kAllLanes, _mm512_maskz_cvtps_ph(kAllLanes, v, kF16RoundNearest)));
+  }
+  for (; e < n; ++e) x[e] = common::round_to<common::f16_t>(x[e]);
+}
+#endif
+
+// --- vector math ----------------------------------------------------------------------------------
+
+typedef std::int32_t VecI __attribute__((vector_size(kVecWidth * sizeof(std::int32_t))));
+
+inline VecF max_vec(VecF a, VecF b) { return a > b ? a : b; }
+
+// 2^x, elementwise, with relative error ≈ 1 ulp. Results below 2^-126 (the normal range) flush to
+// 0, including x = −∞, which is how masked scores become probability 0. The callers' arguments
+// are ≤ 0 up to rounding (score − row max, or score − lse), so the upper clamp never bites.
+inline VecF exp2_vec(VecF x) {
+  constexpr float kMinExponent = -126.0f;
+  constexpr float kMaxExponent = 127.0f;
+  // Adding 1.5 · 2^23 pushes the fraction bits out of the mantissa: (x + magic) − magic is x
+  // rounded to the nearest integer, for |x| < 2^22.
+  constexpr float kRoundMagic = 12582912.0f;
+  // Taylor coefficients ln(2)^k / k! of 2^f; for |f| ≤ 1/2 the degree-7 truncation error is
+  // below 1e-8, under fp32's own rounding.
+  constexpr float kC1 = 6.9314718055994531e-1f, kC2 = 2.4022650695910071e-1f;
+  constexpr float kC3 = 5.5504108664821580e-2f, kC4 = 9.6181291076284772e-3f;
+  constexpr float kC5 = 1.3333558146428443e-3f, kC6 = 1.5403530393381609e-4f;
+  constexpr float kC7 = 1.5252733804059841e-5f;
+  constexpr int kMantissaBits = 23;
+  const VecF clamped = x > kMaxExponent ? splat(kMaxExponent) : x;
+  const VecF n = (clamped + kRoundMagic) - kRoundMagic;
+  const VecF f = clamped - n;  // in [−1/2, 1/2]
+  VecF poly = splat(kC7);
+  poly = poly * f + kC6;
+  poly = poly * f + kC5;
+  poly = poly * f + kC4;
+  poly = poly * f + kC3;
+  poly = poly * f + kC2;
+  poly = poly * f + kC1;
+  poly = poly * f + 1.0f;
+  // Multiply by 2^n by adding n to the exponent field; n ≥ −126 keeps the result normal.
+  const VecI scaled = VecI(poly) + (__builtin_convertvector(n, VecI) << kMantissaBits);
+  const VecF result = VecF(scaled);
+  return x < kMinExponent ? VecF{} : result;
+}
+
+// --- masks ----------------------------------------------------------------------------------------
+
+// Query rows [lo, hi) that see at least one key of [j0, j1). Both row bounds col_begin(i) and
+// col_end(i) grow with i, so "sees a key ≥ j0" (col_end(i) > j0) holds from some row on and
+// "sees a key < j1" (col_begin(i) < j1) up to some row: two binary searches.
+inline std::pair<int, int> rows_seeing_keys(const common::Mask& m, int j0, int j1) {
+  int lo = 0, hi = m.seqlen_q;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (m.col_end(mid) > j0) hi = mid; else lo = mid + 1;
+  }
+  const int first = lo;
+  hi = m.seqlen_q;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (m.col_begin(mid) >= j1) hi = mid; else lo = mid + 1;
+  }
+  return {first, lo};
+}
+
+// --- dropout --------------------------------------------------------------------------------------
+
+// keep(i, j) ∈ {0, 1} for queries [i0, i0 + rows) × keys [j0, j0 + cols) of one (batch, head),
+// written to keep[(i − i0) · stride_i + (j − j0) · stride_j]. One Philox call serves the 8
+// elements of one lane of a 16×16 block (common/philox.h), so the bits are drawn per block.
+inline void dropout_keep_tile(const common::DropoutParams& dp, std::uint64_t stream, int i0,
+                              int rows, int j0, int cols, float* keep, int stride_i,
+                              int stride_j) {
+  constexpr int kBlock = 16;  // the 16×16 block of the counter layout
+  constexpr int kLanes = 32;  // lanes per block, 8 elements each
+  for (int bi = i0 / kBlock; bi * kBlock < i0 + rows; ++bi) {
+    for (int bj = j0 / kBlock; bj * kBlock < j0 + cols; ++bj) {
+      std::uint32_t bits[kLanes];
+      for (int lane = 0; lane < kLanes; ++lane) {
+        bits[lane] = common::dropout_keep_bits(dp, stream, bi, bj, lane);
+      }
+      const int i_lo = std::max(i0, bi * kBlock), i_hi = std::min(i0 + rows, (bi + 1) * kBlock);
+      const int j_lo = std::max(j0, bj * kBlock), j_hi = std::min(j0 + cols, (bj + 1) * kBlock);
+      for (int i = i_lo; i < i_hi; ++i) {
+        for (int j = j_lo; j < j_hi; ++j) {
+          const std::uint32_t bit =
+              (bits[common::dropout_lane(i, j)] >> common::dropout_element(i, j)) & 1u;
+          keep[std::int64_t(i - i0) * stride_i + std::int64_t(j - j0) * stride_j] = float(bit);
+        }
+      }
+    }
+  }
+}
+
+// Whether the score is the plain scaled dot product, s = scale · dot with scale > 0, as
+// common::ScoreMod computes it without softcap and ALiBi. Then the kernels keep raw dot products
+// in their tiles and fold the scale into the exp2 argument (the row max of the dots is the row max
+// of the scores); otherwise they call the ScoreMod on every element.
+inline bool is_plain_scale(const common::ScoreMod<float>& mod) {
+  return !(mod.softcap > 0) && mod.alibi_slope == 0 && mod.scale > 0;
+}
+
+}  // namespace flashattn::cpu::flash
