@@ -1,0 +1,291 @@
+// python/src/flashattn_ext.cpp — the nanobind module flashattn._C: the C++ entry points over
+// arrays that arrive through DLPack (PyTorch tensors, NumPy arrays), without copies.
+//
+// Every tensor argument, outputs included, is memory the caller owns: the Python layer allocates
+// out, lse, dq, ... and passes them in. Shapes and strides (in elements) are taken as they are,
+// so views into packed tensors are read in place. The GIL is released while the kernels run.
+// flashattn::Error surfaces as flashattn._C.Error, a subclass of ValueError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flashattn/flashattn.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using flashattn::DType;
+using flashattn::Error;
+using flashattn::TensorView;
+
+// Inputs are read-only (this also admits read-only NumPy arrays); outputs are written.
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+using MaybeIn = std::optional<InArray>;
+using MaybeOut = std::optional<OutArray>;
+
+// DLPack device codes (dlpack.h: kDLCPU, kDLCUDA, kDLCUDAHost).
+constexpr int kDlpackCpu = 1;
+constexpr int kDlpackCuda = 2;
+constexpr int kDlpackCudaHost = 3;
+
+std::string dlpack_dtype_name(nb::dlpack::dtype t) {
+  using Code = nb::dlpack::dtype_code;
+  std::string base;
+  switch (Code(t.code)) {
+    case Code::Int: base = "int"; break;
+    case Code::UInt: base = "uint"; break;
+    case Code::Float: base = "float"; break;
+    case Code::Bfloat: base = "bfloat"; break;
+    case Code::Complex: base = "complex"; break;
+    case Code::Bool: base = "bool"; break;
+    default: base = "dtype code " + std::to_string(int(t.code)) + " of "; break;
+  }
+  return base + std::to_string(int(t.bits));
+}
+
+// How the element type of an array maps onto flashattn::DType. NumPy has no bfloat16, so the
+// NumPy layer passes bfloat16 data as uint16 bit patterns with bf16_bits = true.
+DType dtype_of(const std::string& name, nb::dlpack::dtype t, bool bf16_bits) {
+  using Code = nb::dlpack::dtype_code;
+  if (t.lanes == 1) {
+    if (t.code == uint8_t(Code::Float) && t.bits == 16) return DType::f16;
+    if (t.code == uint8_t(Code::Bfloat) && t.bits == 16) return DType::bf16;
+    if (t.code == uint8_t(Code::Float) && t.bits == 32) return DType::f32;
+    if (t.code == uint8_t(Code::Int) && t.bits == 32) return DType::i32;
+    if (bf16_bits && t.code == uint8_t(Code::UInt) && t.bits == 16) return DType::bf16;
+  }
+  throw Error(name + ": unsupported element type; expected float16, bfloat16, float32 (or int32 for index "
+              "tensors), got " + dlpack_dtype_name(t));
+}
+
+flashattn::Device device_of(const std::string& name, int device_type, int device_id) {
+  switch (device_type) {
+    case kDlpackCpu:
+    case kDlpackCudaHost: return {flashattn::DeviceType::cpu, 0};
+    case kDlpackCuda: return {flashattn::DeviceType::cuda, device_id};
+    default:
+      throw Error(name + ": unsupported device; expected a CPU or CUDA tensor, got DLPack device type " +
+                  std::to_string(device_type));
+  }
+}
+
+template <class Array>
+TensorView view_of(const std::string& name, const Array& a, bool bf16_bits) {
+  if (a.ndim() < 1 || a.ndim() > std::size_t(flashattn::kMaxDims)) {
+    throw Error(name + ": rank out of range; expected 1 to " + std::to_string(flashattn::kMaxDims) + ", got " +
+                std::to_string(a.ndim()));
+  }
+  TensorView v;
+  v.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  v.dtype = dtype_of(name, a.dtype(), bf16_bits);
+  v.ndim = int(a.ndim());
+  for (std::size_t i = 0; i < a.ndim(); ++i) {
+    v.shape[i] = std::int64_t(a.shape(i));
+    v.stride[i] = a.stride(i);
+  }
+  v.device = device_of(name, a.device_type(), a.device_id());
+  return v;
+}
+
+template <class Array>
+TensorView maybe_view(const std::string& name, const std::optional<Array>& a, bool bf16_bits) {
+  return a ? view_of(name, *a, bf16_bits) : TensorView{};
+}
+
+// The dropout state {seed, offset} read at run time: int64 (2), contiguous, on q's device.
+const std::uint64_t* rng_state_of(const MaybeIn& rng_state, const TensorView& q) {
+  if (!rng_state) return nullptr;
+  const InArray& r = *rng_state;
+  const nb::dlpack::dtype i64{uint8_t(nb::dlpack::dtype_code::Int), 64, 1};
+  const nb::dlpack::dtype u64{uint8_t(nb::dlpack::dtype_code::UInt), 64, 1};
+  if (r.dtype() != i64 && r.dtype() != u64) {
+    throw Error("rng_state: must be int64 {seed, offset}; expected int64, got " + dlpack_dtype_name(r.dtype()));
+  }
+  if (r.ndim() != 1 || r.shape(0) != 2 || r.stride(0) != 1) {
+    throw Error("rng_state: must be a contiguous pair {seed, offset}; expected shape (2)");
+  }
+  if (device_of("rng_state", r.device_type(), r.device_id()) != q.device) {
+    throw Error("rng_state: all tensors must be on one device; expected q's device");
+  }
+  return static_cast<const std::uint64_t*>(static_cast<const void*>(r.data()));
+}
+
+flashattn::Options with_tensors(flashattn::Options opt, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
+                                const TensorView& q) {
+  opt.alibi_slopes = maybe_view("alibi_slopes", alibi_slopes, false);
+  opt.dropout_rng_state = rng_state_of(rng_state, q);
+  return opt;
+}
+
+flashattn::Varlen varlen_of(const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k,
+                            int max_seqlen_q, int max_seqlen_k) {
+  flashattn::Varlen vl;
+  if (cu_seqlens_q.has_value() != cu_seqlens_k.has_value()) {
+    throw Error(std::string(cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q") +
+                ": varlen calls need both cu_seqlens_q and cu_seqlens_k; expected a (b + 1) int32 tensor, got none");
+  }
+  vl.cu_seqlens_q = maybe_view("cu_seqlens_q", cu_seqlens_q, false);
+  vl.cu_seqlens_k = maybe_view("cu_seqlens_k", cu_seqlens_k, false);
+  vl.seqused_k = maybe_view("seqused_k", seqused_k, false);
+  vl.max_seqlen_q = max_seqlen_q;
+  vl.max_seqlen_k = max_seqlen_k;
+  return vl;
+}
+
+flashattn::Stream stream_of(std::uintptr_t handle) { return flashattn::Stream{reinterpret_cast<void*>(handle)}; }
+
+void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out, const MaybeOut& lse,
+             const flashattn::Options& options, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
+             const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
+             int max_seqlen_k, std::uintptr_t stream, bool bf16_bits) {
+  flashattn::ForwardInputs in;
+  in.q = view_of("q", q, bf16_bits);
+  in.k = view_of("k", k, bf16_bits);
+  in.v = view_of("v", v, bf16_bits);
+  in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  flashattn::ForwardOutputs outs;
+  outs.out = view_of("out", out, bf16_bits);
+  outs.lse = maybe_view("lse", lse, false);
+  flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
+  opt.return_lse = lse.has_value();
+  nb::gil_scoped_release no_gil;
+  flashattn::forward(in, outs, opt, {}, stream_of(stream));
+}
+
+void backward(const InArray& dout, const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+              const InArray& lse, const OutArray& dq, const OutArray& dk, const OutArray& dv,
+              const OutArray& softmax_d, const flashattn::Options& options, const MaybeIn& alibi_slopes,
+              const MaybeIn& rng_state, const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
+              const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k, std::uintptr_t stream, bool bf16_bits) {
+  flashattn::BackwardInputs in;
+  in.dout = view_of("dout", dout, bf16_bits);
+  in.q = view_of("q", q, bf16_bits);
+  in.k = view_of("k", k, bf16_bits);
+  in.v = view_of("v", v, bf16_bits);
+  in.out = view_of("out", out, bf16_bits);
+  in.lse = view_of("lse", lse, false);
+  in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  flashattn::BackwardOutputs outs;
+  outs.dq = view_of("dq", dq, bf16_bits);
+  outs.dk = view_of("dk", dk, bf16_bits);
+  outs.dv = view_of("dv", dv, bf16_bits);
+  outs.softmax_d = view_of("softmax_d", softmax_d, false);
+  const flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
+  nb::gil_scoped_release no_gil;
+  flashattn::backward(in, outs, opt, {}, stream_of(stream));
+}
+
+void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& v_cache, const OutArray& out,
+                     const MaybeOut& lse, const flashattn::Options& options, const MaybeIn& k_new,
+                     const MaybeIn& v_new, const MaybeIn& cache_seqlens, const MaybeIn& cache_batch_idx,
+                     const MaybeIn& block_table, const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
+                     bool rotary_interleaved, const MaybeIn& alibi_slopes, std::uintptr_t stream, bool bf16_bits) {
+  flashattn::KVCacheInputs in;
+  in.q = view_of("q", q, bf16_bits);
+  in.k_cache = view_of("k_cache", k_cache, bf16_bits);
+  in.v_cache = view_of("v_cache", v_cache, bf16_bits);
+  in.k_new = maybe_view("k", k_new, bf16_bits);
+  in.v_new = maybe_view("v", v_new, bf16_bits);
+  in.cache_seqlens = maybe_view("cache_seqlens", cache_seqlens, false);
+  in.cache_batch_idx = maybe_view("cache_batch_idx", cache_batch_idx, false);
+  in.block_table = maybe_view("block_table", block_table, false);
+  in.rotary_cos = maybe_view("rotary_cos", rotary_cos, bf16_bits);
+  in.rotary_sin = maybe_view("rotary_sin", rotary_sin, bf16_bits);
+  in.rotary_interleaved = rotary_interleaved;
+  flashattn::ForwardOutputs outs;
+  outs.out = view_of("out", out, bf16_bits);
+  outs.lse = maybe_view("lse", lse, false);
+  flashattn::Options opt = with_tensors(options, alibi_slopes, std::nullopt, in.q);
+  opt.return_lse = lse.has_value();
+  nb::gil_scoped_release no_gil;
+  flashattn::forward_kvcache(in, outs, opt, {}, stream_of(stream));
+}
+
+void combine(const InArray& out_partial, const InArray& lse_partial, const OutArray& out, const MaybeOut& lse,
+             std::uintptr_t stream, bool bf16_bits) {
+  flashattn::CombineInputs in;
+  in.out_partial = view_of("out_partial", out_partial, false);
+  in.lse_partial = view_of("lse_partial", lse_partial, false);
+  flashattn::ForwardOutputs outs;
+  outs.out = view_of("out", out, bf16_bits);
+  outs.lse = maybe_view("lse", lse, false);
+  nb::gil_scoped_release no_gil;
+  flashattn::combine(in, outs, {}, stream_of(stream));
+}
+
+std::vector<std::string> compiled_backend_names() {
+  std::vector<std::string> names;
+  for (flashattn::Backend b : flashattn::compiled_backends()) names.emplace_back(flashattn::backend_name(b));
+  return names;
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "flashattn C++ core: forward, backward, forward_kvcache and combine over DLPack arrays";
+
+  nb::exception<Error>(m, "Error", PyExc_ValueError);
+
+  nb::enum_<flashattn::Backend>(m, "Backend")
+      .value("automatic", flashattn::Backend::automatic)
+      .value("cpu", flashattn::Backend::cpu)
+      .value("cpu_reference", flashattn::Backend::cpu_reference)
+      .value("cuda", flashattn::Backend::cuda);
+
+  // The scalar fields of flashattn::Options; the tensor-valued ones (alibi_slopes, the dropout
+  // rng_state pointer) are arguments of the entry points so that their arrays stay alive.
+  nb::class_<flashattn::Options>(m, "Options")
+      .def(nb::init<>())
+      .def_rw("softmax_scale", &flashattn::Options::softmax_scale)
+      .def_rw("causal", &flashattn::Options::causal)
+      .def_rw("window_left", &flashattn::Options::window_left)
+      .def_rw("window_right", &flashattn::Options::window_right)
+      .def_rw("softcap", &flashattn::Options::softcap)
+      .def_rw("dropout_p", &flashattn::Options::dropout_p)
+      .def_rw("dropout_seed", &flashattn::Options::dropout_seed)
+      .def_rw("dropout_offset", &flashattn::Options::dropout_offset)
+      .def_rw("deterministic", &flashattn::Options::deterministic)
+      .def_rw("backend", &flashattn::Options::backend)
+      .def_rw("num_threads", &flashattn::Options::num_threads);
+
+  m.def("forward", &forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(),
+        nb::kw_only(), nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("rng_state").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+        nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
+        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("stream") = 0,
+        nb::arg("bf16_bits") = false,
+        "Writes out (and lse when given). Varlen when cu_seqlens_q/k are given. rng_state: int64 "
+        "{seed, offset} on q's device, read instead of options.dropout_seed/offset.");
+
+  m.def("backward", &backward, nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+        nb::arg("lse"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("softmax_d"), nb::kw_only(),
+        nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("rng_state").none() = nb::none(),
+        nb::arg("cu_seqlens_q").none() = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none(),
+        nb::arg("seqused_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
+        nb::arg("stream") = 0, nb::arg("bf16_bits") = false, "Writes dq, dk, dv and softmax_d.");
+
+  m.def("forward_kvcache", &forward_kvcache, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"),
+        nb::arg("lse").none(), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),
+        nb::arg("v").none() = nb::none(), nb::arg("cache_seqlens").none() = nb::none(),
+        nb::arg("cache_batch_idx").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
+        nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
+        nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        "Appends k/v into the caches in place (rotated when rotary_cos/sin are given), then attends.");
+
+  m.def("combine", &combine, nb::arg("out_partial"), nb::arg("lse_partial"), nb::arg("out"),
+        nb::arg("lse").none() = nb::none(), nb::kw_only(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        "Merges partial (out, lse) pairs over disjoint key sets.");
+
+  m.def("build_info", &flashattn::build_info);
+  m.def("compiled_backends", &compiled_backend_names);
+}
