@@ -1,0 +1,171 @@
+"""flashattn — exact fused attention (FlashAttention) over a C++ core.
+
+The functions below have the names, positional order, defaults and return values of the
+``flash_attn`` 2.x package. They take PyTorch tensors (with autograd) or NumPy arrays (forward
+only). PyTorch CPU tensors and NumPy arrays run on the CPU backend; CUDA tensors go to the CUDA
+backends (a build configured with -DFLASHATTN_CUDA=ON; other builds raise ValueError naming that
+option).
+
+Semantics (SPEC §2): scores softmax_scale·q·kᵀ (default 1/sqrt(headdim)), optional soft-capping
+and ALiBi, a causal / sliding-window mask aligned to the bottom-right corner, dropout with
+probability dropout_p. Rows with no visible key give out = 0 and lse = +inf.
+
+Differences from flash_attn:
+- With return_attn_probs=True the third value (S_dmask) is None: the fused kernels never
+  materialise the attention probabilities.
+- softmax_lse is not differentiable (as in flash_attn); gradients flow through out only.
+- cache_leftpad and block_table in varlen mode raise NotImplementedError.
+- Dropout seeds come from PyTorch's default generator of the tensors' device (NumPy: NumPy's
+  global generator); see flashattn._torch_ops.draw_rng_state.
+
+Invalid arguments raise ValueError (flashattn.Error) whose message names the argument.
+"""
+
+from __future__ import annotations
+
+import numpy as _np
+
+from flashattn import _C
+from flashattn import numpy as _numpy_impl
+from flashattn._C import Error, build_info, compiled_backends
+
+try:
+    import torch as _torch
+except ImportError:  # NumPy-only installation
+    _torch = None
+
+if _torch is not None:
+    from flashattn import _torch_api
+    from flashattn import _torch_ops  # noqa: F401  (registers torch.ops.flashattn.*)
+else:
+    _torch_api = None
+
+try:
+    from importlib.metadata import PackageNotFoundError, version
+
+    __version__ = version("flashattn")
+except PackageNotFoundError:  # run from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Error",
+    "build_info",
+    "compiled_backends",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def _impl(name, x):
+    """The implementation for the array type of the first argument."""
+    if isinstance(x, _np.ndarray):
+        return _numpy_impl
+    if _torch is not None and isinstance(x, _torch.Tensor):
+        return _torch_api
+    installed = "" if _torch is not None else " (PyTorch is not installed)"
+    raise TypeError(f"{name}: expected a torch.Tensor or numpy.ndarray{installed}, got {type(x).__name__}")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention of q over k, v.
+
+    q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim);
+    v: (batch, seqlen_k, nheads_k, headdim_v). nheads % nheads_k == 0 (MQA/GQA: query head i reads
+    key/value head i // (nheads // nheads_k)). float16 or bfloat16 (float32 on the CPU).
+    window_size: (left, right), -1 = unbounded; query i sees keys
+    [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]. causal = right 0.
+    softcap > 0: scores become softcap·tanh(scores / softcap).
+    alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope·|i + seqlen_k - seqlen_q - j|.
+    deterministic: bitwise reproducible backward.
+
+    Returns out (batch, seqlen_q, nheads, headdim_v), or with return_attn_probs=True
+    (out, softmax_lse (batch, nheads, seqlen_q) float32, None).
+    """
+    return _impl("q", q).flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                         softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """flash_attn_func with q, k, v packed: qkv (batch, seqlen, 3, nheads, headdim), read in place.
+    The gradient is one packed dqkv."""
+    return _impl("qkv", qkv).flash_attn_qkvpacked_func(
+        qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """flash_attn_func with k, v packed: kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    return _impl("q", q).flash_attn_kvpacked_func(
+        q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Variable-length sequences packed along the first dimension.
+
+    q: (total_q, nheads, headdim); k: (total_k, nheads_k, headdim); v: (total_k, nheads_k,
+    headdim_v); cu_seqlens_q/k: (batch + 1,) int32 prefix sums starting at 0; max_seqlen_q/k:
+    the longest sequence. Masks and positions count from each sequence's start.
+    Returns out (total_q, nheads, headdim_v), or (out, softmax_lse (nheads, total_q), None).
+    block_table (paged K/V) is not supported here: use flash_attn_with_kvcache.
+    """
+    return _impl("q", q).flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func with qkv (total, 3, nheads, headdim) and one cu_seqlens."""
+    return _impl("qkv", qkv).flash_attn_varlen_qkvpacked_func(
+        qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func with kv (total_k, 2, nheads_k, headdim)."""
+    return _impl("q", q).flash_attn_varlen_kvpacked_func(
+        q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Decoding / chunked prefill against a KV cache (forward only).
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache/v_cache: (batch_cache, seqlen_cache, nheads_k,
+    headdim[_v]), or paged (num_blocks, page_size, nheads_k, headdim[_v]) with block_table
+    (batch, max_blocks_per_seq) int32. k/v (batch, seqlen_new, nheads_k, headdim[_v]), when given,
+    are written into the caches IN PLACE at positions cache_seqlens[i] ... (then attended to).
+    cache_seqlens: int or (batch,) int32, the valid keys per sequence before the append (None:
+    the whole cache). cache_batch_idx: (batch,) int32 cache row of each sequence.
+    rotary_cos/rotary_sin: (seqlen_ro, rotary_dim / 2); k is rotated at its cache positions, q at
+    cache_seqlens + i when causal or windowed, else at cache_seqlens. rotary_interleaved pairs
+    dims (0, 1), (2, 3), ... instead of (i, i + rotary_dim / 2). num_splits is accepted and
+    ignored on the CPU. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
+    """
+    return _impl("q", q).flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+        alibi_slopes, num_splits, return_softmax_lse)

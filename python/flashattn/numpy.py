@@ -1,0 +1,181 @@
+"""The flash_attn_* functions for NumPy arrays (forward only; there is no autograd for NumPy).
+
+The same functions of the top-level package accept NumPy arrays and come here. Arrays are read
+in place with their strides; outputs are allocated with np.empty. float16 and float32 work as
+they are; bfloat16 arrays of the ml_dtypes package are passed to the core as their uint16 bit
+patterns (NumPy has no bfloat16 of its own), and outputs come back as ml_dtypes.bfloat16.
+
+Dropout draws its seed from NumPy's global generator (reproducible under np.random.seed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashattn import _C
+from flashattn._common import (
+    check_dropout_p,
+    check_no_leftpad,
+    make_options,
+    padded_head_dim,
+    resolve_softmax_scale,
+    window_pair,
+)
+
+_BF16_NAME = "bfloat16"
+
+
+def _check_array(name, x):
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+
+
+def _is_bf16(x) -> bool:
+    return x is not None and x.dtype.name == _BF16_NAME
+
+
+def _kernel_view(x):
+    """The array the core reads: bfloat16 as its uint16 bits, others as they are."""
+    if x is None:
+        return None
+    return x.view(np.uint16) if _is_bf16(x) else x
+
+
+def _pad_head_dim(x):
+    d = x.shape[-1]
+    padded = padded_head_dim(d)
+    if x.strides[-1] != x.itemsize:
+        x = np.ascontiguousarray(x)
+    if padded == d:
+        return x
+    return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - d)])
+
+
+def _dropout_seed(dropout_p: float) -> int:
+    if dropout_p <= 0.0:
+        return 0
+    return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+
+
+def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
+             alibi_slopes, return_lse):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(name, x)
+    dropout_p = check_dropout_p(dropout_p)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    left, right = window_pair(window_size)
+    opt = make_options(
+        softmax_scale=resolve_softmax_scale(softmax_scale, head_dim), causal=causal,
+        window_left=left, window_right=right, softcap=softcap, dropout_p=dropout_p,
+    )
+    opt.dropout_seed = _dropout_seed(dropout_p)
+    q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
+    rows = q.shape[:-1]  # (b, sq, h) or varlen (total_q, h)
+    out = np.empty(rows + (v_p.shape[-1],), dtype=q.dtype)
+    if varlen is None:
+        b, sq, h = rows
+        lse = np.empty((b, h, sq), dtype=np.float32)
+        varlen = {}
+    else:
+        total_q, h = rows
+        lse = np.empty((h, total_q), dtype=np.float32)
+    _C.forward(
+        _kernel_view(q_p), _kernel_view(k_p), _kernel_view(v_p), _kernel_view(out), lse,
+        options=opt, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q), **varlen,
+    )
+    out = out[..., :head_dim_v]
+    return (out, lse, None) if return_lse else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return _forward(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    _check_array("qkv", qkv)
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {qkv.shape}")
+    return _forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], None, dropout_p, softmax_scale,
+                    causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    _check_array("kv", kv)
+    if kv.ndim != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {kv.shape}")
+    return _forward(q, kv[:, :, 0], kv[:, :, 1], None, dropout_p, softmax_scale, causal,
+                    window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    if block_table is not None:
+        raise NotImplementedError(
+            "block_table: paged K/V in varlen mode is not supported; use flash_attn_with_kvcache"
+        )
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+    return _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    _check_array("qkv", qkv)
+    if qkv.ndim != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv: must be (total, 3, nheads, headdim); got {qkv.shape}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                  max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False):
+    _check_array("kv", kv)
+    if kv.ndim != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv: must be (total_k, 2, nheads_k, headdim); got {kv.shape}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    check_no_leftpad(cache_leftpad)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_array(name, x)
+    left, right = window_pair(window_size)
+    opt = make_options(
+        softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), causal=causal,
+        window_left=left, window_right=right, softcap=softcap,
+    )
+    if isinstance(cache_seqlens, (int, np.integer)):
+        cache_seqlens = np.full((q.shape[0],), cache_seqlens, dtype=np.int32)
+    b, sq, h, _ = q.shape
+    out = np.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype)
+    lse = np.empty((b, h, sq), dtype=np.float32)
+    _C.forward_kvcache(
+        _kernel_view(q), _kernel_view(k_cache), _kernel_view(v_cache), _kernel_view(out), lse,
+        options=opt, k=_kernel_view(k), v=_kernel_view(v), cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, block_table=block_table,
+        rotary_cos=_kernel_view(rotary_cos), rotary_sin=_kernel_view(rotary_sin),
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+        bf16_bits=_is_bf16(q),
+    )
+    return (out, lse) if return_softmax_lse else out
