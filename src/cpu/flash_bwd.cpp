@@ -12,6 +12,7 @@
 // statistics (lse, D) are then per-row scalars and the query tiles need only a dtype conversion.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -124,8 +125,10 @@ void delta_block(const AttentionParams& p, BackwardPlan& plan, int b, int hh, in
   for (int i = i0; i < i1; ++i) {
     flash::load_row(dout + p.q_offset(p.dout, b, i, hh), dv, dout_row);
     flash::load_row(out + p.q_offset(p.out, b, i, hh), dv, out_row);
+    // Accumulated in the order and with the fused multiply-adds of the dP = dO · Vᵀ GEMM, so
+    // that dP − D is exactly 0 where out is exactly one value row (a query seeing one key).
     float sum = 0.0f;
-    for (int e = 0; e < dv; ++e) sum += dout_row[e] * out_row[e];
+    for (int e = 0; e < dv; ++e) sum = std::fma(dout_row[e], out_row[e], sum);
     const std::int64_t row = plan.row_index(p, b, i, hh);
     plan.delta[std::size_t(row)] = sum;
     if (p.softmax_d) p.softmax_d[p.lse_index(b, hh, i)] = sum;
@@ -197,7 +200,9 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
     const float delta = w.delta.get()[r];
     for (int cv = 0; cv < kKeyVecs; ++cv) {
       const int e = r * kBlockN + cv * kVecWidth;
-      const VecF prob = flash::exp2_vec(load_vec(s + e) * value_log2 + neg_lse_log2);
+      // The score in log2 units rounded as in the forward pass, so P is the forward's P.
+      const VecF y = flash::rounded(load_vec(s + e) * value_log2);
+      const VecF prob = flash::exp2_vec(y + neg_lse_log2);
       VecF dp = load_vec(ds + e);
       if (dropout) dp *= load_vec(keep + e) * keep_scale;
       VecF grad = prob * (dp - delta);

@@ -135,6 +135,13 @@ typedef std::int32_t VecI __attribute__((vector_size(kVecWidth * sizeof(std::int
 
 inline VecF max_vec(VecF a, VecF b) { return a > b ? a : b; }
 
+// x, materialised as an fp32 value: keeps the compiler from fusing the product that made x into
+// a following add (FMA contraction) where the product's rounding is part of the algorithm.
+inline VecF rounded(VecF x) {
+  __asm__("" : "+v"(x));
+  return x;
+}
+
 // 2^x, elementwise, with relative error ≈ 1 ulp. Results below 2^-126 (the normal range) flush to
 // 0, including x = −∞, which is how masked scores become probability 0. The callers' arguments
 // are ≤ 0 up to rounding (score − row max, or score − lse), so the upper clamp never bites.

@@ -38,9 +38,8 @@ struct ForwardScratch {
   FloatBuffer s_t;      // (kBlockN, kBlockM): scores, then probabilities, keys × queries
   FloatBuffer keep;     // (kBlockN, kBlockM): dropout keep bits as 0 / 1
   FloatBuffer o;        // (kBlockM, dv_padded): unnormalised output accumulator
-  FloatBuffer row_max;  // (kBlockM): running max of the tile values (dots or scores)
-  FloatBuffer max_log2; // (kBlockM): running max · (value → log2 units), 0 while the max is −∞
-  FloatBuffer row_sum;  // (kBlockM): running Σ 2^(value · c − max_log2)
+  FloatBuffer row_max;  // (kBlockM): running max of the scores in log2 units
+  FloatBuffer row_sum;  // (kBlockM): running Σ 2^(y − row_max)
   FloatBuffer alpha;    // (kBlockM): this tile's rescale factor of the accumulated rows
   FloatBuffer row_tmp;  // (max(d, dv)): one converted row
 
@@ -54,7 +53,6 @@ struct ForwardScratch {
         keep(std::size_t(kBlockN) * kBlockM),
         o(std::size_t(kBlockM) * head_dim_v_padded),
         row_max(kBlockM),
-        max_log2(kBlockM),
         row_sum(kBlockM),
         alpha(kBlockM),
         row_tmp(std::size_t(std::max(d, dv))) {}
@@ -75,8 +73,8 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
   const common::Mask mask = p.mask(b);
   const common::ScoreMod<float> mod = p.score_mod<float>(b, hh);
   const bool plain = flash::is_plain_scale(mod);
-  // Tile values x are dots (plain) or scores; the softmax weight is exp(s − max s) =
-  // 2^(x · value_log2 − max x · value_log2).
+  // Tile values x are dots (plain) or scores, y = x · value_log2 the score in log2 units, and
+  // the softmax weight exp(s − max s) = 2^(y − max y).
   const float value_log2 = plain ? mod.scale * flash::kLog2e : flash::kLog2e;
   const bool dropout = p.dropout_p > 0.0f;
   const auto* q = static_cast<const T*>(p.q.data);
@@ -95,7 +93,6 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
   }
   std::fill(w.o.get(), w.o.get() + std::size_t(kBlockM) * ldv, 0.0f);
   std::fill(w.row_max.get(), w.row_max.get() + kBlockM, -flash::kInfinity);
-  std::fill(w.max_log2.get(), w.max_log2.get() + kBlockM, 0.0f);
   std::fill(w.row_sum.get(), w.row_sum.get() + kBlockM, 0.0f);
 
   const int key_begin = mask.block_col_begin(i0);
@@ -124,36 +121,35 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
       }
     }
 
-    // Online softmax, one VecF of queries at a time: new max, rescale factor, probabilities.
+    // Online softmax, one VecF of queries at a time. y is rounded to fp32 before the max is
+    // subtracted (no fused multiply-add), so a row's max element weighs exactly 2^0 = 1: a query
+    // that sees one key gets exactly that key's value row, as the exact softmax does.
     VecF tile_max[kColVecs];
     for (int cv = 0; cv < kColVecs; ++cv) tile_max[cv] = splat(-flash::kInfinity);
     for (int r = 0; r < keys; ++r) {
       for (int cv = 0; cv < kColVecs; ++cv) {
-        tile_max[cv] = flash::max_vec(tile_max[cv], load_vec(s_t + r * kBlockM + cv * kVecWidth));
+        float* x = s_t + r * kBlockM + cv * kVecWidth;
+        const VecF y = load_vec(x) * value_log2;
+        store_vec(x, y);
+        tile_max[cv] = flash::max_vec(tile_max[cv], y);
       }
     }
-    VecF alpha[kColVecs], neg_max_log2[kColVecs], tile_sum[kColVecs];
+    VecF alpha[kColVecs], safe_max[kColVecs], tile_sum[kColVecs];
     for (int cv = 0; cv < kColVecs; ++cv) {
       const VecF old_max = load_vec(w.row_max.get() + cv * kVecWidth);
       const VecF new_max = flash::max_vec(old_max, tile_max[cv]);
       // A query that has seen only masked keys has max −∞: measure against 0 instead, so that
       // (−∞) − (−∞) never makes a NaN; its probabilities are then exactly 2^−∞ = 0.
-      const VecF new_max_log2 = new_max == -flash::kInfinity ? VecF{} : new_max * value_log2;
-      const VecF old_max_log2 = load_vec(w.max_log2.get() + cv * kVecWidth);
-      // Both maxima are the rounded products stored in max_log2, so the rescaled sums and the
-      // final lse refer to exactly the same reference point. A previous max of −∞ means nothing
-      // was accumulated: the factor is 0 (2^(0 − new) could overflow).
-      alpha[cv] = old_max == -flash::kInfinity ? VecF{}
-                                                : flash::exp2_vec(old_max_log2 - new_max_log2);
-      neg_max_log2[cv] = -new_max_log2;
+      safe_max[cv] = new_max == -flash::kInfinity ? VecF{} : new_max;
+      // A previous max of −∞ means nothing was accumulated: the factor is 0.
+      alpha[cv] = old_max == -flash::kInfinity ? VecF{} : flash::exp2_vec(old_max - new_max);
       tile_sum[cv] = VecF{};
       store_vec(w.row_max.get() + cv * kVecWidth, new_max);
-      store_vec(w.max_log2.get() + cv * kVecWidth, new_max_log2);
     }
     for (int r = 0; r < keys; ++r) {
       for (int cv = 0; cv < kColVecs; ++cv) {
         float* x = s_t + r * kBlockM + cv * kVecWidth;
-        const VecF prob = flash::exp2_vec(load_vec(x) * value_log2 + neg_max_log2[cv]);
+        const VecF prob = flash::exp2_vec(load_vec(x) - safe_max[cv]);
         tile_sum[cv] += prob;
         store_vec(x, prob);
       }
@@ -198,7 +194,7 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
     }
     if (p.lse) {
       p.lse[p.lse_index(b, hh, i)] =
-          sum > 0.0f ? (w.max_log2.get()[c] + std::log2(sum)) * flash::kLn2 : flash::kInfinity;
+          sum > 0.0f ? (w.row_max.get()[c] + std::log2(sum)) * flash::kLn2 : flash::kInfinity;
     }
   }
 }
