@@ -48,6 +48,17 @@ def _num_threads(device: torch.device) -> int:
     return torch.get_num_threads() if device.type == "cpu" else 0
 
 
+def _row_stats(shape, device) -> Tensor:
+    """An fp32 lse / softmax_d tensor. Row-major strides are spelled out so that an empty one
+    (seqlen_q == 0) has the strides the core's contiguity check expects (products of the sizes,
+    zeros included) rather than PyTorch's."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return torch.empty_strided(tuple(shape), tuple(reversed(strides)), dtype=torch.float32, device=device)
+
+
 def draw_rng_state(device: torch.device) -> Tensor:
     """A fresh [seed, offset] pair from the default generator of ``device``.
 
@@ -115,7 +126,7 @@ def fwd(
     softmax_lse (b, h, sq) fp32, rng_state (2,) int64."""
     b, sq, h, _ = q.shape
     out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
     _C.forward(
         _plain(q), _plain(k), _plain(v), out, lse,
@@ -161,7 +172,7 @@ def bwd(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    softmax_d = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    softmax_d = _row_stats((b, h, sq), q.device)
     _C.backward(
         _plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), _plain(softmax_lse),
         dq, dk, dv, softmax_d,
@@ -212,7 +223,7 @@ def varlen_fwd(
     -> out (total_q, h, dv), softmax_lse (h, total_q) fp32, rng_state (2,) int64."""
     total_q, h, _ = q.shape
     out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
+    lse = _row_stats((h, total_q), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
     _C.forward(
         _plain(q), _plain(k), _plain(v), out, lse,
@@ -266,7 +277,7 @@ def varlen_bwd(
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    softmax_d = torch.empty((h, total_q), dtype=torch.float32, device=q.device)
+    softmax_d = _row_stats((h, total_q), q.device)
     _C.backward(
         _plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), _plain(softmax_lse),
         dq, dk, dv, softmax_d,
@@ -325,7 +336,7 @@ def fwd_kvcache(
     does not need."""
     b, sq, h, _ = q.shape
     out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    lse = _row_stats((b, h, sq), q.device)
     _C.forward_kvcache(
         _plain(q), k_cache.detach(), v_cache.detach(), out, lse,
         options=_options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0),
