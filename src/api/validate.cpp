@@ -13,6 +13,9 @@ namespace {
 constexpr int kMaxHeadDim = 256;
 constexpr int kHeadDimMultiple = 8;
 constexpr int kRotaryDimMultiple = 16;
+// Sequence lengths (and KV-cache capacities) stay below 2^30 so that every row index, diagonal
+// and dropout counter fits its 32-bit field (docs/dropout.md).
+constexpr std::int64_t kMaxSeqlen = std::int64_t(1) << 30;
 
 std::string device_string(Device d) {
   return d.type == DeviceType::cpu ? "cpu" : "cuda:" + std::to_string(d.index);
@@ -317,7 +320,6 @@ Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const
     c.fail("k", "number of heads in key/value must divide number of heads in query",
            "a divisor of " + std::to_string(dims.h), std::to_string(dims.hk));
   }
-  constexpr std::int64_t kMaxSeqlen = std::int64_t(1) << 30;
   if (dims.sq > kMaxSeqlen || dims.sk > kMaxSeqlen) {
     c.fail("q", "sequence lengths must be below 2^30", "≤ 2^30", std::to_string(std::max(dims.sq, dims.sk)));
   }
@@ -492,6 +494,10 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   } else if (!in.cache_batch_idx.defined() && rows0 != dims.b) {
     c.fail("k_cache", "batch of the cache must equal q's batch (or give cache_batch_idx)",
            std::to_string(dims.b), std::to_string(rows0));
+  }
+  if (capacity > kMaxSeqlen) {
+    c.fail(paged ? "block_table" : "k_cache", "cache capacity (keys per sequence) must be at most 2^30",
+           "≤ " + std::to_string(kMaxSeqlen), std::to_string(capacity));
   }
   std::int64_t sk_new = 0;
   if (in.k_new.defined() != in.v_new.defined()) {
