@@ -1,0 +1,77 @@
+"""Invalid calls raise ValueError (flashattn.Error) naming the argument, and write nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests need it")
+
+import flashattn  # noqa: E402
+
+
+def t(*shape, dtype=torch.float16):
+    return torch.randn(shape).to(dtype)
+
+
+CASES = {
+    "dtype": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16, dtype=torch.float64), t(1, 4, 2, 16), t(1, 4, 2, 16)),
+              "q: unsupported element type"),
+    "mixed_dtype": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16, dtype=torch.bfloat16),
+                                                      t(1, 4, 2, 16)), "k: must have q's dtype"),
+    "k_shape": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(2, 4, 2, 16), t(2, 4, 2, 16)), "k: wrong shape"),
+    "v_shape": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 5, 2, 16)), "v: wrong shape"),
+    "heads": (lambda: flashattn.flash_attn_func(t(1, 4, 3, 16), t(1, 4, 2, 16), t(1, 4, 2, 16)),
+              "k: number of heads"),
+    "head_dim": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 264), t(1, 4, 2, 264), t(1, 4, 2, 264)),
+                 "q: head dimension"),
+    "dropout_p": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16), 1.5),
+                  "dropout_p"),
+    "window": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16),
+                                                 window_size=(-3, 0)), "window_left"),
+    "softcap": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16), softcap=-1.0),
+                "softcap"),
+    "alibi_shape": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16),
+                                                      alibi_slopes=torch.rand(3)), "alibi_slopes: wrong shape"),
+    "alibi_dtype": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16),
+                                                      alibi_slopes=torch.rand(2, dtype=torch.float16)),
+                    "alibi_slopes"),
+    "cu_seqlens_dtype": (lambda: flashattn.flash_attn_varlen_func(
+        t(8, 2, 16), t(8, 2, 16), t(8, 2, 16), torch.tensor([0, 8]), torch.tensor([0, 8], dtype=torch.int32), 8, 8),
+        "cu_seqlens_q"),
+    "max_seqlen": (lambda: flashattn.flash_attn_varlen_func(
+        t(8, 2, 16), t(8, 2, 16), t(8, 2, 16), torch.tensor([0, 8], dtype=torch.int32),
+        torch.tensor([0, 8], dtype=torch.int32), 4, 8), "max_seqlen_q"),
+    "qkv_shape": (lambda: flashattn.flash_attn_qkvpacked_func(t(1, 4, 2, 2, 16)), "qkv"),
+    "cache_seqlens": (lambda: flashattn.flash_attn_with_kvcache(
+        t(1, 1, 2, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), cache_seqlens=torch.tensor([3])), "cache_seqlens"),
+    "cache_overflow": (lambda: flashattn.flash_attn_with_kvcache(
+        t(1, 1, 2, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), t(1, 2, 2, 16), t(1, 2, 2, 16), cache_seqlens=7),
+        "cache_seqlens"),
+    "block_table": (lambda: flashattn.flash_attn_with_kvcache(
+        t(1, 1, 2, 16), t(2, 4, 2, 16), t(2, 4, 2, 16), cache_seqlens=6,
+        block_table=torch.tensor([[0, 5]], dtype=torch.int32)), "block_table"),
+    "rotary_dim": (lambda: flashattn.flash_attn_with_kvcache(
+        t(1, 1, 2, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), t(1, 1, 2, 16), t(1, 1, 2, 16), t(9, 4), t(9, 4),
+        cache_seqlens=1), "rotary_cos"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_error_names_the_argument(case):
+    call, fragment = CASES[case]
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+def test_nothing_written_on_error():
+    k_cache = t(1, 8, 2, 16)
+    before = k_cache.clone()
+    with pytest.raises(ValueError):
+        flashattn.flash_attn_with_kvcache(t(1, 1, 2, 16), k_cache, k_cache.clone(), t(1, 2, 2, 16),
+                                          t(1, 2, 2, 16), cache_seqlens=7)
+    assert torch.equal(k_cache, before)
+
+
+def test_non_tensor_argument():
+    with pytest.raises(TypeError, match="k: expected a torch.Tensor"):
+        flashattn.flash_attn_func(t(1, 4, 2, 16), None, t(1, 4, 2, 16))

@@ -1,0 +1,175 @@
+"""The torch.library operators: opcheck, torch.compile without graph breaks, dropout
+reproducibility, and zero-copy reads of packed tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests need it")
+
+import flashattn  # noqa: E402
+from flashattn import _torch_ops  # noqa: E402
+
+from conftest import torch_devices  # noqa: E402
+
+
+def qkv(device, b=2, sq=19, sk=23, h=4, hk=2, d=32, dtype=torch.float16, requires_grad=False):
+    g = torch.Generator().manual_seed(41)
+    make = lambda *s: torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)  # noqa: E731
+    return make(b, sq, h, d), make(b, sk, hk, d), make(b, sk, hk, d)
+
+
+def rng_state(device, seed=1234):
+    return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_opcheck_fwd_bwd(dropout_p, device):
+    q, k, v = qkv(device)
+    alibi = torch.rand(4, device=device)
+    state = rng_state(device)
+    args = (q, k, v, dropout_p, 0.2, True, -1, -1, 0.0, alibi, state)
+    torch.library.opcheck(torch.ops.flashattn.fwd.default, args)
+    out, lse, st = torch.ops.flashattn.fwd(*args)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flashattn.bwd.default,
+                          (dout, q, k, v, out, lse, dropout_p, 0.2, True, -1, -1, 0.0, alibi, False, st))
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_opcheck_varlen(device):
+    g = torch.Generator().manual_seed(42)
+    cu_q = torch.tensor([0, 5, 5, 17], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 9, 12, 30], dtype=torch.int32, device=device)
+    q = torch.randn(17, 4, 16, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(30, 2, 16, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(30, 2, 16, generator=g).to(device, torch.bfloat16)
+    args = (q, k, v, cu_q, cu_k, None, 12, 18, 0.0, 0.25, False, 4, 4, 1.5, None, None)
+    torch.library.opcheck(torch.ops.flashattn.varlen_fwd.default, args)
+    out, lse, st = torch.ops.flashattn.varlen_fwd(*args)
+    torch.library.opcheck(torch.ops.flashattn.varlen_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, None, 12, 18, 0.0, 0.25,
+                           False, 4, 4, 1.5, None, True, st))
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_opcheck_fwd_kvcache(device):
+    g = torch.Generator().manual_seed(43)
+    make = lambda *s: torch.randn(s, generator=g).to(device, torch.float16)  # noqa: E731
+    q, k_cache, v_cache = make(2, 3, 4, 32), make(2, 16, 2, 32), make(2, 16, 2, 32)
+    k_new, v_new = make(2, 2, 2, 32), make(2, 2, 2, 32)
+    seqlens = torch.tensor([3, 7], dtype=torch.int32, device=device)
+    torch.library.opcheck(
+        torch.ops.flashattn.fwd_kvcache.default,
+        (q, k_cache, v_cache, k_new, v_new, seqlens, None, None, None, None, None, 0.17, True, -1, -1, 0.0,
+         True, 0))
+
+
+@pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_compile_fullgraph(dropout_p, device):
+    """flash_attn_func forward and backward under torch.compile with no graph break."""
+    q, k, v = qkv(device, d=40, requires_grad=True)  # d = 40: no padding; 36 below pads
+
+    def step(q, k, v):
+        out = flashattn.flash_attn_func(q, k, v, dropout_p, None, True)
+        return out.float().square().sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(5)
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    torch.manual_seed(5)
+    eager = step(q, k, v)
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    for a, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, x.grad)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_compile_varlen_kvcache_and_padding(device):
+    g = torch.Generator().manual_seed(44)
+    q = torch.randn(2, 5, 2, 36, generator=g).to(device, torch.float16)
+    k_cache = torch.randn(2, 16, 2, 36 + 4, generator=g).to(device, torch.float16)
+
+    def fn(q, k, v, cache):
+        padded = flashattn.flash_attn_func(q, k, v, causal=True)  # head dim 36 -> 40 and back
+        out = flashattn.flash_attn_with_kvcache(torch.nn.functional.pad(q, [0, 4]), cache, cache,
+                                                cache_seqlens=7)
+        return padded, out
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    got = compiled(q, q, q, k_cache)
+    want = fn(q, q, q, k_cache)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_dropout_reproducible_under_manual_seed(device):
+    q, k, v = qkv(device)
+    torch.manual_seed(0)
+    a = flashattn.flash_attn_func(q, k, v, dropout_p=0.3)
+    b = flashattn.flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.manual_seed(0)
+    a2 = flashattn.flash_attn_func(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, a2)
+    assert not torch.equal(a, b)  # the next call draws a new seed
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_rng_state_goes_from_forward_to_backward(device):
+    q, k, v = qkv(device)
+    state = rng_state(device, seed=987654321)
+    out, lse, returned = torch.ops.flashattn.fwd(q, k, v, 0.4, 0.2, False, -1, -1, 0.0, None, state)
+    assert torch.equal(returned, state) and returned.data_ptr() != state.data_ptr()
+    out2, _, _ = torch.ops.flashattn.fwd(q, k, v, 0.4, 0.2, False, -1, -1, 0.0, None, state)
+    assert torch.equal(out, out2)
+    with pytest.raises(ValueError, match="rng_state"):
+        torch.ops.flashattn.bwd(torch.ones_like(out), q, k, v, out, lse, 0.4, 0.2, False, -1, -1, 0.0, None,
+                                False, None)
+
+
+def test_packed_qkv_is_read_in_place(monkeypatch):
+    """The kernels receive views of the packed tensor (same storage), not copies."""
+    qkv_t = torch.randn(2, 9, 3, 2, 16, dtype=torch.float16)
+    seen = {}
+    real_forward = _torch_ops._C.forward
+
+    def recording_forward(q, k, v, *args, **kwargs):
+        seen["ptrs"] = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        return real_forward(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(_torch_ops._C, "forward", recording_forward)
+    flashattn.flash_attn_qkvpacked_func(qkv_t)
+    base, step = qkv_t.data_ptr(), qkv_t.stride(2) * qkv_t.element_size()
+    assert seen["ptrs"] == (base, base + step, base + 2 * step)
+
+
+def test_outputs_are_written_completely():
+    """Outputs poisoned with NaN before the call come back without a NaN (every element written)."""
+    q, k, v = qkv("cpu")
+    out = torch.full((2, 19, 4, 32), float("nan"), dtype=torch.float16)
+    lse = torch.full((2, 4, 19), float("nan"))
+    opt = flashattn._C.Options()
+    flashattn._C.forward(q, k, v, out, lse, options=opt)
+    assert not out.isnan().any() and not lse.isnan().any()
+    grads = [torch.full(x.shape, float("nan"), dtype=x.dtype) for x in (q, k, v)]
+    softmax_d = torch.full((2, 4, 19), float("nan"))
+    flashattn._C.backward(torch.randn_like(out), q, k, v, out, lse, *grads, softmax_d, options=opt)
+    assert not any(g.isnan().any() for g in grads) and not softmax_d.isnan().any()
+
+
+def test_cuda_tensor_on_a_build_without_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU visible: a CUDA tensor cannot be made here")
+    if "cuda" in flashattn.compiled_backends():
+        pytest.skip("this build has the CUDA backend")
+    q = torch.randn(1, 4, 1, 8, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="FLASHATTN_CUDA"):
+        flashattn.flash_attn_func(q, q, q)
