@@ -98,6 +98,20 @@ std::vector<Case> backward_cases() {
     d.dtype = DType::f32;
     add("dropout_causal_f32", d);
   }
+  {
+    AttnConfig c = base(DType::f16, 1, 64, 80, 2, 2, 32);
+    c.opt.dropout_p = 0.9f;
+    c.opt.dropout_seed = 3;
+    add("dropout_p09", c);
+    AttnConfig s = base(DType::bf16, 1, 70, 90, 2, 1, 64);
+    s.opt.softmax_scale = 0.3f;
+    s.opt.softcap = 4.0f;
+    s.qk_amplitude = 2.0f;
+    add("explicit_scale_softcap", s);
+    AttnConfig m = base(DType::f16, 17, 3, 5, 2, 1, 16);
+    m.opt.causal = true;
+    add("many_batches", m);
+  }
   {  // everything at once
     AttnConfig c = base(DType::bf16, 2, 97, 131, 8, 2, 64, 32);
     c.opt.causal = true;
@@ -129,6 +143,7 @@ std::vector<Case> backward_cases() {
     c.opt.causal = true;
     add("varlen_causal", c);
     c.seqused_k = {2, 1, 0, 41, 5, 0, 1};
+    add("varlen_seqused_k_causal", c);
     c.opt.causal = false;
     add("varlen_seqused_k", c);
     AttnConfig p = base(DType::bf16, 0, 0, 0, 2, 2, 32);
@@ -293,6 +308,32 @@ TEST_P(BackwardSpecial, GqaSumsOverGroup) {
       EXPECT_NEAR(r.dk.get({0, j, 0, col}), 4.0f * r1.dk.get({0, j, 0, col}), 1e-5) << j;
     }
   EXPECT_TRUE(check_backward(p, f, r));
+}
+
+// dq, dk, dv written as views into one packed (b, s, 3, h, d) gradient buffer (what a qkv-packed
+// autograd function hands over): each lands in its own slot, nothing overlaps.
+TEST_P(BackwardSpecial, GradientsIntoPackedBuffer) {
+  AttnConfig c = base(DType::bf16, 2, 45, 45, 3, 3, 32);
+  c.layout = Layout::packed_qkv;
+  c.opt.causal = true;
+  const AttnProblem p = make_problem(c);
+  const ForwardResult f = run_forward(p, GetParam(), 2);
+  Tensor dqkv(DType::bf16, {2, 45, 3, 3, 32});
+  const Strides st{45 * 3 * 3 * 32, 3 * 3 * 32, 32, 1};
+  BackwardResult r;
+  r.dq = dqkv.view(0, {2, 45, 3, 32}, st);
+  r.dk = dqkv.view(3 * 32, {2, 45, 3, 32}, st);
+  r.dv = dqkv.view(2 * 3 * 32, {2, 45, 3, 32}, st);
+  r.softmax_d = Tensor(DType::f32, {2, 3, 45});
+  flashattn::Options opt = p.opt;
+  opt.backend = GetParam();
+  opt.num_threads = 3;
+  flashattn::backward(p.backward_inputs(f), {r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()}, opt);
+  EXPECT_TRUE(check_backward(p, f, r));
+  // The three views tile the buffer completely, so nothing of it may still be poisoned.
+  std::int64_t poisoned = 0;
+  dqkv.for_each_index([&](const Index& idx) { poisoned += std::isnan(dqkv.get(idx)); });
+  EXPECT_EQ(poisoned, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackwardSpecial,

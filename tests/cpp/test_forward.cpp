@@ -124,6 +124,18 @@ std::vector<Case> forward_cases() {
     c.dtype = DType::f32;
     add("dropout_causal_f32", c);
   }
+  {
+    AttnConfig c = base(DType::f16, 1, 64, 80, 2, 2, 32);
+    c.opt.dropout_p = 0.9f;  // keep_scale = 10: large kept values
+    c.opt.dropout_seed = 3;
+    add("dropout_p09", c);
+    AttnConfig a = base(DType::bf16, 2, 150, 60, 2, 2, 32);
+    a.alibi = Alibi::per_batch_head;  // sq > sk, non-causal: the distance is an absolute value
+    add("alibi_sq_gt_sk", a);
+    AttnConfig m = base(DType::f16, 17, 3, 5, 2, 1, 16);
+    m.opt.causal = true;
+    add("many_batches", m);
+  }
   {  // everything at once
     AttnConfig c = base(DType::bf16, 2, 97, 131, 8, 2, 64, 32);
     c.opt.causal = true;
@@ -355,6 +367,21 @@ TEST_P(ForwardSpecial, WithoutLse) {
   AttnProblem q = p;
   q.opt.return_lse = false;
   EXPECT_TRUE(check_forward(q, r));
+}
+
+// Backend::automatic serves host tensors with the CPU flash backend (bitwise the same result).
+TEST(ForwardAutomatic, PicksCpuBackend) {
+  AttnConfig c = base(DType::f16, 2, 33, 47, 4, 2, 32);
+  c.opt.causal = true;
+  const AttnProblem p = make_problem(c);
+  const ForwardResult a = run_forward(p, Backend::automatic, 2);
+  const ForwardResult b = run_forward(p, Backend::cpu, 2);
+  EXPECT_TRUE(bitwise_equal(a.out, b.out));
+  EXPECT_TRUE(bitwise_equal(a.lse, b.lse));
+  EXPECT_TRUE(check_forward(p, a));
+  const flashattn::Support s = flashattn::can_implement(p.forward_inputs(), {a.out.tv(), a.lse.tv()}, p.opt);
+  EXPECT_TRUE(s.ok) << s.reason;
+  EXPECT_EQ(s.backend, Backend::cpu);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, ForwardSpecial,

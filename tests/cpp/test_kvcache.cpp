@@ -211,7 +211,7 @@ TEST_P(KVCache, ChunkedPrefill) {
 
 // A paged cache with shuffled pages (page sizes 16 and 256) equals the contiguous one: prefill
 // then decode, chunks crossing page boundaries.
-TEST_P(KVCache, PagedCache) {
+TEST_P(KVCache, LargePagedCache) {
   for (int page : {16, 256}) {
     Incremental inc;
     inc.backend = GetParam();
@@ -287,6 +287,7 @@ struct RotaryCase {
   bool causal;
   CacheKind kind;
   int rotary_dim;
+  bool window = false;  // a local (sliding-window) mask: q rows at per-row positions too
 };
 
 class KVCacheRotary : public testing::TestWithParam<RotaryCase> {};
@@ -331,8 +332,13 @@ TEST_P(KVCacheRotary, AppendRotatesLikeTheFormula) {
   Tensor out(rc.dtype, {b, sq, h, dv}), lse(DType::f32, {b, h, sq});
   flashattn::Options opt;
   opt.causal = rc.causal;
+  if (rc.window) {
+    opt.window_left = 6;
+    opt.window_right = 1;
+  }
   opt.backend = Backend::cpu;
   flashattn::forward_kvcache(in, {out.tv(), lse.tv()}, opt);
+  const bool per_row_positions = rc.causal || rc.window;
 
   const double u = unit_roundoff(rc.dtype);
   auto row = [](const Tensor& t, const Index& at, int w) {
@@ -377,10 +383,12 @@ TEST_P(KVCacheRotary, AppendRotatesLikeTheFormula) {
     cfg.head_dim = d;
     cfg.head_dim_v = dv;
     cfg.opt.causal = rc.causal;
+    cfg.opt.window_left = opt.window_left;
+    cfg.opt.window_right = opt.window_right;
     AttnProblem p = make_problem(cfg);
     for (int i = 0; i < sq; ++i)
       for (int hh = 0; hh < h; ++hh) {
-        const int pos = cs + (rc.causal ? i : 0);
+        const int pos = cs + (per_row_positions ? i : 0);
         const auto qr = rotate(row(q, {bb, i, hh, 0}, d), cos, sin, pos, rc.rotary_dim, rc.interleaved);
         for (int c = 0; c < d; ++c) p.q.set({0, i, hh, c}, float(qr[std::size_t(c)]));
       }
@@ -407,12 +415,14 @@ INSTANTIATE_TEST_SUITE_P(
                     RotaryCase{DType::bf16, false, false, CacheKind::contiguous, 48},
                     RotaryCase{DType::bf16, true, false, CacheKind::paged, 16},
                     RotaryCase{DType::f32, false, true, CacheKind::paged, 64},
-                    RotaryCase{DType::f32, true, false, CacheKind::batch_idx, 32}),
+                    RotaryCase{DType::f32, true, false, CacheKind::batch_idx, 32},
+                    RotaryCase{DType::f16, false, false, CacheKind::contiguous, 32, true},
+                    RotaryCase{DType::bf16, true, false, CacheKind::paged, 64, true}),
     [](const testing::TestParamInfo<RotaryCase>& info) {
       const RotaryCase& c = info.param;
       return std::string(flashattn::dtype_name(c.dtype)) + (c.interleaved ? "_interleaved" : "_halves") +
-             (c.causal ? "_causal" : "_noncausal") + "_" + kind_name(c.kind) + "_rd" +
-             std::to_string(c.rotary_dim);
+             (c.causal ? "_causal" : c.window ? "_window" : "_noncausal") + "_" + kind_name(c.kind) +
+             "_rd" + std::to_string(c.rotary_dim);
     });
 
 INSTANTIATE_TEST_SUITE_P(Backends, KVCache, testing::Values(Backend::cpu, Backend::cpu_reference),
