@@ -51,6 +51,9 @@ constexpr int kExitOk = 0;
 constexpr int kExitCheckFailed = 1;
 constexpr int kExitUsage = 2;
 
+// Timed runs of each measurement in a --suite unless --repeats says otherwise.
+constexpr int kSuiteRepeats = 10;
+
 // A single run longer than this gets a progress line on stderr.
 constexpr double kProgressAfterSeconds = 1.0;
 
@@ -138,7 +141,7 @@ void print_help() {
       "  --backend B      auto | cpu | cpu_reference | cuda            (default auto)\n"
       "  --threads N      CPU worker threads, 0 = all                  (default 0)\n"
       "  --warmup N       untimed runs before timing                   (default 1)\n"
-      "  --repeats N      timed runs; the median is reported           (default 5)\n"
+      "  --repeats N      timed runs; the median is reported  (default 5; 10 in a suite)\n"
       "  --min-time S     keep timing past --repeats until S seconds were measured\n"
       "  --check          compare out, lse, dq, dk, dv, softmax_d with the fp64 reference backend\n"
       "                   (cpu_reference) on the same inputs; exit 1 when over tolerance\n"
@@ -297,8 +300,8 @@ Cli parse_cli(int argc, char** argv) {
       usage_error("unknown flag '" + std::string(argv[i]) + "'");
     }
   }
-  // The suite's shapes are large: three timed runs keep it to a few minutes on two cores.
-  if (!cli.suite.empty() && !repeats_given) c.repeats = 3;
+  // A suite is run once for a report: more timed runs make its medians steadier.
+  if (!cli.suite.empty() && !repeats_given) c.repeats = kSuiteRepeats;
   c.resolve_defaults();
   return cli;
 }
@@ -1122,6 +1125,7 @@ int main(int argc, char** argv) {
   bool all_passed = true;
   for (std::size_t i = 0; i < configs.size(); ++i) {
     if (configs.size() > 1) std::printf("\n[%zu/%zu]\n", i + 1, configs.size());
+    std::fflush(stdout);  // before the progress lines on stderr
     try {
       results.push_back(run_config(configs[i]));
     } catch (const flashattn::Error& e) {
