@@ -312,6 +312,7 @@ struct MachineInfo {
   std::string cpu_model = "unknown CPU";
   int logical_cpus = 0;
   std::string vector_flags;  // the SIMD extensions that matter for this code
+  std::string clock_mhz;     // "cpu MHz" of the first CPU as the kernel reports it; "" if absent
 };
 
 MachineInfo read_machine_info() {
@@ -319,7 +320,7 @@ MachineInfo read_machine_info() {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line;
   std::string family, model;
-  bool first_cpu_read = false;
+  bool past_first_cpu = false;
   while (std::getline(cpuinfo, line)) {
     const auto colon = line.find(':');
     if (colon == std::string::npos) continue;
@@ -328,12 +329,13 @@ MachineInfo read_machine_info() {
     std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
     if (key == "processor") {
       ++info.logical_cpus;
-      first_cpu_read = info.logical_cpus > 1;
+      past_first_cpu = info.logical_cpus > 1;
     }
-    if (first_cpu_read) continue;
+    if (past_first_cpu) continue;
     if (key == "model name") info.cpu_model = value;
     if (key == "cpu family") family = value;
     if (key == "model") model = value;
+    if (key == "cpu MHz") info.clock_mhz = value;
     if (key == "flags") {
       std::istringstream words(value);
       std::string w;
@@ -391,6 +393,16 @@ void fix_openblas_core(char** argv, const MachineInfo& m) {
 #else
   (void)argv;
   (void)m;
+#endif
+}
+
+std::string compiler_info() {
+#if defined(__clang__)
+  return std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  return std::string("g++ ") + __VERSION__;
+#else
+  return "unknown compiler";
 #endif
 }
 
@@ -1115,6 +1127,8 @@ int main(int argc, char** argv) {
   std::printf("flashattn-bench  %s\n", info.c_str());
   std::printf("cpu       %s, %d logical CPUs%s%s\n", machine.cpu_model.c_str(), machine.logical_cpus,
               machine.vector_flags.empty() ? "" : "; ", machine.vector_flags.c_str());
+  std::printf("clock     %s MHz (/proc/cpuinfo)\n", machine.clock_mhz.empty() ? "?" : machine.clock_mhz.c_str());
+  std::printf("compiler  %s\n", compiler_info().c_str());
   std::printf("threads   %d\n", threads);
   std::printf("flops     %s\n", kFlopConvention);
   std::fflush(stdout);
@@ -1143,7 +1157,8 @@ int main(int argc, char** argv) {
     j.field("tool", "flashattn-bench").field("build_info", info).field("date", utc_now());
     j.key("device").begin_object();
     j.field("type", "cpu").field("model", machine.cpu_model).field("logical_cpus", machine.logical_cpus);
-    j.field("vector_flags", machine.vector_flags).field("blas", blas_info());
+    j.field("vector_flags", machine.vector_flags).field("clock_mhz", machine.clock_mhz);
+    j.field("compiler", compiler_info()).field("blas", blas_info());
     j.end_object();
     j.field("threads", threads);
     j.field("flop_convention", kFlopConvention);

@@ -57,7 +57,9 @@ def render(report, title):
         f"- date: {report.get('date', 'unknown')}",
         f"- CPU: {device.get('model', 'unknown')}, {device.get('logical_cpus', '?')} logical CPUs"
         + (f" ({device['vector_flags']})" if device.get("vector_flags") else ""),
+        f"- clock: {device.get('clock_mhz') or '?'} MHz as /proc/cpuinfo reports it",
         f"- threads: {report.get('threads', '?')} (flashattn and OpenBLAS alike)",
+        f"- compiler: {device.get('compiler', 'unknown')}",
         f"- library: {report.get('build_info', 'unknown')}",
         f"- baseline: {device.get('blas') or 'no BLAS in this build'}",
         f"- FLOP convention: {report.get('flop_convention', 'unknown')}",
