@@ -362,7 +362,7 @@ std::string utc_now() {
   return buf;
 }
 
-bool has_flag(const MachineInfo& m, const std::string& flag) {
+[[maybe_unused]] bool has_flag(const MachineInfo& m, const std::string& flag) {
   std::istringstream words(m.vector_flags);
   std::string w;
   while (words >> w) {
