@@ -1,0 +1,455 @@
+// src/cuda/sm80/sm80_fwd_kernel.cuh — the portable forward kernel (FlashAttention-2 algorithm) on
+// CuTe: mma.sync m16n8k16, ldmatrix, cp.async. Runs on sm80 … sm90.
+//
+// One CTA computes a kBlockM × dv block of the output of one (batch, query head): it keeps its Q
+// tile in shared memory, streams K/V tiles of kBlockN keys through shared memory, and keeps the
+// running row max, row sum and output accumulator in registers (online softmax). The score
+// semantics (mask, softcap, ALiBi, dropout) come from src/common only; the batch layout (dense,
+// varlen, paged, cache_batch_idx) is read through AttentionParams' per-sequence accessors, one
+// row address at a time, so a K/V tile may span pages.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/params.h"
+
+namespace flashattn::cuda::sm80 {
+
+using namespace cute;
+
+// --- constants of the numerics ------------------------------------------------------------------
+constexpr float kLog2e = 1.4426950408889634f;  // exp(x) = exp2(x · log2(e))
+constexpr float kLn2 = 0.6931471805599453f;    // log(x) = log2(x) · ln(2)
+constexpr float kInf = __builtin_huge_valf();
+
+// --- compile-time shape of one kernel -----------------------------------------------------------
+// Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim (d and dv
+// both ≤ it; smaller multiples of 8 run with predicated loads and stores).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one swizzle atom)");
+  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
+  static_assert(kBlockN % 16 == 0, "dropout works on whole 16×16 blocks of the score tile");
+
+  // Warps are stacked along M only, so a score row never leaves its warp and the row max / row sum
+  // need nothing but shuffles inside a quad. The 16-wide N permutation makes one thread hold two
+  // adjacent 8-column MMA tiles: a whole 16×16 block, as the dropout counter layout expects.
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+
+  // Shared memory: rows of 64 elements (128 bytes) with an XOR swizzle on 16-byte chunks, so that
+  // both the row-wise cp.async stores and the ldmatrix reads (8 rows × 16 bytes) are conflict-free.
+  static constexpr int kSmemRowElems = 64;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<3, 3, 3>{}, Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // (kBlockM, D)
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (kBlockN, D)
+  // V seen as Vᵀ (D, kBlockN) for the P·V product: same bytes, transposed coordinates.
+  using SmemLayoutVt = decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;            // ldmatrix.x4
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;  // ldmatrix.x4.trans
+
+  // Global ↔ shared: each thread moves 16 bytes (8 elements) per access; 8 threads cover one
+  // 64-element shared-memory row, so a warp reads 4 rows × 128 contiguous bytes.
+  static constexpr int kElemsPerAccess = 16 / int(sizeof(Element));
+  static constexpr int kThreadsPerRow = kSmemRowElems / kElemsPerAccess;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{},
+                                                 Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+  static_assert(kBlockM % (kNThreads / kThreadsPerRow) == 0 && kBlockN % (kNThreads / kThreadsPerRow) == 0,
+                "every thread copies the same number of rows");
+
+  static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemBytes = kSmemBytesQ + 2 * kSmemBytesKV;  // Q (reused for O), K, V
+};
+
+// --- small device helpers -----------------------------------------------------------------------
+
+// 16-byte cp.async global → shared; when !valid nothing is read and the 16 bytes are zero-filled
+// (out-of-range rows and columns must be zeros: a stale NaN times P = 0 would still be NaN).
+__device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
+  const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+// Accumulator layout ((2,2), MMA_M, MMA_N) viewed as (rows, cols) = ((2, MMA_M), (2, MMA_N)):
+// value mode (col pair, row + 8) of an m16n8 C fragment split into its row and column parts.
+template <class L>
+__device__ __forceinline__ auto rowcol_layout(L acc) {
+  static_assert(decltype(rank(acc))::value == 3 && decltype(rank<0>(acc))::value == 2,
+                "expects an m16n8k16 accumulator layout ((2,2), MMA_M, MMA_N)");
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
+}
+
+// Accumulator layout ((2,2), MMA_M, MMA_N) as an A-operand layout ((2,2,2), MMA_M, MMA_N/2): the
+// C fragments of two adjacent n8 tiles are exactly the A fragment of one k16 slice, so P feeds the
+// P·V product straight from registers.
+template <class L>
+__device__ __forceinline__ auto acc_as_a_operand_layout(L acc) {
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // ((2,2), MMA_M, (2, MMA_N/2))
+  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// acc += A · Bᵀ with both operands in shared memory, the register copy of slice k+1 overlapping
+// the MMAs of slice k.
+template <class TiledMma, class Acc, class FragA, class FragB, class SrcA, class SrcB, class CopyA, class CopyB,
+          class ThrCopyA, class ThrCopyB>
+__device__ __forceinline__ void gemm_ss(const TiledMma& mma, Acc& acc, FragA& rA, FragB& rB, const SrcA& sA,
+                                        const SrcB& sB, const CopyA& copy_a, const CopyB& copy_b,
+                                        const ThrCopyA& thr_a, const ThrCopyB& thr_b) {
+  Tensor rA_view = thr_a.retile_D(rA);
+  Tensor rB_view = thr_b.retile_D(rB);
+  copy(copy_a, sA(_, _, _0{}), rA_view(_, _, _0{}));
+  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A · Bᵀ with A already in registers and B in shared memory.
+template <class TiledMma, class Acc, class FragA, class FragB, class SrcB, class CopyB, class ThrCopyB>
+__device__ __forceinline__ void gemm_rs(const TiledMma& mma, Acc& acc, const FragA& rA, FragB& rB, const SrcB& sB,
+                                        const CopyB& copy_b, const ThrCopyB& thr_b) {
+  Tensor rB_view = thr_b.retile_D(rB);
+  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// Max / sum over the 4 threads of a quad: they hold the same rows of an m16n8 fragment.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Loads rows [row0, row0 + kRows) of a (rows, D) tile into swizzled shared memory with cp.async.
+// row_offset(r) is the element offset of tile row r in global memory (it hides dense, varlen and
+// paged layouts); rows ≥ valid_rows and columns ≥ valid_cols are zero-filled.
+template <class Traits, int kRows, class SmemTensor, class RowOffset>
+__device__ __forceinline__ void load_tile(const typename Traits::Element* base, SmemTensor& s_tile, int valid_rows,
+                                          int valid_cols, RowOffset&& row_offset, int tid) {
+  using Element = typename Traits::Element;
+  typename Traits::GmemTiledCopy tiled_copy;
+  auto thr_copy = tiled_copy.get_thread_slice(tid);
+  Tensor t_s = thr_copy.partition_D(s_tile);  // (CPY, CPY_ROWS, CPY_COLS)
+  Tensor t_c = thr_copy.partition_D(make_identity_tensor(make_shape(Int<kRows>{}, Int<Traits::kHeadDim>{})));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(t_s); ++m) {
+    const int row = get<0>(t_c(0, m, 0));
+    const bool row_ok = row < valid_rows;
+    // Rows past the end are never read: their offset is not computed (it may leave the page table).
+    const Element* src_row = row_ok ? base + row_offset(row) : base;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_s); ++k) {
+      const int col = get<1>(t_c(0, m, k));
+      const bool ok = row_ok && col < valid_cols;
+      cp_async_16_zfill(&t_s(0, m, k), ok ? src_row + col : base, ok);
+    }
+  }
+}
+
+// --- the kernel ---------------------------------------------------------------------------------
+//
+// Grid: (⌈max_seqlen_q / kBlockM⌉, heads, batch). rng_state: optional device {seed, offset}.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    fwd_kernel(const __grid_constant__ common::AttentionParams p, const std::uint64_t* rng_state) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tid = threadIdx.x;
+
+  const int seqlen_q = p.seqlen_q(batch);
+  const int seqlen_k = p.seqlen_k(batch);
+  const int m_start = m_block * kBlockM;
+  if (m_start >= seqlen_q) return;  // varlen: this sequence is shorter than the grid
+  const int rows_here = min(kBlockM, seqlen_q - m_start);
+  const int kv_head = head / p.group_size();
+
+  const common::Mask mask = p.mask(batch);
+  // Key tiles that hold a key visible to some row of this block (the union of the row ranges).
+  const int n_block_min = mask.block_col_begin(m_start) / kBlockN;
+  const int n_block_max = (mask.block_col_end(m_start + rows_here) + kBlockN - 1) / kBlockN;
+
+  extern __shared__ __align__(128) char smem[];
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (kBlockM, D)
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem + Traits::kSmemBytesQ)),
+                          typename Traits::SmemLayoutKV{});  // (kBlockN, D)
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});  // (kBlockN, D)
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});           // (D, kBlockN)
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+  const auto* q_base = static_cast<const Element*>(p.q.data);
+  const auto* k_base = static_cast<const Element*>(p.k.data);
+  const auto* v_base = static_cast<const Element*>(p.v.data);
+
+  auto load_kv = [&](const Element* base, const common::RowHeadTensor& t, int valid_cols, auto& s_tile, int n_block) {
+    const int n_start = n_block * kBlockN;
+    load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
+                               [&](int r) { return p.k_offset(t, batch, n_start + r, kv_head); }, tid);
+  };
+
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tid);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // ((2,2), MMA_M, MMA_D)
+  clear(acc_o);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));  // (rows, cols)
+  constexpr int kRows = decltype(size<0>(acc_o_rc))::value;  // score rows this thread holds (2·MMA_M)
+
+  // Coordinates (row, col) inside the tile of every accumulator element this thread holds.
+  Tensor cS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), rowcol_layout(cS.layout()));  // (rows, cols) → (row, col)
+
+  float row_max[kRows];     // running max of the scores of each row, in score units
+  float row_sum[kRows];     // this thread's part of Σ exp, relative to row_max
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -kInf;
+    row_sum[r] = 0.0f;
+  }
+
+  if (n_block_min < n_block_max) {
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);            // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma.partition_fragment_B(sK);            // (MMA, MMA_N, MMA_K)
+    Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);  // (MMA, MMA_D, MMA_N)
+
+    auto copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto thr_copy_q = copy_q.get_thread_slice(tid);
+    Tensor tSsQ = thr_copy_q.partition_S(sQ);
+    auto copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto thr_copy_k = copy_k.get_thread_slice(tid);
+    Tensor tSsK = thr_copy_k.partition_S(sK);
+    auto copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+    auto thr_copy_v = copy_v.get_thread_slice(tid);
+    Tensor tOsVt = thr_copy_v.partition_S(sVt);
+
+    // Scores reach exp2 through one multiplier: the plain path keeps raw q·k and folds
+    // softmax_scale · log2(e) into it; with softcap or ALiBi the ScoreMod of src/common produces
+    // natural-log scores first, and only log2(e) is left.
+    const bool use_score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+    const common::ScoreMod<float> score_mod = p.score_mod<float>(batch, head);
+    const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
+
+    const bool use_dropout = p.dropout_p > 0.0f;
+    common::DropoutParams dropout = p.dropout;
+    if (use_dropout && rng_state != nullptr) {
+      dropout.seed = rng_state[0];
+      dropout.offset = rng_state[1];
+    }
+    const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
+
+    // Q tile, once; its cp.async group completes together with the first K tile's. (A block
+    // with no key to read loads nothing: sQ then only stages O.)
+    load_tile<Traits, kBlockM>(q_base, sQ, rows_here, p.head_dim,
+                               [&](int r) { return p.q_offset(p.q, batch, m_start + r, head); }, tid);
+    // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
+    // rest need no per-element masking.
+    load_kv(k_base, p.k, p.head_dim, sK, n_block_max - 1);
+    cp_async_fence();
+
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      const int n_start = n_block * kBlockN;
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2,2), MMA_M, MMA_N)
+      clear(acc_s);
+
+      // K(n) has landed, and every warp has finished reading V(n+1): V(n) may overwrite it.
+      cp_async_wait<0>();
+      __syncthreads();
+      load_kv(v_base, p.v, p.head_dim_v, sV, n_block);
+      cp_async_fence();
+
+      gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, thr_copy_q, thr_copy_k);
+
+      Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));  // (rows, cols)
+      if (use_score_mod) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(s); ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            const int i = m_start + get<0>(cS_rc(mi, ni));
+            const int j = n_start + get<1>(cS_rc(mi, ni));
+            s(mi, ni) = score_mod(s(mi, ni), i, j);
+          }
+        }
+      }
+      // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
+      // the ragged last tile).
+      if (!mask.block_fully_visible(m_start, m_start + rows_here, n_start, n_start + kBlockN)) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(s); ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            const int i = m_start + get<0>(cS_rc(mi, ni));
+            const int j = n_start + get<1>(cS_rc(mi, ni));
+            if (j >= seqlen_k || !mask.visible(i, j)) s(mi, ni) = -kInf;
+          }
+        }
+      }
+
+      // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (n_block > n_block_min) {
+        load_kv(k_base, p.k, p.head_dim, sK, n_block - 1);
+        cp_async_fence();
+      }
+
+      // Online softmax: new row max, rescale what was accumulated, exponentiate this tile.
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(s); ++mi) {
+        float tile_max = row_max[mi];
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) tile_max = fmaxf(tile_max, s(mi, ni));
+        tile_max = quad_max(tile_max);
+        // A row that has seen no visible key keeps max −∞; subtracting 0 instead keeps
+        // exp2(−∞ − (−∞)) = NaN out and gives p = 0.
+        const float max_scaled = tile_max == -kInf ? 0.0f : tile_max * score_to_log2;
+        const float old_scaled = row_max[mi] == -kInf ? -kInf : row_max[mi] * score_to_log2;
+        const float correction = exp2f(old_scaled - max_scaled);
+        row_max[mi] = tile_max;
+        row_sum[mi] *= correction;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= correction;
+        float sum = 0.0f;
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) {
+          // One FFMA per element: x · (scale · log2 e) − max · (scale · log2 e).
+          s(mi, ni) = exp2f(fmaf(s(mi, ni), score_to_log2, -max_scaled));
+          sum += s(mi, ni);
+        }
+        row_sum[mi] += sum;
+      }
+
+      // Dropout after the row sums (lse excludes it); 1 / (1 − p) is applied with the final
+      // normalisation. One Philox call per 16×16 block feeds the 8 elements this lane holds.
+      if (use_dropout) {
+        constexpr int kMmaM = decltype(size<1>(acc_s))::value;
+        constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+        CUTE_UNROLL
+        for (int m = 0; m < kMmaM; ++m) {
+          CUTE_UNROLL
+          for (int nb = 0; nb < kMmaN / 2; ++nb) {
+            const int i0 = m_start + get<0>(cS_rc(2 * m, 4 * nb));
+            const int j0 = n_start + get<1>(cS_rc(2 * m, 4 * nb));
+            const std::uint32_t bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
+                                                                 common::dropout_lane(i0, j0));
+            CUTE_UNROLL
+            for (int h = 0; h < 2; ++h) {
+              CUTE_UNROLL
+              for (int c = 0; c < 4; ++c) {
+                const int mi = 2 * m + h, ni = 4 * nb + c;
+                const int i = m_start + get<0>(cS_rc(mi, ni));
+                const int j = n_start + get<1>(cS_rc(mi, ni));
+                if (!((bits >> common::dropout_element(i, j)) & 1u)) s(mi, ni) = 0.0f;
+              }
+            }
+          }
+        }
+      }
+
+      // P in the input dtype (SPEC §2: rounded before the P·V product), straight into A registers.
+      Tensor rP = make_tensor_like<Element>(acc_s);
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_s); ++e) rP(e) = static_cast<Element>(acc_s(e));
+      Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // ((2,2,2), MMA_M, MMA_N/2)
+      gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, thr_copy_v);
+    }
+  }
+
+  // --- epilogue: normalise, lse, O through shared memory -------------------------------------
+  const float keep_scale = p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f;
+  const bool use_score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
+  Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
+  float lse[kRows];
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    const float sum = quad_sum(row_sum[mi]);
+    // No visible key: out = 0, lse = +∞ (SPEC §2.5), never NaN.
+    const bool empty = !(sum > 0.0f);
+    const float inv = empty ? 0.0f : keep_scale / sum;
+    lse[mi] = empty ? kInf : (row_max[mi] * score_to_log2 + log2f(sum)) * kLn2;
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= inv;
+  }
+
+  if (p.lse != nullptr && (tid & 3) == 0) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      const int row = get<0>(cO_rc(mi, 0));
+      if (row < rows_here) p.lse[p.lse_index(batch, head, m_start + row)] = lse[mi];
+    }
+  }
+
+  // Every warp is done with sQ (the last QKᵀ product) before it becomes the O staging tile.
+  __syncthreads();
+  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutQ{});  // (kBlockM, D)
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc_o_rc); ni += 2) {
+      // Elements ni, ni+1 are columns c, c+1 of one row: one 32-bit shared store.
+      const Element pair[2] = {static_cast<Element>(acc_o_rc(mi, ni)), static_cast<Element>(acc_o_rc(mi, ni + 1))};
+      std::uint32_t packed;
+      std::memcpy(&packed, pair, sizeof packed);
+      *reinterpret_cast<std::uint32_t*>(&sO(get<0>(cO_rc(mi, ni)), get<1>(cO_rc(mi, ni)))) = packed;
+    }
+  }
+  __syncthreads();
+
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto thr_gmem = gmem_copy.get_thread_slice(tid);
+  Tensor tOsO = thr_gmem.partition_S(sO);  // (CPY, CPY_ROWS, CPY_COLS)
+  Tensor tOcO = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  auto* out_base = static_cast<Element*>(p.out.data);
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tOsO); ++m) {
+    const int row = get<0>(tOcO(0, m, 0));
+    if (row >= rows_here) continue;  // rows past the sequence are not written
+    Element* dst_row = out_base + p.q_offset(p.out, batch, m_start + row, head);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tOsO); ++k) {
+      const int col = get<1>(tOcO(0, m, k));
+      if (col < p.head_dim_v) {
+        *reinterpret_cast<uint4*>(dst_row + col) = *reinterpret_cast<const uint4*>(&tOsO(0, m, k));
+      }
+    }
+  }
+}
+
+}  // namespace flashattn::cuda::sm80

@@ -1,0 +1,395 @@
+// tests/cuda/test_cuda_forward.cpp — the sm80 forward kernel against the fp64 reference by the
+// accuracy rule of SPEC §7 (check_forward), over the shape grid and every feature: masks, softcap,
+// ALiBi, dropout (its mask compared bit for bit with src/common's definition), varlen with empty
+// sequences, paged K/V, cache_batch_idx, strided layouts. Outputs are poisoned before each call.
+// Without a GPU every test skips and says it was not run.
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/philox.h"
+#include "cuda_test_util.h"
+
+namespace fa_test::cuda {
+namespace {
+
+namespace c = flashattn::common;
+using flashattn::DType;
+
+const char* dtype_tag(DType t) { return t == DType::f16 ? "f16" : "bf16"; }
+
+// --- the shape grid -----------------------------------------------------------------------------
+
+struct GridCase {
+  DType dtype;
+  int d, dv;
+  bool causal;
+  int sq, sk;
+  int group;  // h / hk
+};
+
+std::vector<GridCase> grid_cases() {
+  const std::pair<int, int> dims[] = {{64, 64}, {96, 96}, {128, 128}, {256, 256}, {192, 128}};
+  const std::pair<int, int> shapes[] = {{1, 1}, {113, 203}, {239, 1}, {799, 3}, {1023, 1024}};
+  std::vector<GridCase> cases;
+  for (DType dt : {DType::f16, DType::bf16})
+    for (auto [d, dv] : dims)
+      for (bool causal : {false, true})
+        for (auto [sq, sk] : shapes)
+          for (int group : {1, 8}) cases.push_back({dt, d, dv, causal, sq, sk, group});
+  return cases;
+}
+
+std::string grid_name(const testing::TestParamInfo<GridCase>& info) {
+  const GridCase& g = info.param;
+  return std::string(dtype_tag(g.dtype)) + "_d" + std::to_string(g.d) + "_dv" + std::to_string(g.dv) +
+         (g.causal ? "_causal" : "_full") + "_" + std::to_string(g.sq) + "x" + std::to_string(g.sk) + "_gqa" +
+         std::to_string(g.group);
+}
+
+class CudaForwardGrid : public testing::TestWithParam<GridCase> {};
+
+TEST_P(CudaForwardGrid, MatchesReference) {
+  FA_SKIP_WITHOUT_GPU();
+  const GridCase& g = GetParam();
+  AttnConfig cfg;
+  cfg.dtype = g.dtype;
+  cfg.head_dim = g.d;
+  cfg.head_dim_v = g.dv;
+  cfg.seqlen_q = g.sq;
+  cfg.seqlen_k = g.sk;
+  cfg.heads_k = g.group == 1 ? 2 : 1;
+  cfg.heads = cfg.heads_k * g.group;
+  // Two batch entries where the fp64 reference stays cheap.
+  cfg.batch = std::int64_t(g.sq) * g.sk > 100000 ? 1 : 2;
+  cfg.opt.causal = g.causal;
+  const AttnProblem p = make_problem(cfg);
+  SCOPED_TRACE(describe(p.cfg));
+  const ForwardResult r = run_cuda_forward(p);
+  EXPECT_TRUE(check_forward(p, r));
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaForwardGrid, testing::ValuesIn(grid_cases()), grid_name);
+
+// --- features, per dtype ------------------------------------------------------------------------
+
+class CudaForward : public testing::TestWithParam<DType> {
+ protected:
+  AttnConfig base(int d, int sq, int sk) const {
+    AttnConfig cfg;
+    cfg.dtype = GetParam();
+    cfg.head_dim = d;
+    cfg.seqlen_q = sq;
+    cfg.seqlen_k = sk;
+    cfg.batch = 2;
+    cfg.heads = 4;
+    cfg.heads_k = 2;
+    return cfg;
+  }
+  void expect_matches(const AttnConfig& cfg, const ParamsHook& hook = {}) {
+    const AttnProblem p = make_problem(cfg);
+    SCOPED_TRACE(describe(p.cfg));
+    const ForwardResult r = run_cuda_forward(p, hook);
+    EXPECT_TRUE(check_forward(p, r));
+  }
+};
+
+TEST_P(CudaForward, SlidingWindow) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    AttnConfig cfg = base(d, 239, 700);
+    cfg.opt.window_left = 64;
+    cfg.opt.window_right = 17;
+    expect_matches(cfg);
+    cfg.opt.window_right = -1;  // left only
+    expect_matches(cfg);
+    cfg.opt.causal = true;  // causal + left window
+    cfg.opt.window_left = 100;
+    cfg.seqlen_q = 700;
+    cfg.seqlen_k = 239;  // sq > sk: the first rows see no key (out 0, lse +inf)
+    expect_matches(cfg);
+  }
+}
+
+TEST_P(CudaForward, Softcap) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = base(d, 177, 301);
+      cfg.qk_amplitude = 3.0f;  // scores well past the cap
+      cfg.opt.softcap = 1.5f;
+      cfg.opt.causal = causal;
+      expect_matches(cfg);
+    }
+  }
+}
+
+TEST_P(CudaForward, Alibi) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128}) {
+    for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = base(d, 300, 129);
+        cfg.alibi = a;
+        cfg.opt.causal = causal;
+        expect_matches(cfg);
+      }
+    }
+  }
+  AttnConfig cfg = base(256, 65, 257);
+  cfg.alibi = Alibi::per_head;
+  cfg.opt.softcap = 5.0f;
+  cfg.opt.window_left = 40;
+  expect_matches(cfg);
+}
+
+TEST_P(CudaForward, DropoutMatchesReference) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = base(d, 150, 333);
+      cfg.opt.dropout_p = 0.17f;
+      cfg.opt.dropout_seed = 0x1234567890abcdefull;
+      cfg.opt.dropout_offset = 5;
+      cfg.opt.causal = causal;
+      expect_matches(cfg);
+    }
+  }
+}
+
+// With v the identity (sk == dv), out[i, j] = keep_ij · p_ij / (1 − p): the kept set is exactly
+// the non-zero outputs, compared bit for bit with src/common's dropout_keep — the function the
+// CPU backends use. Also: seed/offset read from device memory give the same result.
+TEST_P(CudaForward, DropoutMaskIsBitExact) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int n : {64, 128, 256}) {
+    AttnConfig cfg = base(n, 100, n);
+    cfg.heads = 4;
+    cfg.heads_k = 1;
+    cfg.qk_amplitude = 0.5f;  // p_ij ≈ 1/n: far from underflow in either dtype
+    cfg.opt.dropout_p = 0.3f;
+    cfg.opt.dropout_seed = 0xfeedface12345678ull;
+    cfg.opt.dropout_offset = 1000;
+    AttnProblem p = make_problem(cfg);
+    p.v.for_each_index([&](const Index& ix) { p.v.set(ix, ix[1] == ix[3] ? 1.0f : 0.0f); });
+    SCOPED_TRACE(describe(p.cfg));
+    const ForwardResult r = run_cuda_forward(p);
+    EXPECT_TRUE(check_forward(p, r));
+
+    c::DropoutParams dp;
+    dp.seed = cfg.opt.dropout_seed;
+    dp.offset = cfg.opt.dropout_offset;
+    dp.keep_threshold = c::dropout_keep_threshold(cfg.opt.dropout_p);
+    std::int64_t mismatches = 0, kept = 0, total = 0;
+    for (int b = 0; b < cfg.batch; ++b) {
+      for (int h = 0; h < cfg.heads; ++h) {
+        const std::uint64_t stream = std::uint64_t(b) * cfg.heads + h;
+        for (int i = 0; i < cfg.seqlen_q; ++i) {
+          for (int j = 0; j < n; ++j) {
+            const bool gpu_kept = r.out.get({b, i, h, j}) != 0.0f;
+            const bool keep = c::dropout_keep(dp, stream, i, j);
+            mismatches += gpu_kept != keep;
+            kept += keep;
+            ++total;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << "of " << total << " elements";
+    EXPECT_NEAR(double(kept) / double(total), 0.7, 0.02);
+
+    // The same seed and offset from device memory (CUDA-graph capture), the values in the
+    // options zeroed: bit-identical output.
+    const std::uint64_t rng_state[2] = {cfg.opt.dropout_seed, cfg.opt.dropout_offset};
+    AttnProblem p2 = p;
+    p2.opt.dropout_seed = 0;
+    p2.opt.dropout_offset = 0;
+    const ForwardResult r2 = run_cuda_forward(p2, {}, rng_state);
+    EXPECT_TRUE(bitwise_equal(r.out, r2.out));
+    EXPECT_TRUE(bitwise_equal(r.lse, r2.lse));
+  }
+}
+
+TEST_P(CudaForward, VarlenWithEmptySequences) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      for (bool used : {false, true}) {
+        AttnConfig cfg = base(d, 0, 0);
+        cfg.varlen_q = {0, 113, 1, 239, 0, 64, 130};
+        cfg.varlen_k = {17, 203, 0, 239, 0, 1, 129};
+        if (used) cfg.seqused_k = {9, 150, 0, 200, 0, 1, 128};
+        cfg.opt.causal = causal;
+        expect_matches(cfg);
+      }
+    }
+  }
+}
+
+TEST_P(CudaForward, StridedLayouts) {
+  FA_SKIP_WITHOUT_GPU();
+  for (Layout layout : {Layout::packed_qkv, Layout::bhsd, Layout::padded}) {
+    AttnConfig cfg = base(128, 200, 200);
+    cfg.heads_k = cfg.heads;
+    cfg.layout = layout;
+    cfg.padded_outputs = layout == Layout::padded;
+    cfg.opt.causal = true;
+    expect_matches(cfg);
+  }
+  AttnConfig cfg = base(64, 0, 0);
+  cfg.varlen_q = {31, 0, 77};
+  cfg.varlen_k = {31, 0, 77};
+  cfg.heads_k = cfg.heads;
+  cfg.layout = Layout::packed_qkv;
+  expect_matches(cfg);
+}
+
+TEST_P(CudaForward, SpecialCases) {
+  FA_SKIP_WITHOUT_GPU();
+  {  // no keys at all: out 0, lse +inf
+    AttnConfig cfg = base(64, 37, 0);
+    expect_matches(cfg);
+  }
+  {  // lse not asked for
+    AttnConfig cfg = base(128, 129, 65);
+    cfg.opt.return_lse = false;
+    expect_matches(cfg);
+  }
+  {  // peaky softmax: large scores stress the running max and its rescaling
+    AttnConfig cfg = base(128, 257, 513);
+    cfg.qk_amplitude = 6.0f;
+    expect_matches(cfg);
+  }
+  {  // explicit scale, d = 8 and d = 200 (predicated head dims), dv != d
+    AttnConfig cfg = base(8, 70, 90);
+    cfg.opt.softmax_scale = 0.7f;
+    expect_matches(cfg);
+    cfg.head_dim = 200;
+    cfg.head_dim_v = 40;
+    expect_matches(cfg);
+  }
+}
+
+// Paged K/V: pages of `page` rows, shuffled, a poisoned spare page; a key tile spans pages and
+// the last page of each sequence is partly filled (the rest poisoned, never to be read).
+void expect_paged_matches(DType dtype, int page, bool causal, int d) {
+  AttnConfig cfg;
+  cfg.dtype = dtype;
+  cfg.head_dim = d;
+  cfg.batch = 3;
+  cfg.seqlen_q = 113;
+  cfg.seqlen_k = 203;
+  cfg.heads = 4;
+  cfg.heads_k = 2;
+  cfg.opt.causal = causal;
+  const AttnProblem p = make_problem(cfg);
+  SCOPED_TRACE(describe(p.cfg) + " page " + std::to_string(page));
+  const int hk = cfg.heads_k, sk = cfg.seqlen_k;
+  const int pages_per_seq = (sk + page - 1) / page;
+  const int num_pages = cfg.batch * pages_per_seq + 1;
+  std::vector<std::int32_t> table(std::size_t(cfg.batch) * pages_per_seq);
+  std::vector<std::int32_t> perm(std::size_t(num_pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(test_seed(std::uint64_t(page))));
+  std::copy(perm.begin(), perm.begin() + std::ptrdiff_t(table.size()), table.begin());
+
+  auto paged_copy = [&](const Tensor& src, int width) {
+    Tensor cache(dtype, {num_pages, page, hk, width});  // poisoned
+    for (int b = 0; b < cfg.batch; ++b)
+      for (int j = 0; j < sk; ++j)
+        for (int h = 0; h < hk; ++h)
+          for (int x = 0; x < width; ++x) {
+            const int pg = table[std::size_t(b) * pages_per_seq + j / page];
+            cache.set({pg, j % page, h, x}, src.get({b, j, h, x}));
+          }
+    return cache;
+  };
+  const Tensor k_cache = paged_copy(p.k, d), v_cache = paged_copy(p.v, d);
+  const ForwardResult r = run_cuda_forward(p, [&](c::AttentionParams& dp, DeviceArena& dev) {
+    dp.k.data = dev.mirror(k_cache);
+    dp.v.data = dev.mirror(v_cache);
+    for (auto [t, tensor] : {std::pair{&dp.k, &k_cache}, std::pair{&dp.v, &v_cache}}) {
+      t->batch_stride = tensor->stride()[0];
+      t->row_stride = tensor->stride()[1];
+      t->head_stride = tensor->stride()[2];
+    }
+    dp.block_table = dev.upload_vector(table);
+    dp.block_table_batch_stride = pages_per_seq;
+    dp.page_size = page;
+  });
+  EXPECT_TRUE(check_forward(p, r));
+}
+
+TEST_P(CudaForward, PagedKV) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int page : {16, 64})
+    for (bool causal : {false, true})
+      for (int d : {64, 128}) expect_paged_matches(GetParam(), page, causal, d);
+  expect_paged_matches(GetParam(), 16, true, 256);
+}
+
+// cache_batch_idx: sequence b reads K/V row idx[b] of a larger, otherwise poisoned cache.
+TEST_P(CudaForward, CacheBatchIdx) {
+  FA_SKIP_WITHOUT_GPU();
+  AttnConfig cfg = base(128, 57, 190);
+  cfg.batch = 3;
+  cfg.opt.causal = true;
+  const AttnProblem p = make_problem(cfg);
+  SCOPED_TRACE(describe(p.cfg));
+  const std::vector<std::int32_t> idx = {4, 0, 2};
+  const int cache_rows = 5;
+  auto scatter = [&](const Tensor& src) {
+    Tensor cache(cfg.dtype, {cache_rows, cfg.seqlen_k, cfg.heads_k, cfg.head_dim});  // poisoned
+    src.for_each_index([&](const Index& ix) { cache.set({idx[std::size_t(ix[0])], ix[1], ix[2], ix[3]}, src.get(ix)); });
+    return cache;
+  };
+  const Tensor k_cache = scatter(p.k), v_cache = scatter(p.v);
+  const ForwardResult r = run_cuda_forward(p, [&](c::AttentionParams& dp, DeviceArena& dev) {
+    dp.k.data = dev.mirror(k_cache);
+    dp.v.data = dev.mirror(v_cache);
+    for (auto [t, tensor] : {std::pair{&dp.k, &k_cache}, std::pair{&dp.v, &v_cache}}) {
+      t->batch_stride = tensor->stride()[0];
+      t->row_stride = tensor->stride()[1];
+      t->head_stride = tensor->stride()[2];
+    }
+    dp.cache_batch_idx = dev.upload_vector(idx);
+  });
+  EXPECT_TRUE(check_forward(p, r));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, testing::Values(DType::f16, DType::bf16),
+                         [](const testing::TestParamInfo<DType>& info) { return std::string(dtype_tag(info.param)); });
+
+// --- what the backend accepts (host only: runs without a GPU) ----------------------------------
+
+TEST(CudaCanServe, ReasonsForRefusal) {
+  c::AttentionParams p;
+  p.storage = c::Storage::f16;
+  p.batch = 1;
+  p.heads = p.heads_k = 1;
+  p.head_dim = p.head_dim_v = 128;
+  alignas(16) static std::uint16_t buf[64];
+  for (c::RowHeadTensor* t : {&p.q, &p.k, &p.v, &p.out}) {
+    t->data = buf;
+    t->row_stride = 128;
+    t->head_stride = 128;
+  }
+  std::string why;
+  EXPECT_TRUE(flashattn::cuda::can_serve_forward(p, &why)) << why;
+  p.head_dim = 96;
+  p.head_dim_v = 256;
+  EXPECT_TRUE(flashattn::cuda::can_serve_forward(p, &why)) << why;
+  p.k.row_stride = 132;
+  EXPECT_FALSE(flashattn::cuda::can_serve_forward(p, &why));
+  EXPECT_NE(why.find("k:"), std::string::npos) << why;
+  p.k.row_stride = 128;
+  p.storage = c::Storage::f32;
+  EXPECT_FALSE(flashattn::cuda::can_serve_forward(p, &why));
+  EXPECT_NE(why.find("fp16 or bf16"), std::string::npos) << why;
+}
+
+}  // namespace
+}  // namespace fa_test::cuda
