@@ -40,6 +40,15 @@
 #include <cblas.h>
 #endif
 
+// CUDA tensors need the CUDA runtime: present when the library was built with FLASHATTN_CUDA and
+// the runtime's headers are on this target's include path.
+#if defined(FLASHATTN_WITH_CUDA) && defined(__has_include)
+#if __has_include(<cuda_runtime.h>)
+#include <cuda_runtime.h>
+#define FLASHATTN_BENCH_CUDA 1
+#endif
+#endif
+
 namespace {
 
 using flashattn::Backend;
@@ -139,6 +148,8 @@ void print_help() {
       "run:\n"
       "  --direction D    fwd | bwd | both                             (default both)\n"
       "  --backend B      auto | cpu | cpu_reference | cuda            (default auto)\n"
+      "                   auto puts the tensors on a GPU when one is visible and its backend\n"
+      "                   serves the call, else on the host; cuda insists on the GPU\n"
       "  --threads N      CPU worker threads, 0 = all                  (default 0)\n"
       "  --warmup N       untimed runs before timing                   (default 1)\n"
       "  --repeats N      timed runs; the median is reported  (default 5; 10 in a suite)\n"
@@ -504,9 +515,84 @@ class Json {
   bool after_key_ = false;
 };
 
-// --- host tensors -------------------------------------------------------------------------------
+// --- the GPU ------------------------------------------------------------------------------------
 
-// Caller-owned memory for one tensor: fp32 values, or f16/bf16 bit patterns.
+struct GpuInfo {
+  bool present = false;
+  std::string description;  // name, arch, SMs, clocks, memory, runtime — or why there is none
+};
+
+constexpr double kBytesPerGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr int kKiloPerMega = 1000;
+
+#ifdef FLASHATTN_BENCH_CUDA
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+GpuInfo read_gpu_info() {
+  GpuInfo info;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    info.description = "none visible (this build has the CUDA backend)";
+    return info;
+  }
+  cudaDeviceProp prop{};
+  cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  int clock_khz = 0, mem_clock_khz = 0, runtime = 0, driver = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
+  cudaDeviceGetAttribute(&mem_clock_khz, cudaDevAttrMemoryClockRate, 0);
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "%s (sm%d%d, %d SMs, %d MHz, memory %d MHz, %.0f GiB), CUDA runtime %d.%d, driver %d.%d",
+                prop.name, prop.major, prop.minor, prop.multiProcessorCount, clock_khz / kKiloPerMega,
+                mem_clock_khz / kKiloPerMega, double(prop.totalGlobalMem) / kBytesPerGiB, runtime / 1000,
+                (runtime % 1000) / 10, driver / 1000, (driver % 1000) / 10);
+  info.present = true;
+  info.description = buf;
+  return info;
+}
+
+void* device_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  cuda_check(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
+  return p;
+}
+void device_free(void* p) { cudaFree(p); }
+void copy_to_device(void* dst, const void* src, std::size_t bytes) {
+  cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to the GPU");
+}
+void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy from the GPU");
+}
+// Kernels run asynchronously: a timed call ends when the device is idle again.
+void device_sync() { cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+#else
+GpuInfo read_gpu_info() {
+  GpuInfo info;
+#ifdef FLASHATTN_WITH_CUDA
+  info.description = "not usable: flashattn-bench was compiled without the CUDA runtime headers";
+#else
+  info.description = "not used: this build has no CUDA backend (configure with -DFLASHATTN_CUDA=ON)";
+#endif
+  return info;
+}
+[[noreturn]] void no_cuda() { throw std::logic_error("flashattn-bench was built without CUDA"); }
+void* device_alloc(std::size_t) { no_cuda(); }
+void device_free(void*) {}
+void copy_to_device(void*, const void*, std::size_t) { no_cuda(); }
+void copy_to_host(void*, const void*, std::size_t) { no_cuda(); }
+void device_sync() {}
+#endif
+
+// --- tensors ------------------------------------------------------------------------------------
+
+// Caller-owned memory for one tensor: fp32 values, or f16/bf16 bit patterns, on the host, with an
+// optional GPU copy. When the copy exists, view() describes it and the host side holds what was
+// last uploaded or downloaded.
 class HostTensor {
  public:
   HostTensor() = default;
@@ -519,18 +605,52 @@ class HostTensor {
       half_.assign(std::size_t(numel_), 0);
     }
   }
+  HostTensor(const HostTensor&) = delete;
+  HostTensor& operator=(const HostTensor&) = delete;
+  HostTensor(HostTensor&& o) noexcept { *this = std::move(o); }
+  HostTensor& operator=(HostTensor&& o) noexcept {
+    if (this != &o) {
+      device_free(device_data_);
+      dtype_ = o.dtype_;
+      shape_ = std::move(o.shape_);
+      numel_ = o.numel_;
+      f32_ = std::move(o.f32_);
+      half_ = std::move(o.half_);
+      device_data_ = o.device_data_;
+      o.device_data_ = nullptr;
+    }
+    return *this;
+  }
+  ~HostTensor() { device_free(device_data_); }
 
   std::int64_t numel() const { return numel_; }
   DType dtype() const { return dtype_; }
-  void* data() { return dtype_ == DType::f32 ? static_cast<void*>(f32_.data()) : half_.data(); }
+  bool defined() const { return !shape_.empty(); }
+  void* host_data() { return dtype_ == DType::f32 ? static_cast<void*>(f32_.data()) : half_.data(); }
+  std::size_t bytes() const { return std::size_t(numel_) * flashattn::dtype_size(dtype_); }
+
+  // Makes the GPU copy (once) and uploads the host values into it.
+  void to_device() {
+    if (device_data_ == nullptr) device_data_ = device_alloc(bytes());
+    upload();
+  }
+  void upload() {
+    if (device_data_ != nullptr) copy_to_device(device_data_, host_data(), bytes());
+  }
+  void download() {
+    if (device_data_ != nullptr) copy_to_host(host_data(), device_data_, bytes());
+  }
 
   TensorView view() {
     const auto& s = shape_;
+    const bool gpu = device_data_ != nullptr;
+    void* data = gpu ? device_data_ : host_data();
+    const flashattn::Device where{gpu ? flashattn::DeviceType::cuda : flashattn::DeviceType::cpu, 0};
     switch (s.size()) {
-      case 1: return TensorView::contiguous(data(), dtype_, {s[0]});
-      case 2: return TensorView::contiguous(data(), dtype_, {s[0], s[1]});
-      case 3: return TensorView::contiguous(data(), dtype_, {s[0], s[1], s[2]});
-      case 4: return TensorView::contiguous(data(), dtype_, {s[0], s[1], s[2], s[3]});
+      case 1: return TensorView::contiguous(data, dtype_, {s[0]}, where);
+      case 2: return TensorView::contiguous(data, dtype_, {s[0], s[1]}, where);
+      case 3: return TensorView::contiguous(data, dtype_, {s[0], s[1], s[2]}, where);
+      case 4: return TensorView::contiguous(data, dtype_, {s[0], s[1], s[2], s[3]}, where);
       default: throw std::logic_error("HostTensor: unsupported rank");
     }
   }
@@ -555,9 +675,10 @@ class HostTensor {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (std::int64_t i = 0; i < numel_; ++i) set(i, normal(rng));
   }
-  // NaN everywhere, so that an element the library forgot to write fails the check.
+  // NaN everywhere (on the GPU too), so that an element the library forgot to write fails the check.
   void poison() {
     for (std::int64_t i = 0; i < numel_; ++i) set(i, std::numeric_limits<float>::quiet_NaN());
+    upload();
   }
 
  private:
@@ -566,6 +687,7 @@ class HostTensor {
   std::int64_t numel_ = 0;
   std::vector<float> f32_;
   std::vector<std::uint16_t> half_;
+  void* device_data_ = nullptr;
 };
 
 // Element-wise max |a − b|. NaN anywhere gives +∞ (NaN never passes); equal infinities (lse of a
@@ -608,13 +730,16 @@ double backward_flops(const Config& c, std::int64_t pairs) {
   return 2.0 * double(pairs) * double(3 * c.d + 2 * c.dv) * double(c.b) * double(c.h);
 }
 
+// Random inputs (fixed by the seed) and output buffers of one configuration, on the host or, with
+// on_device, on the GPU.
 struct Problem {
   HostTensor q, k, v, out, lse;
   HostTensor dout, dq, dk, dv, softmax_d;
-  std::vector<float> alibi_slopes;  // (h)
+  HostTensor alibi_slopes;  // (h) fp32
   flashattn::Options opt;
+  bool on_device = false;
 
-  Problem(const Config& c) {
+  Problem(const Config& c, bool gpu) : on_device(gpu) {
     const DType t = c.dtype;
     q = HostTensor(t, {c.b, c.sq, c.h, c.d});
     k = HostTensor(t, {c.b, c.sk, c.hk, c.d});
@@ -644,10 +769,19 @@ struct Problem {
     opt.num_threads = c.threads;
     if (c.alibi) {
       // The geometric slopes of the ALiBi paper: 2^(−8(i+1)/h) for head i.
-      alibi_slopes.resize(std::size_t(c.h));
-      for (int i = 0; i < c.h; ++i) alibi_slopes[std::size_t(i)] = std::exp2(-8.0f * float(i + 1) / float(c.h));
-      opt.alibi_slopes = TensorView::contiguous(alibi_slopes.data(), DType::f32, {c.h});
+      alibi_slopes = HostTensor(DType::f32, {c.h});
+      for (int i = 0; i < c.h; ++i) alibi_slopes.set(i, std::exp2(-8.0f * float(i + 1) / float(c.h)));
     }
+    if (on_device) {
+      for (HostTensor* t : {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv, &softmax_d, &alibi_slopes}) {
+        if (t->defined()) t->to_device();
+      }
+    }
+    if (c.alibi) opt.alibi_slopes = alibi_slopes.view();
+  }
+  // The GPU's results into the host buffers (nothing to do for host tensors).
+  void download_outputs() {
+    for (HostTensor* t : {&out, &lse, &dq, &dk, &dv, &softmax_d}) t->download();
   }
 
   flashattn::ForwardInputs fwd_in() { return {q.view(), k.view(), v.view()}; }
@@ -794,6 +928,7 @@ GemmResult time_sgemm(const Config&, bool, double, int) {
 
 struct DirectionResult {
   std::string name;
+  std::string skipped_reason;  // not measured, and why (e.g. no backward kernel on this backend)
   double flops = 0.0;
   Timing timing;
   GemmResult gemm;
@@ -813,6 +948,9 @@ struct CheckResult {
 
 struct RunResult {
   Config config;
+  bool on_device = false;
+  std::string placement_note;
+  std::vector<DirectionResult> skipped;
   std::string backend_served;
   std::int64_t pairs = 0;
   std::vector<DirectionResult> directions;
@@ -887,47 +1025,111 @@ int resolved_threads(const Config& c) {
 }
 
 // Runs one configuration; throws flashattn::Error when the library refuses the call.
-RunResult run_config(const Config& c) {
+// Workspace memory where the tensors live.
+class Scratch {
+ public:
+  Scratch(std::size_t bytes, bool on_device) : bytes_(bytes), on_device_(on_device) {
+    if (bytes_ == 0) return;
+    if (on_device_) {
+      device_ = device_alloc(bytes_);
+    } else {
+      host_.resize(bytes_);
+    }
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { device_free(device_); }
+  flashattn::Workspace workspace() {
+    return {on_device_ ? device_ : static_cast<void*>(host_.data()), bytes_};
+  }
+
+ private:
+  std::size_t bytes_;
+  bool on_device_;
+  std::vector<unsigned char> host_;
+  void* device_ = nullptr;
+};
+
+// Where the tensors go: a GPU for --backend cuda; for auto, a GPU when one is visible and its
+// backend serves the forward pass, else the host (the library picks the backend from the tensors'
+// device). Returns the placement and, when auto fell back to the host, why.
+bool place_on_device(const Config& c, const GpuInfo& gpu, std::string* note) {
+  if (c.backend == Backend::cpu || c.backend == Backend::cpu_reference) return false;
+  if (c.backend == Backend::cuda) {
+    if (!gpu.present) throw flashattn::Error("--backend cuda: no usable GPU: " + gpu.description);
+    return true;
+  }
+  if (!gpu.present) return false;
+  Problem probe(c, true);
+  const flashattn::Support s = flashattn::can_implement(probe.fwd_in(), probe.fwd_out(), probe.opt);
+  if (s) return true;
+  *note = "auto: the GPU backend cannot serve this forward pass (" + s.reason + "); host tensors instead";
+  return false;
+}
+
+// Runs one configuration; throws flashattn::Error when the library refuses the call.
+RunResult run_config(const Config& c, const GpuInfo& gpu) {
   RunResult r;
   r.config = c;
   r.pairs = visible_pairs(c);
-  Problem p(c);
+  const bool on_device = place_on_device(c, gpu, &r.placement_note);
+  r.on_device = on_device;
+  Problem p(c, on_device);
 
   const flashattn::Support fwd_support = flashattn::can_implement(p.fwd_in(), p.fwd_out(), p.opt);
   if (!fwd_support) throw flashattn::Error("forward not supported: " + fwd_support.reason);
   r.backend_served = flashattn::backend_name(fwd_support.backend);
-  if (c.runs_bwd()) {
+  bool run_bwd = c.runs_bwd();
+  if (run_bwd) {
     const flashattn::Support bwd_support = flashattn::can_implement(p.bwd_in(), p.bwd_out(), p.opt);
-    if (!bwd_support) throw flashattn::Error("backward not supported: " + bwd_support.reason);
-    if (bwd_support.backend != fwd_support.backend) {
+    if (!bwd_support && c.direction == Direction::bwd) {
+      throw flashattn::Error("backward not supported: " + bwd_support.reason);
+    }
+    if (!bwd_support) {
+      // --direction both: measure what can be measured, and say why the rest was not.
+      DirectionResult skipped;
+      skipped.name = "bwd";
+      skipped.skipped_reason = bwd_support.reason;
+      r.skipped.push_back(std::move(skipped));
+      run_bwd = false;
+    } else if (bwd_support.backend != fwd_support.backend) {
       r.backend_served += std::string(" (backward: ") + flashattn::backend_name(bwd_support.backend) + ")";
     }
   }
+  const auto sync = [&]() {
+    if (on_device) device_sync();
+  };
+  const auto sgemm = [&](bool backward, double flops) {
+    if (on_device) {
+      GemmResult g;
+      g.note = "not run: the sgemm baseline measures the CPU, and this run used the GPU";
+      return g;
+    }
+    return time_sgemm(c, backward, flops, resolved_threads(c));
+  };
 
-  std::vector<unsigned char> fwd_ws(flashattn::forward_workspace_size(p.fwd_in(), p.opt));
-  const flashattn::Workspace fwd_workspace{fwd_ws.data(), fwd_ws.size()};
-  auto forward = [&]() { flashattn::forward(p.fwd_in(), p.fwd_out(), p.opt, fwd_workspace); };
+  Scratch fwd_ws(flashattn::forward_workspace_size(p.fwd_in(), p.opt), on_device);
+  auto forward = [&]() {
+    flashattn::forward(p.fwd_in(), p.fwd_out(), p.opt, fwd_ws.workspace());
+    sync();
+  };
 
   p.out.poison();
   p.lse.poison();
-  const int threads = resolved_threads(c);
   if (c.runs_fwd()) {
     DirectionResult d;
     d.name = "fwd";
     d.flops = forward_flops(c, r.pairs);
     d.timing = time_it("fwd", c, forward);
     d.gemm_requested = c.gemm;
-    if (c.gemm) d.gemm = time_sgemm(c, false, d.flops, threads);
+    if (c.gemm) d.gemm = sgemm(false, d.flops);
     r.directions.push_back(std::move(d));
   } else {
     forward();  // the backward pass reads out and lse
   }
 
-  std::vector<unsigned char> bwd_ws;
-  flashattn::Workspace bwd_workspace;
-  if (c.runs_bwd()) {
-    bwd_ws.resize(flashattn::backward_workspace_size(p.bwd_in(), p.opt));
-    bwd_workspace = {bwd_ws.data(), bwd_ws.size()};
+  if (run_bwd) {
+    Scratch bwd_ws(flashattn::backward_workspace_size(p.bwd_in(), p.opt), on_device);
     p.dq.poison();
     p.dk.poison();
     p.dv.poison();
@@ -935,18 +1137,24 @@ RunResult run_config(const Config& c) {
     DirectionResult d;
     d.name = "bwd";
     d.flops = backward_flops(c, r.pairs);
-    d.timing = time_it("bwd", c, [&]() { flashattn::backward(p.bwd_in(), p.bwd_out(), p.opt, bwd_workspace); });
+    d.timing = time_it("bwd", c, [&]() {
+      flashattn::backward(p.bwd_in(), p.bwd_out(), p.opt, bwd_ws.workspace());
+      sync();
+    });
     d.gemm_requested = c.gemm;
-    if (c.gemm) d.gemm = time_sgemm(c, true, d.flops, threads);
+    if (c.gemm) d.gemm = sgemm(true, d.flops);
     r.directions.push_back(std::move(d));
   }
+  for (auto& d : r.skipped) r.directions.push_back(d);
 
   if (c.check) {
-    // The fp64 reference on the same inputs and the same options (the dropout mask is a pure
-    // function of seed and position, so the reference drops the same elements).
+    // The fp64 reference on the host, on the same inputs and the same options (the dropout mask is
+    // a pure function of seed and position, so the reference drops the same elements).
     r.check.ran = true;
-    Problem ref(c);  // same seed: the same q, k, v, dout
+    p.download_outputs();
+    Problem ref(c, false);  // same seed: the same q, k, v, dout
     ref.opt.backend = Backend::cpu_reference;
+    ref.opt.num_threads = 0;
     ref.out.poison();
     ref.lse.poison();
     std::fprintf(stderr, "check: running the fp64 reference (backend cpu_reference)...\n");
@@ -959,7 +1167,7 @@ RunResult run_config(const Config& c) {
     };
     add("out", CheckedTensor::output, p.out, ref.out);
     add("lse", CheckedTensor::lse, p.lse, ref.lse);
-    if (c.runs_bwd()) {
+    if (run_bwd) {
       ref.dq.poison();
       ref.dk.poison();
       ref.dv.poison();
@@ -988,7 +1196,9 @@ void print_run(const RunResult& r) {
   std::string text;
   describe_config(c, nullptr, &text);
   std::printf("config    %s\n", text.c_str());
-  std::printf("backend   %s (requested %s)\n", r.backend_served.c_str(), flashattn::backend_name(c.backend));
+  std::printf("backend   %s (requested %s), tensors on the %s\n", r.backend_served.c_str(),
+              flashattn::backend_name(c.backend), r.on_device ? "GPU" : "host");
+  if (!r.placement_note.empty()) std::printf("          %s\n", r.placement_note.c_str());
   const double dense = double(c.sq) * double(c.sk);
   std::printf("pairs     %lld visible (i, j) pairs per head (%.1f%% of sq*sk)\n", (long long)r.pairs,
               dense > 0 ? 100.0 * double(r.pairs) / dense : 0.0);
@@ -996,6 +1206,10 @@ void print_run(const RunResult& r) {
               "ratio");
   std::string gemm_note;
   for (const auto& d : r.directions) {
+    if (!d.skipped_reason.empty()) {
+      std::printf("%-5s not run: %s\n", d.name.c_str(), d.skipped_reason.c_str());
+      continue;
+    }
     const double g = gflops(d.flops, d.timing.median());
     std::printf("%-5s %12.3f %12.3f %10.2f", d.name.c_str(), 1e3 * d.timing.median(), 1e3 * d.timing.min(), g);
     if (d.gemm.available && d.gemm.timing.median() > 0) {
@@ -1021,12 +1235,18 @@ void print_run(const RunResult& r) {
 void json_run(Json& j, const RunResult& r) {
   j.begin_object();
   describe_config(r.config, &j, nullptr);
-  j.field("backend", r.backend_served);
+  j.field("backend", r.backend_served).field("tensors", r.on_device ? "gpu" : "host");
+  if (!r.placement_note.empty()) j.field("placement_note", r.placement_note);
   j.field("visible_pairs_per_head", (long long)r.pairs);
   j.key("results").begin_array();
   for (const auto& d : r.directions) {
     j.begin_object();
-    j.field("direction", d.name).field("flops", d.flops);
+    j.field("direction", d.name);
+    if (!d.skipped_reason.empty()) {
+      j.field("skipped", d.skipped_reason).end_object();
+      continue;
+    }
+    j.field("flops", d.flops);
     j.field("median_ms", 1e3 * d.timing.median()).field("min_ms", 1e3 * d.timing.min());
     j.field("gflops", gflops(d.flops, d.timing.median()));
     j.key("times_ms").begin_array();
@@ -1130,6 +1350,8 @@ int main(int argc, char** argv) {
   std::printf("clock     %s MHz (/proc/cpuinfo)\n", machine.clock_mhz.empty() ? "?" : machine.clock_mhz.c_str());
   std::printf("compiler  %s\n", compiler_info().c_str());
   std::printf("threads   %d\n", threads);
+  const GpuInfo gpu = read_gpu_info();
+  std::printf("gpu       %s\n", gpu.description.c_str());
   std::printf("flops     %s\n", kFlopConvention);
   std::fflush(stdout);
 
@@ -1141,9 +1363,12 @@ int main(int argc, char** argv) {
     if (configs.size() > 1) std::printf("\n[%zu/%zu]\n", i + 1, configs.size());
     std::fflush(stdout);  // before the progress lines on stderr
     try {
-      results.push_back(run_config(configs[i]));
+      results.push_back(run_config(configs[i], gpu));
     } catch (const flashattn::Error& e) {
       std::fprintf(stderr, "flashattn-bench: the library refused the call: %s\n", e.what());
+      return kExitUsage;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "flashattn-bench: %s\n", e.what());
       return kExitUsage;
     }
     print_run(results.back());
@@ -1159,6 +1384,9 @@ int main(int argc, char** argv) {
     j.field("type", "cpu").field("model", machine.cpu_model).field("logical_cpus", machine.logical_cpus);
     j.field("vector_flags", machine.vector_flags).field("clock_mhz", machine.clock_mhz);
     j.field("compiler", compiler_info()).field("blas", blas_info());
+    j.end_object();
+    j.key("gpu").begin_object();
+    j.field("present", gpu.present).field("description", gpu.description);
     j.end_object();
     j.field("threads", threads);
     j.field("flop_convention", kFlopConvention);
