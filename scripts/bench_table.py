@@ -48,6 +48,8 @@ def timed_runs(report):
 
 def render(report, title):
     device = report.get("device", {})
+    backends = sorted({f"{r.get('backend', '?')} ({r.get('tensors', 'host')} tensors)"
+                       for r in report.get("runs", [])})
     lines = [
         f"# {title}",
         "",
@@ -58,9 +60,10 @@ def render(report, title):
         f"- CPU: {device.get('model', 'unknown')}, {device.get('logical_cpus', '?')} logical CPUs"
         + (f" ({device['vector_flags']})" if device.get("vector_flags") else ""),
         f"- clock: {device.get('clock_mhz') or '?'} MHz as /proc/cpuinfo reports it",
+        f"- GPU: {report.get('gpu', {}).get('description', 'not recorded')}",
         f"- threads: {report.get('threads', '?')} (flashattn and OpenBLAS alike)",
         f"- compiler: {device.get('compiler', 'unknown')}",
-        f"- library: {report.get('build_info', 'unknown')}",
+        f"- library: {report.get('build_info', 'unknown')}; backend: {', '.join(backends) or '?'}",
         f"- baseline: {device.get('blas') or 'no BLAS in this build'}",
         f"- FLOP convention: {report.get('flop_convention', 'unknown')}",
         f"- time: median of {timed_runs(report)}; GFLOP/s = FLOPs / median time",
@@ -74,6 +77,10 @@ def render(report, title):
     for run in report.get("runs", []):
         config = run["config"]
         for result in run.get("results", []):
+            if "skipped" in result:
+                lines.append(f"| {shape_name(config)} | {config['dtype']} | {mask_name(config)} | "
+                             f"{result['direction']} | not run: {result['skipped']} | | | |")
+                continue
             sgemm = result.get("sgemm") or {}
             available = sgemm.get("available")
             lines.append(
