@@ -131,6 +131,11 @@ std::vector<Case> backward_cases() {
     add("mqa_causal", c);
   }
   for (int d : {8, 32, 96, 128, 256}) add("head_dim" + std::to_string(d), base(DType::f16, 1, 37, 45, 2, 2, d));
+  for (int d : {8, 128, 256}) {  // several key tiles and row blocks at the extreme head dims
+    AttnConfig c = base(d == 128 ? DType::bf16 : DType::f16, 1, 200, 333, 1, 1, d);
+    c.opt.causal = d != 128;
+    add("head_dim" + std::to_string(d) + "_long", c);
+  }
   add("d192_dv128", base(DType::bf16, 1, 57, 83, 2, 1, 192, 128));
   add("d64_dv32", base(DType::f16, 2, 57, 83, 2, 2, 64, 32));
   add("d32_dv64", base(DType::f32, 1, 57, 83, 2, 2, 32, 64));

@@ -69,7 +69,7 @@ TEST_P(Determinism, BackwardDeterministicIdenticalForAnyThreadCount) {
   p.opt.deterministic = true;
   const ForwardResult fwd = run_forward(p, Backend::cpu, 2);
   const BackwardResult one = run_backward(p, fwd, Backend::cpu, 1);
-  for (int threads : {1, 2, 3, 5}) {
+  for (int threads : {1, 2, 3, 5, 17}) {
     const BackwardResult r = run_backward(p, fwd, Backend::cpu, threads);
     EXPECT_TRUE(bitwise_equal(one.dq, r.dq)) << "dq, " << threads << " threads";
     EXPECT_TRUE(bitwise_equal(one.dk, r.dk)) << "dk, " << threads << " threads";

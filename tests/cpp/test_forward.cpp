@@ -164,6 +164,11 @@ std::vector<Case> forward_cases() {
   for (int d : {8, 16, 24, 32, 40, 64, 80, 96, 128, 160, 192, 224, 256}) {
     add("head_dim" + std::to_string(d), base(DType::f16, 1, 37, 45, 2, 2, d));
   }
+  for (int d : {8, 128, 256}) {  // several key tiles and row blocks at the extreme head dims
+    AttnConfig c = base(d == 128 ? DType::bf16 : DType::f16, 1, 200, 333, 1, 1, d);
+    c.opt.causal = d != 128;
+    add("head_dim" + std::to_string(d) + "_long", c);
+  }
   add("d192_dv128", base(DType::bf16, 1, 57, 83, 2, 1, 192, 128));
   add("d64_dv32", base(DType::f16, 2, 57, 83, 2, 2, 64, 32));
   add("d32_dv64", base(DType::f32, 1, 57, 83, 2, 2, 32, 64));
@@ -367,6 +372,33 @@ TEST_P(ForwardSpecial, WithoutLse) {
   AttnProblem q = p;
   q.opt.return_lse = false;
   EXPECT_TRUE(check_forward(q, r));
+}
+
+// Scores that rise (or fall) steadily along the keys: the running row max of an online softmax
+// changes in every key tile (rising) or is set by the first tile while later tiles underflow
+// (falling). Eight dims of q are fixed at +2 and the same dims of k ramp over ±2, which adds a
+// ramp of ±4 to every score. Forward and backward, both backends.
+TEST_P(ForwardSpecial, MonotoneScoresAcrossTiles) {
+  for (bool rising : {true, false}) {
+    for (DType dt : {DType::f16, DType::f32}) {
+      AttnConfig c = base(dt, 1, 70, 700, 2, 1, 64);
+      AttnProblem p = make_problem(c);
+      const int sk = 700;
+      for (int j = 0; j < sk; ++j)
+        for (int x = 0; x < 8; ++x) {
+          const float ramp = -2.0f + 4.0f * float(j) / float(sk - 1);
+          p.k.set({0, j, 0, x}, round_to(dt, rising ? ramp : -ramp));
+        }
+      for (int i = 0; i < 70; ++i)
+        for (int hh = 0; hh < 2; ++hh)
+          for (int x = 0; x < 8; ++x) p.q.set({0, i, hh, x}, 2.0f);
+      SCOPED_TRACE(std::string(rising ? "rising " : "falling ") + describe(p.cfg));
+      const ForwardResult f = run_forward(p, GetParam(), 2);
+      EXPECT_TRUE(check_forward(p, f));
+      const BackwardResult b = run_backward(p, f, GetParam(), 2);
+      EXPECT_TRUE(check_backward(p, f, b));
+    }
+  }
 }
 
 // Backend::automatic serves host tensors with the CPU flash backend (bitwise the same result).
