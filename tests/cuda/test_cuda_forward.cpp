@@ -291,7 +291,7 @@ void expect_paged_matches(DType dtype, int page, bool causal, int d) {
   const int pages_per_seq = (sk + page - 1) / page;
   const int num_pages = cfg.batch * pages_per_seq + 1;
   std::vector<std::int32_t> table(std::size_t(cfg.batch) * pages_per_seq);
-  std::vector<std::int32_t> perm(std::size_t(num_pages));
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), std::mt19937_64(test_seed(std::uint64_t(page))));
   std::copy(perm.begin(), perm.begin() + std::ptrdiff_t(table.size()), table.begin());
@@ -362,6 +362,51 @@ TEST_P(CudaForward, CacheBatchIdx) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, testing::Values(DType::f16, DType::bf16),
                          [](const testing::TestParamInfo<DType>& info) { return std::string(dtype_tag(info.param)); });
+
+// --- through the public API ---------------------------------------------------------------------
+
+// flashattn::forward with CUDA tensors reaches the CUDA backend (Backend::automatic and ::cuda).
+TEST(CudaPublicApi, ForwardDispatchesToCuda) {
+  FA_SKIP_WITHOUT_GPU();
+  const auto backends = flashattn::compiled_backends();
+  if (std::find(backends.begin(), backends.end(), Backend::cuda) == backends.end()) {
+    GTEST_SKIP() << "NOT RUN: the API layer of this build does not dispatch to the CUDA backend";
+  }
+  for (Backend backend : {Backend::automatic, Backend::cuda}) {
+    AttnConfig cfg;
+    cfg.dtype = DType::bf16;
+    cfg.batch = 2;
+    cfg.seqlen_q = 100;
+    cfg.seqlen_k = 150;
+    cfg.heads = 4;
+    cfg.heads_k = 2;
+    cfg.head_dim = 64;
+    cfg.opt.causal = true;
+    const AttnProblem p = make_problem(cfg);
+    SCOPED_TRACE(describe(p.cfg));
+    ForwardResult r = make_forward_outputs(p);
+    DeviceArena dev;
+    auto on_device = [&](const Tensor& t, void* data) {
+      flashattn::TensorView v = t.tv();
+      v.data = data;
+      v.device = {flashattn::DeviceType::cuda, 0};
+      return v;
+    };
+    void* d_out = dev.mirror(r.out);
+    void* d_lse = dev.mirror(r.lse);
+    flashattn::ForwardInputs in;
+    in.q = on_device(p.q, dev.mirror(p.q));
+    in.k = on_device(p.k, dev.mirror(p.k));
+    in.v = on_device(p.v, dev.mirror(p.v));
+    flashattn::Options opt = p.opt;  // check_forward validates the host views with p.opt
+    opt.backend = backend;
+    flashattn::forward(in, {on_device(r.out, d_out), on_device(r.lse, d_lse)}, opt);
+    FA_CUDA_CHECK(cudaDeviceSynchronize());
+    DeviceArena::download(r.out, d_out);
+    DeviceArena::download(r.lse, d_lse);
+    EXPECT_TRUE(check_forward(p, r));
+  }
+}
 
 // --- what the backend accepts (host only: runs without a GPU) ----------------------------------
 

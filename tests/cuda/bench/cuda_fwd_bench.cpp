@@ -1,0 +1,174 @@
+// tests/cuda/bench/cuda_fwd_bench.cpp — forward throughput of the CUDA backend, as a CLI with
+// JSON output. FLOP convention of the FlashAttention benchmarks: fwd FLOPs = 4·b·h·sq·sk·d, halved
+// when causal; shapes keep batch·seqlen = --tokens and heads·d = --width. Timing: CUDA events
+// around each launch, the median of --repeats after --warmup launches.
+//
+//   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
+//                  [--tokens 16384] [--width 2048] [--repeats 30] [--warmup 5] [--json FILE]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/numeric.h"
+#include "common/params.h"
+#include "cuda/cuda_backend.h"
+
+namespace {
+
+namespace c = flashattn::common;
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+std::vector<int> int_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoi(item));
+  return out;
+}
+
+struct Args {
+  c::Storage storage = c::Storage::bf16;
+  std::vector<int> dims = {64, 128};
+  std::vector<int> seqlens = {1024, 4096};
+  std::vector<int> causal = {0, 1};
+  int tokens = 16384;
+  int width = 2048;
+  int repeats = 30;
+  int warmup = 5;
+  std::string json;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) throw std::runtime_error("missing value after " + flag);
+    const std::string v = argv[++i];
+    if (flag == "--dtype") a.storage = v == "f16" ? c::Storage::f16 : c::Storage::bf16;
+    else if (flag == "--dims") a.dims = int_list(v);
+    else if (flag == "--seqlens") a.seqlens = int_list(v);
+    else if (flag == "--causal") a.causal = int_list(v);
+    else if (flag == "--tokens") a.tokens = std::stoi(v);
+    else if (flag == "--width") a.width = std::stoi(v);
+    else if (flag == "--repeats") a.repeats = std::stoi(v);
+    else if (flag == "--warmup") a.warmup = std::stoi(v);
+    else if (flag == "--json") a.json = v;
+    else throw std::runtime_error("unknown flag " + flag);
+  }
+  return a;
+}
+
+// Device buffer of n 16-bit values, uniform in ±1 (rounded to the storage type).
+void* random_device(std::size_t n, c::Storage storage, std::uint64_t seed) {
+  std::vector<std::uint16_t> host(n);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  for (auto& x : host) x = storage == c::Storage::f16 ? c::to_f16(uni(rng)).bits : c::to_bf16(uni(rng)).bits;
+  void* dev = nullptr;
+  check(cudaMalloc(&dev, n * sizeof(std::uint16_t)), "cudaMalloc");
+  check(cudaMemcpy(dev, host.data(), n * sizeof(std::uint16_t), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return dev;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args args = parse(argc, argv);
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
+  int clock_khz = 0, runtime = 0, driver = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev);
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  std::printf("# device %s (sm%d%d, %d SMs, peak clock %d MHz), runtime %d, driver %d; kernels: %s\n", prop.name,
+              prop.major, prop.minor, prop.multiProcessorCount, clock_khz / 1000, runtime, driver,
+              flashattn::cuda::compiled_kernels().c_str());
+
+  std::ostringstream json;
+  json << "[";
+  bool first = true;
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  for (int d : args.dims) {
+    for (int s : args.seqlens) {
+      const int b = std::max(1, args.tokens / s), h = std::max(1, args.width / d);
+      const std::size_t n = std::size_t(b) * s * h * d;
+      void* q = random_device(n, args.storage, 1);
+      void* k = random_device(n, args.storage, 2);
+      void* v = random_device(n, args.storage, 3);
+      void* o = nullptr;
+      float* lse = nullptr;
+      check(cudaMalloc(&o, n * sizeof(std::uint16_t)), "cudaMalloc");
+      check(cudaMalloc(reinterpret_cast<void**>(&lse), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
+      for (int causal : args.causal) {
+        c::AttentionParams p;
+        p.storage = args.storage;
+        p.batch = b;
+        p.heads = p.heads_k = h;
+        p.head_dim = p.head_dim_v = d;
+        p.max_seqlen_q = p.max_seqlen_k = s;
+        // (b, s, h, d) contiguous.
+        for (auto [t, data] : {std::pair{&p.q, q}, std::pair{&p.k, k}, std::pair{&p.v, v}, std::pair{&p.out, o}}) {
+          t->data = data;
+          t->batch_stride = std::int64_t(s) * h * d;
+          t->row_stride = std::int64_t(h) * d;
+          t->head_stride = d;
+        }
+        p.lse = lse;
+        p.lse_batch_stride = std::int64_t(h) * s;
+        p.lse_head_stride = s;
+        p.softmax_scale = 1.0f / std::sqrt(float(d));
+        p.causal = causal != 0;
+        for (int i = 0; i < args.warmup; ++i) flashattn::cuda::forward(p, nullptr);
+        std::vector<float> ms;
+        for (int i = 0; i < args.repeats; ++i) {
+          check(cudaEventRecord(start), "cudaEventRecord");
+          flashattn::cuda::forward(p, nullptr);
+          check(cudaEventRecord(stop), "cudaEventRecord");
+          check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+          float t = 0;
+          check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
+          ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        const double median_ms = ms[ms.size() / 2];
+        const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
+        const double tflops = flops / (median_ms * 1e-3) / 1e12;
+        std::printf("flashattn sm80 fwd %s d=%d s=%d b=%d h=%d causal=%d: %.3f ms, %.1f TFLOP/s\n",
+                    args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, median_ms, tflops);
+        json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_sm80\", \"dtype\": \""
+             << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d << ", \"seqlen\": " << s
+             << ", \"batch\": " << b << ", \"heads\": " << h << ", \"causal\": " << (causal ? "true" : "false")
+             << ", \"ms\": " << median_ms << ", \"tflops\": " << tflops << "}";
+        first = false;
+      }
+      check(cudaGetLastError(), "kernel");
+      cudaFree(q);
+      cudaFree(k);
+      cudaFree(v);
+      cudaFree(o);
+      cudaFree(lse);
+    }
+  }
+  json << "\n]\n";
+  if (!args.json.empty()) std::ofstream(args.json) << json.str();
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "cuda_fwd_bench: %s\n", e.what());
+  return 1;
+}
