@@ -37,6 +37,9 @@ static_assert(kBlockN % kVecWidth == 0, "a tile row is a whole number of vectors
 static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0,
               "tiles start on 16×16 dropout blocks, so a block never straddles two tiles");
 constexpr int kSpinsBeforeYield = 64;  // busy-wait this often before giving the core away
+// dQ contributions a task may hold while the previous key block catches up, so that a chain of
+// key blocks (one per kv head with MQA and batch 1) does not move in lockstep.
+constexpr int kPendingSteps = 4;
 
 // Per-worker scratch, all fp32.
 struct BackwardScratch {
@@ -50,7 +53,7 @@ struct BackwardScratch {
   FloatBuffer p;         // (kBlockM, kBlockN): probabilities
   FloatBuffer ds;        // (kBlockM, kBlockN): dP, then dS · ds/ddot
   FloatBuffer keep;      // (kBlockM, kBlockN): dropout keep bits as 0 / 1
-  FloatBuffer dq;        // (kBlockM, d_padded): this task's contribution to one dQ tile
+  FloatBuffer dq;        // (kPendingSteps, kBlockM, d_padded): held dQ contributions, a ring
   FloatBuffer dk;        // (kBlockN, d_padded): fp32 dK of the task's keys, summed over the group
   FloatBuffer dv;        // (kBlockN, dv_padded)
   FloatBuffer lse_log2;  // (kBlockM): lse · log2(e) of the step's queries
@@ -69,7 +72,7 @@ struct BackwardScratch {
         p(std::size_t(kBlockM) * kBlockN),
         ds(std::size_t(kBlockM) * kBlockN),
         keep(std::size_t(kBlockM) * kBlockN),
-        dq(std::size_t(kBlockM) * d_padded),
+        dq(std::size_t(kPendingSteps) * kBlockM * d_padded),
         dk(std::size_t(kBlockN) * d_padded),
         dv(std::size_t(kBlockN) * dv_padded),
         lse_log2(kBlockM),
@@ -150,10 +153,10 @@ void store_dq_block(const AttentionParams& p, const BackwardPlan& plan, int b, i
 }
 
 // One query block against the task's key tile: P, dP, dS, then dV += Pᵀ·dO, dK += dSᵀ·Q and this
-// step's dQ contribution dS·K into w.dq. Returns the number of valid query rows.
+// step's dQ contribution dS·K into dq (rows, d_padded). Returns the number of valid query rows.
 template <class T>
 int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int hh, int block,
-                  int j0, int keys, BackwardScratch& w) {
+                  int j0, int keys, BackwardScratch& w, float* dq) {
   const int d = p.head_dim, dv = p.head_dim_v, ldq = w.d_padded, ldo = w.dv_padded;
   const int i0 = block * kBlockM;
   const int rows = std::min(kBlockM, p.seqlen_q(b) - i0);
@@ -240,8 +243,7 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
 
   tile_gemm<ALayout::transposed, true>(keys, ldo, rows, pr, kBlockN, dot, ldo, w.dv.get(), ldo);
   tile_gemm<ALayout::transposed, true>(keys, ldq, rows, ds, kBlockN, qt, ldq, w.dk.get(), ldq);
-  tile_gemm<ALayout::row_major, false>(rows, ldq, keys, ds, kBlockN, w.k.get(), ldq, w.dq.get(),
-                                       ldq);
+  tile_gemm<ALayout::row_major, false>(rows, ldq, keys, ds, kBlockN, w.k.get(), ldq, dq, ldq);
   return rows;
 }
 
@@ -280,24 +282,54 @@ void backward_key_block(const AttentionParams& p, BackwardPlan& plan, std::int64
   std::atomic<std::int64_t>& mine = plan.progress[std::size_t(task_index)];
   const common::Mask mask = p.mask(b);
   const auto [row_lo, row_hi] = flash::rows_seeing_keys(mask, j0, j0 + keys);
+  // Held dQ contributions, oldest first: ring slots [first, first + held) of w.dq.
+  struct Contribution {
+    std::int64_t step;
+    int head, block, rows;
+  };
+  Contribution held_steps[kPendingSteps];
+  int first = 0, held = 0;
+  const auto slot = [&](int index) {
+    return w.dq.get() + std::size_t(index % kPendingSteps) * kBlockM * ldq;
+  };
+  // Adds the oldest held contribution to the accumulator once the previous key block (and so
+  // every earlier one) is past its step; returns false instead of waiting unless may_wait.
+  const auto add_oldest = [&](bool may_wait) {
+    const Contribution& c = held_steps[first % kPendingSteps];
+    if (before) {
+      if (may_wait) {
+        wait_for_progress(*before, c.step + 1);
+      } else if (before->load(std::memory_order_acquire) < c.step + 1) {
+        return false;
+      }
+    }
+    const float* part = slot(first);
+    float* acc = plan.dq_accum.get() + plan.row_index(p, b, c.block * kBlockM, c.head) * d;
+    const std::int64_t acc_row_stride = std::int64_t(p.heads) * d;
+    for (int r = 0; r < c.rows; ++r) {
+      for (int e = 0; e < d; ++e) acc[r * acc_row_stride + e] += part[r * ldq + e];
+    }
+    mine.store(c.step + 1, std::memory_order_release);
+    ++first;
+    --held;
+    return true;
+  };
+
   const int group = p.group_size();
   const int query_blocks = flash::ceil_div(p.seqlen_q(b), kBlockM);
   for (int g = 0; g < group; ++g) {
     const int hh = hk * group + g;
     for (int qb = row_lo / kBlockM; qb * kBlockM < row_hi; ++qb) {
-      const int rows = backward_step<T>(p, plan, b, hh, qb, j0, keys, w);
-      const std::int64_t step = std::int64_t(g) * query_blocks + qb;
-      if (before) wait_for_progress(*before, step + 1);
-      float* acc = plan.dq_accum.get() + plan.row_index(p, b, qb * kBlockM, hh) * d;
-      const std::int64_t acc_row_stride = std::int64_t(p.heads) * d;
-      for (int r = 0; r < rows; ++r) {
-        const float* part = w.dq.get() + r * ldq;
-        float* dst = acc + r * acc_row_stride;
-        for (int e = 0; e < d; ++e) dst[e] += part[e];
+      if (held == kPendingSteps) add_oldest(true);
+      const int rows = backward_step<T>(p, plan, b, hh, qb, j0, keys, w, slot(first + held));
+      held_steps[(first + held) % kPendingSteps] = {std::int64_t(g) * query_blocks + qb, hh, qb,
+                                                     rows};
+      ++held;
+      while (held > 0 && add_oldest(false)) {
       }
-      mine.store(step + 1, std::memory_order_release);
     }
   }
+  while (held > 0) add_oldest(true);
   if (before) wait_for_progress(*before, kAllSteps);
   mine.store(kAllSteps, std::memory_order_release);
 
