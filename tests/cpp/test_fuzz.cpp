@@ -39,7 +39,7 @@ namespace {
 namespace fa = flashattn;
 
 constexpr std::uint64_t kDefaultSeed = 0xF1A5A77E57ull;
-constexpr int kDefaultIters = 360;
+constexpr int kDefaultIters = 1500;  // ~6 s Release, ~35 s ASan+UBSan on 2 shared cores
 
 std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
   const char* v = std::getenv(name);
@@ -1124,6 +1124,19 @@ void fuzz_kvcache(Rng& r, Stats& stats) {
 
 // ================================================================================================
 
+// One iteration: its own generator state, derived from (seed, iteration) only.
+void run_iteration(std::uint64_t seed, int it, Stats& stats) {
+  Rng r(seed ^ (0xD1B54A32D192ED03ull * std::uint64_t(it + 1)));
+  const Dir dir = r.chance(0.45) ? Dir::fwd : r.chance(0.55) ? Dir::bwd : Dir::kv;
+  SCOPED_TRACE("iteration " + std::to_string(it) + " — replay alone with FLASHATTN_FUZZ_SEED=" + std::to_string(seed) +
+               " FLASHATTN_FUZZ_FIRST=" + std::to_string(it) + " FLASHATTN_FUZZ_ITERS=1");
+  if (dir == Dir::kv) {
+    fuzz_kvcache(r, stats);
+  } else {
+    fuzz_attention(r, dir, stats);
+  }
+}
+
 TEST(FuzzApi, RandomCalls) {
   const std::uint64_t seed = env_u64("FLASHATTN_FUZZ_SEED", kDefaultSeed);
   const int iters = int(env_u64("FLASHATTN_FUZZ_ITERS", kDefaultIters));
@@ -1135,17 +1148,10 @@ TEST(FuzzApi, RandomCalls) {
   Stats stats;
   int failing = 0;
   for (int it = first; it < first + iters; ++it) {
-    Rng r(seed ^ (0xD1B54A32D192ED03ull * std::uint64_t(it + 1)));
-    const Dir dir = r.chance(0.45) ? Dir::fwd : r.chance(0.55) ? Dir::bwd : Dir::kv;
-    SCOPED_TRACE("iteration " + std::to_string(it) + " — replay alone with FLASHATTN_FUZZ_SEED=" + std::to_string(seed) +
-                 " FLASHATTN_FUZZ_FIRST=" + std::to_string(it) + " FLASHATTN_FUZZ_ITERS=1");
     const bool had_failure = HasFailure();
-    if (dir == Dir::kv) {
-      fuzz_kvcache(r, stats);
-    } else {
-      fuzz_attention(r, dir, stats);
-    }
-    if (!had_failure && HasFailure() && ++failing >= 8) {
+    run_iteration(seed, it, stats);
+    if (!had_failure && HasFailure()) ++failing;
+    if (failing >= 8) {
       ADD_FAILURE() << "stopping after 8 failing iterations";
       break;
     }
@@ -1164,6 +1170,35 @@ TEST(FuzzApi, RandomCalls) {
       EXPECT_GT(stats.accepted[d], 0) << dir_name(Dir(d));
       EXPECT_GT(stats.rejected[d], 0) << dir_name(Dir(d));
     }
+  }
+}
+
+// Iterations of other seeds where the cpu backend once exceeded the SPEC §7 bound (found by
+// running RandomCalls with FLASHATTN_FUZZ_SEED=11..25, 3000 iterations each; cpu_reference never
+// did). All were small: a few float ulps in f32 (where naive_lowprec is nearly exact), and one f16
+// backward whose exact dq/dk are 0 (single visible key: dS = P·(dP − D) cancels). The checker's
+// rounding term now covers fp32 accumulation and cancelling terms (test_util.cpp); these replays
+// keep both the kernel and that reading of SPEC §7 honest on exactly those cases.
+TEST(FuzzApi, ReplayOfFailingIterations) {
+  struct Case {
+    std::uint64_t seed;
+    int iteration;
+    const char* what;
+  };
+  const Case cases[] = {
+      {15, 195, "f32 backward, sq = sk = 1: dv = P·dout with P of the single key not exactly 1 (naive error 0)"},
+      {15, 413, "f32 forward, sk = 1, causal + ALiBi: lse (= the one score) off by 2 ulp"},
+      {11, 2481, "f32 forward, sq = sk = 1, d 80: lse off by 1.5 ulp"},
+      {11, 1974, "f32 forward (before backward), d = 256, dropout + ALiBi: lse 3.7x the naive error"},
+      {15, 1484, "f32 forward (before a backward call that is rejected), causal window (-1, 4), sq 63 sk 2: out 2.7x the naive error"},
+      {16, 2020, "f32 varlen backward with an empty query sequence, d = 8: dq, dk 3.4x the naive error"},
+      {22, 1893, "f16 backward, sq = sk = 1, dropout: dq, dk should cancel to 0, kernel 8e-4 (naive 3.7e-4)"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Stats stats;
+    run_iteration(c.seed, c.iteration, stats);
+    EXPECT_EQ(stats.total_accepted() + stats.total_rejected(), 1);
   }
 }
 
