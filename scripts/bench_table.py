@@ -39,6 +39,11 @@ def fmt(value, digits=1):
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def best_gflops(result):
+    best_ms = result.get("min_ms")
+    return result["flops"] / best_ms * 1e-6 if best_ms else None
+
+
 def timed_runs(report):
     runs = report.get("runs") or [{}]
     config = runs[0].get("config", {})
@@ -66,31 +71,34 @@ def render(report, title):
         f"- library: {report.get('build_info', 'unknown')}; backend: {', '.join(backends) or '?'}",
         f"- baseline: {device.get('blas') or 'no BLAS in this build'}",
         f"- FLOP convention: {report.get('flop_convention', 'unknown')}",
-        f"- time: median of {timed_runs(report)}; GFLOP/s = FLOPs / median time",
+        f"- time: median of {timed_runs(report)}; GFLOP/s = FLOPs / median time, "
+        "best GFLOP/s = FLOPs / fastest run (less sensitive to other load on the machine); the "
+        "ratio to sgemm compares medians",
         "- sgemm: fp32 `cblas_sgemm` on the attention's own matmul shapes (one (batch, head) at "
         "a time, as many heads as give the same FLOP count), timed in the same process; "
         "ratio = flashattn GFLOP/s ÷ sgemm GFLOP/s",
         "",
-        "| shape | dtype | mask | dir | median ms | GFLOP/s | sgemm GFLOP/s | ratio to sgemm |",
-        "|---|---|---|---|---:|---:|---:|---:|",
+        "| shape | dtype | mask | dir | median ms | GFLOP/s | best GFLOP/s | sgemm GFLOP/s | ratio to sgemm |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for run in report.get("runs", []):
         config = run["config"]
         for result in run.get("results", []):
             if "skipped" in result:
                 lines.append(f"| {shape_name(config)} | {config['dtype']} | {mask_name(config)} | "
-                             f"{result['direction']} | not run: {result['skipped']} | | | |")
+                             f"{result['direction']} | not run: {result['skipped']} | | | | |")
                 continue
             sgemm = result.get("sgemm") or {}
             available = sgemm.get("available")
             lines.append(
-                "| {shape} | {dtype} | {mask} | {dir} | {ms} | {gf} | {sg} | {ratio} |".format(
+                "| {shape} | {dtype} | {mask} | {dir} | {ms} | {gf} | {best} | {sg} | {ratio} |".format(
                     shape=shape_name(config),
                     dtype=config["dtype"],
                     mask=mask_name(config),
                     dir=result["direction"],
                     ms=fmt(result.get("median_ms")),
                     gf=fmt(result.get("gflops")),
+                    best=fmt(best_gflops(result)),
                     sg=fmt(sgemm.get("gflops")) if available else "–",
                     ratio=fmt(sgemm.get("ratio"), 3) if available else "–",
                 )
