@@ -22,6 +22,7 @@
 #include "cpu/cpu.h"
 #include "cpu/flash_common.h"
 #include "cpu/parallel.h"
+#include "cpu/storage_dispatch.h"
 #include "cpu/tile_gemm.h"
 
 namespace flashattn::cpu {
@@ -30,8 +31,8 @@ namespace {
 using common::AttentionParams;
 using flash::FloatBuffer;
 
-constexpr int kBlockM = 64;  // query rows per step
-constexpr int kBlockN = 64;  // keys per task
+constexpr int kBlockM = 64;                    // query rows per step
+constexpr int kBlockN = 64;                    // keys per task
 constexpr int kKeyVecs = kBlockN / kVecWidth;  // VecF per row of a (queries, keys) tile
 static_assert(kBlockN % kVecWidth == 0, "a tile row is a whole number of vectors");
 static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0,
@@ -44,18 +45,18 @@ constexpr int kPendingSteps = 4;
 // Per-worker scratch, all fp32.
 struct BackwardScratch {
   int d_padded, dv_padded;
-  FloatBuffer k;         // (kBlockN, d_padded): B of dQ = dS · K
-  FloatBuffer k_t;       // (d, kBlockN): B of S = Q · Kᵀ
-  FloatBuffer v_t;       // (dv, kBlockN): B of dP = dO · Vᵀ
-  FloatBuffer q;         // (kBlockM, d_padded)
-  FloatBuffer dout;      // (kBlockM, dv_padded)
-  FloatBuffer s;         // (kBlockM, kBlockN): dots, or scores when the ScoreMod is not a plain scale
-  FloatBuffer p;         // (kBlockM, kBlockN): probabilities
-  FloatBuffer ds;        // (kBlockM, kBlockN): dP, then dS · ds/ddot
-  FloatBuffer keep;      // (kBlockM, kBlockN): dropout keep bits as 0 / 1
-  FloatBuffer dq;        // (kPendingSteps, kBlockM, d_padded): held dQ contributions, a ring
-  FloatBuffer dk;        // (kBlockN, d_padded): fp32 dK of the task's keys, summed over the group
-  FloatBuffer dv;        // (kBlockN, dv_padded)
+  FloatBuffer k;     // (kBlockN, d_padded): B of dQ = dS · K
+  FloatBuffer k_t;   // (d, kBlockN): B of S = Q · Kᵀ
+  FloatBuffer v_t;   // (dv, kBlockN): B of dP = dO · Vᵀ
+  FloatBuffer q;     // (kBlockM, d_padded)
+  FloatBuffer dout;  // (kBlockM, dv_padded)
+  FloatBuffer s;     // (kBlockM, kBlockN): dots, or scores when the ScoreMod is not a plain scale
+  FloatBuffer p;     // (kBlockM, kBlockN): probabilities
+  FloatBuffer ds;    // (kBlockM, kBlockN): dP, then dS · ds/ddot
+  FloatBuffer keep;  // (kBlockM, kBlockN): dropout keep bits as 0 / 1
+  FloatBuffer dq;    // (kPendingSteps, kBlockM, d_padded): held dQ contributions, a ring
+  FloatBuffer dk;    // (kBlockN, d_padded): fp32 dK of the task's keys, summed over the group
+  FloatBuffer dv;    // (kBlockN, dv_padded)
   FloatBuffer lse_log2;  // (kBlockM): lse · log2(e) of the step's queries
   FloatBuffer delta;     // (kBlockM): D = rowsum(dO ∘ O) of the step's queries
   FloatBuffer row_tmp;   // (max(d, dv)): one converted row
@@ -93,8 +94,8 @@ struct BackwardPlan {
   std::vector<std::int64_t> row_begin;  // (batch + 1): first query row of each sequence
   std::vector<KeyTask> tasks;           // ordered by (block, batch, kv head)
   std::unique_ptr<std::atomic<std::int64_t>[]> progress;  // (tasks)
-  std::vector<float> delta;             // (total_q, h): D = rowsum(dO ∘ O)
-  FloatBuffer dq_accum;                 // (total_q, h, d) fp32
+  std::vector<float> delta;                               // (total_q, h): D = rowsum(dO ∘ O)
+  FloatBuffer dq_accum;                                   // (total_q, h, d) fp32
 
   std::int64_t row_index(const AttentionParams& p, int b, int i, int hh) const {
     return (row_begin[std::size_t(b)] + i) * p.heads + hh;
@@ -107,7 +108,9 @@ void wait_for_progress(const std::atomic<std::int64_t>& progress, std::int64_t v
   int spins = 0;
   while (progress.load(std::memory_order_acquire) < value) {
     if (++spins < kSpinsBeforeYield) {
-      __builtin_ia32_pause();
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();  // tell the core this is a spin loop
+#endif
     } else {
       std::this_thread::yield();  // the predecessor may share this core
     }
@@ -168,8 +171,8 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
   const auto* q = static_cast<const T*>(p.q.data);
   const auto* dout = static_cast<const T*>(p.dout.data);
 
-  float* qt = w.q.get();        // (rows, ldq)
-  float* dot = w.dout.get();    // (rows, ldo)
+  float* qt = w.q.get();      // (rows, ldq)
+  float* dot = w.dout.get();  // (rows, ldo)
   for (int r = 0; r < rows; ++r) {
     const int i = i0 + r;
     flash::load_row(q + p.q_offset(p.q, b, i, hh), d, qt + r * ldq);
@@ -323,7 +326,7 @@ void backward_key_block(const AttentionParams& p, BackwardPlan& plan, std::int64
       if (held == kPendingSteps) add_oldest(true);
       const int rows = backward_step<T>(p, plan, b, hh, qb, j0, keys, w, slot(first + held));
       held_steps[(first + held) % kPendingSteps] = {std::int64_t(g) * query_blocks + qb, hh, qb,
-                                                     rows};
+                                                    rows};
       ++held;
       while (held > 0 && add_oldest(false)) {
       }
@@ -397,13 +400,14 @@ void flash_backward(const AttentionParams& p, int num_threads) {
   }
   const std::int64_t total_rows = plan.row_begin.back() * p.heads;
   plan.delta.assign(std::size_t(total_rows), 0.0f);
-  plan.dq_accum = FloatBuffer(std::size_t(total_rows) * p.head_dim);
+  // Zeroed block by block, in parallel, by delta_block.
+  plan.dq_accum = FloatBuffer(std::size_t(total_rows) * p.head_dim, FloatBuffer::Uninitialized{});
   plan.progress.reset(new std::atomic<std::int64_t>[plan.tasks.size()]);
   for (std::size_t t = 0; t < plan.tasks.size(); ++t) plan.progress[t].store(0);
 
   const std::int64_t num_blocks = std::int64_t(query_blocks.size());
   const std::int64_t num_tasks = std::int64_t(plan.tasks.size());
-  flash::with_storage_type(p.storage, [&](auto type_tag) {
+  with_storage(p.storage, [&](auto type_tag) {
     using T = decltype(type_tag);
     zero_unused_keys<T>(p);
     const int row_workers = parallel_workers(num_blocks, num_threads);

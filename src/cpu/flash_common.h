@@ -1,5 +1,5 @@
 // src/cpu/flash_common.h — helpers shared by the CPU flash forward (flash_fwd.cpp) and backward
-// (flash_bwd.cpp): storage-type dispatch, aligned fp32 scratch, row loads and stores with dtype
+// (flash_bwd.cpp): aligned fp32 scratch, row loads and stores with dtype
 // conversion, rounding to the storage precision, a vector exp2, the dropout keep tile, and the
 // query rows that see a key block. Semantics (mask, score, dropout bits, conversions) come from
 // src/common/; this file only arranges them for tiles.
@@ -29,26 +29,22 @@ inline constexpr float kLn2 = 0.69314718055994530942f;    // ln(2) = 1 / log2(e)
 inline constexpr float kInfinity = __builtin_inff();
 inline constexpr int kScratchAlign = 64;  // bytes: one cache line, one VecF
 
-inline constexpr int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
+inline constexpr int round_up(int x, int multiple) {
+  return (x + multiple - 1) / multiple * multiple;
+}
 inline constexpr int ceil_div(int x, int y) { return (x + y - 1) / y; }
 
-// Calls fn(T{}) with T the C++ type of the storage dtype.
-template <class Fn>
-void with_storage_type(common::Storage storage, Fn&& fn) {
-  switch (storage) {
-    case common::Storage::f16: fn(common::f16_t{}); break;
-    case common::Storage::bf16: fn(common::bf16_t{}); break;
-    case common::Storage::f32: fn(float{}); break;
-  }
-}
-
-// A cache-line aligned fp32 array, zero-filled at allocation.
+// A cache-line aligned fp32 array, zero-filled at allocation unless asked not to be.
 class FloatBuffer {
  public:
+  struct Uninitialized {};
+
   FloatBuffer() = default;
-  explicit FloatBuffer(std::size_t count)
-      : data_(static_cast<float*>(::operator new[](bytes(count), std::align_val_t(kScratchAlign)))) {
-    for (std::size_t e = 0; e < count; ++e) data_.get()[e] = 0.0f;
+  FloatBuffer(std::size_t count, Uninitialized)
+      : data_(
+            static_cast<float*>(::operator new[](bytes(count), std::align_val_t(kScratchAlign)))) {}
+  explicit FloatBuffer(std::size_t count) : FloatBuffer(count, Uninitialized{}) {
+    std::fill(data_.get(), data_.get() + count, 0.0f);
   }
   float* get() const { return data_.get(); }
 
@@ -63,7 +59,7 @@ class FloatBuffer {
   std::unique_ptr<float, Free> data_;
 };
 
-// --- dtype conversion of rows ---------------------------------------------------------------------
+// --- dtype conversion of rows --------------------------------------------------------------------
 
 #if defined(__AVX512F__)
 // The masked-zero forms of the conversion intrinsics, with every lane on, are the plain
@@ -104,7 +100,8 @@ inline void store_row<common::f16_t>(const float* src, float scale, int n, commo
   int e = 0;
   for (; e + kVecWidth <= n; e += kVecWidth) {
     const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + e), _mm512_set1_ps(scale));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e), _mm512_maskz_cvtps_ph(kAllLanes, x, kF16RoundNearest));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e),
+                        _mm512_maskz_cvtps_ph(kAllLanes, x, kF16RoundNearest));
   }
   for (; e < n; ++e) dst[e] = common::from_float<common::f16_t>(src[e] * scale);
 }
@@ -123,13 +120,14 @@ inline void round_row<common::f16_t>(float* x, int n) {
   int e = 0;
   for (; e + kVecWidth <= n; e += kVecWidth) {
     const __m512 v = _mm512_loadu_ps(x + e);
-    _mm512_storeu_ps(x + e, _mm512_maskz_cvtph_ps(kAllLanes, _mm512_maskz_cvtps_ph(kAllLanes, v, kF16RoundNearest)));
+    _mm512_storeu_ps(x + e, _mm512_maskz_cvtph_ps(
+                                kAllLanes, _mm512_maskz_cvtps_ph(kAllLanes, v, kF16RoundNearest)));
   }
   for (; e < n; ++e) x[e] = common::round_to<common::f16_t>(x[e]);
 }
 #endif
 
-// --- vector math ----------------------------------------------------------------------------------
+// --- vector math ---------------------------------------------------------------------------------
 
 typedef std::int32_t VecI __attribute__((vector_size(kVecWidth * sizeof(std::int32_t))));
 
@@ -138,7 +136,11 @@ inline VecF max_vec(VecF a, VecF b) { return a > b ? a : b; }
 // x, materialised as an fp32 value: keeps the compiler from fusing the product that made x into
 // a following add (FMA contraction) where the product's rounding is part of the algorithm.
 inline VecF rounded(VecF x) {
-  __asm__("" : "+v"(x));
+#if defined(__AVX512F__)
+  __asm__("" : "+v"(x));  // x stays in its zmm register
+#else
+  __asm__("" : "+m"(x));  // without 512-bit registers a VecF lives in memory anyway
+#endif
   return x;
 }
 
@@ -175,7 +177,7 @@ inline VecF exp2_vec(VecF x) {
   return x < kMinExponent ? VecF{} : result;
 }
 
-// --- masks ----------------------------------------------------------------------------------------
+// --- masks ---------------------------------------------------------------------------------------
 
 // Query rows [lo, hi) that see at least one key of [j0, j1). Both row bounds col_begin(i) and
 // col_end(i) grow with i, so "sees a key ≥ j0" (col_end(i) > j0) holds from some row on and
@@ -184,25 +186,30 @@ inline std::pair<int, int> rows_seeing_keys(const common::Mask& m, int j0, int j
   int lo = 0, hi = m.seqlen_q;
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
-    if (m.col_end(mid) > j0) hi = mid; else lo = mid + 1;
+    if (m.col_end(mid) > j0)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
   const int first = lo;
   hi = m.seqlen_q;
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
-    if (m.col_begin(mid) >= j1) hi = mid; else lo = mid + 1;
+    if (m.col_begin(mid) >= j1)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
   return {first, lo};
 }
 
-// --- dropout --------------------------------------------------------------------------------------
+// --- dropout -------------------------------------------------------------------------------------
 
 // keep(i, j) ∈ {0, 1} for queries [i0, i0 + rows) × keys [j0, j0 + cols) of one (batch, head),
 // written to keep[(i − i0) · stride_i + (j − j0) · stride_j]. One Philox call serves the 8
 // elements of one lane of a 16×16 block (common/philox.h), so the bits are drawn per block.
 inline void dropout_keep_tile(const common::DropoutParams& dp, std::uint64_t stream, int i0,
-                              int rows, int j0, int cols, float* keep, int stride_i,
-                              int stride_j) {
+                              int rows, int j0, int cols, float* keep, int stride_i, int stride_j) {
   constexpr int kBlock = 16;  // the 16×16 block of the counter layout
   constexpr int kLanes = 32;  // lanes per block, 8 elements each
   for (int bi = i0 / kBlock; bi * kBlock < i0 + rows; ++bi) {

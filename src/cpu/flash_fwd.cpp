@@ -14,6 +14,7 @@
 #include "cpu/cpu.h"
 #include "cpu/flash_common.h"
 #include "cpu/parallel.h"
+#include "cpu/storage_dispatch.h"
 #include "cpu/tile_gemm.h"
 
 namespace flashattn::cpu {
@@ -22,8 +23,8 @@ namespace {
 using common::AttentionParams;
 using flash::FloatBuffer;
 
-constexpr int kBlockM = 64;   // query rows per task: the columns of Sᵀ
-constexpr int kBlockN = 64;   // keys per inner tile: the rows of Sᵀ
+constexpr int kBlockM = 64;                    // query rows per task: the columns of Sᵀ
+constexpr int kBlockN = 64;                    // keys per inner tile: the rows of Sᵀ
 constexpr int kColVecs = kBlockM / kVecWidth;  // VecF per row of Sᵀ
 static_assert(kBlockM % kVecWidth == 0, "a row of Sᵀ is a whole number of vectors");
 static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0,
@@ -99,9 +100,9 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
   const int key_end = mask.block_col_end(i0 + rows);
   for (int j0 = key_begin / kBlockN * kBlockN; j0 < key_end; j0 += kBlockN) {
     const int keys = std::min(kBlockN, key_end - j0);
-    float* kt = w.k.get();    // (keys, d)
-    float* vt = w.v.get();    // (keys, ldv)
-    float* s_t = w.s_t.get(); // (keys, kBlockM)
+    float* kt = w.k.get();     // (keys, d)
+    float* vt = w.v.get();     // (keys, ldv)
+    float* s_t = w.s_t.get();  // (keys, kBlockM)
     for (int r = 0; r < keys; ++r) {
       flash::load_row(k + p.k_offset(p.k, b, j0 + r, hk), d, kt + r * d);
       flash::load_row(v + p.k_offset(p.v, b, j0 + r, hk), dv, vt + r * ldv);
@@ -110,7 +111,8 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
 
     if (!plain) {
       for (int r = 0; r < keys; ++r) {
-        for (int c = 0; c < rows; ++c) s_t[r * kBlockM + c] = mod(s_t[r * kBlockM + c], i0 + c, j0 + r);
+        for (int c = 0; c < rows; ++c)
+          s_t[r * kBlockM + c] = mod(s_t[r * kBlockM + c], i0 + c, j0 + r);
       }
     }
     if (!mask.block_fully_visible(i0, i0 + rows, j0, j0 + keys)) {
@@ -163,8 +165,8 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
     flash::round_row<T>(s_t, keys * kBlockM);
     if (dropout) {
       float* keep = w.keep.get();
-      flash::dropout_keep_tile(p.dropout, p.dropout_stream(b, hh), i0, kBlockM, j0, keys, keep,
-                               1, kBlockM);
+      flash::dropout_keep_tile(p.dropout, p.dropout_stream(b, hh), i0, kBlockM, j0, keys, keep, 1,
+                               kBlockM);
       for (int e = 0; e < keys * kBlockM; e += kVecWidth) {
         store_vec(s_t + e, load_vec(s_t + e) * load_vec(keep + e));
       }
@@ -220,7 +222,7 @@ void flash_forward(const AttentionParams& p, int num_threads) {
     return x.key_tiles > y.key_tiles;
   });
   const int workers = parallel_workers(std::int64_t(tasks.size()), num_threads);
-  flash::with_storage_type(p.storage, [&](auto type_tag) {
+  with_storage(p.storage, [&](auto type_tag) {
     using T = decltype(type_tag);
     std::vector<ForwardScratch> scratch;
     scratch.reserve(std::size_t(workers));

@@ -10,6 +10,12 @@
 
 namespace flashattn::cpu {
 
+// Builds without -march=native get a VecF that no register holds; GCC then notes (-Wpsabi) that
+// passing it by value has no fixed ABI. Every function taking one is inline, so no ABI is crossed;
+// the note stays off for the rest of every file that includes this header (the warning fires at
+// the inlined call sites, so a push/pop here would not cover it).
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 inline constexpr int kVecWidth = 16;  // fp32 lanes of one VecF
 typedef float VecF __attribute__((vector_size(kVecWidth * sizeof(float))));
 
@@ -65,6 +71,20 @@ inline void micro_kernel(int k, const float* __restrict a, int lda, const float*
   }
 }
 
+// The last m mod kMicroRows rows of a column strip: a register block of exactly `rows` rows,
+// found by counting kRows down from kMicroRows − 1.
+template <int kRows, int kVecs, ALayout kA, bool kAccumulate>
+inline void row_tail(int rows, int k, const float* a, int lda, const float* b, int ldb, float* c,
+                     int ldc) {
+  if constexpr (kRows > 0) {
+    if (rows == kRows) {
+      micro_kernel<kRows, kVecs, kA, kAccumulate>(k, a, lda, b, ldb, c, ldc);
+    } else {
+      row_tail<kRows - 1, kVecs, kA, kAccumulate>(rows, k, a, lda, b, ldb, c, ldc);
+    }
+  }
+}
+
 // Rows [0, m) of one column strip of kVecs vectors: full register blocks, then the row tail.
 template <int kVecs, ALayout kA, bool kAccumulate>
 inline void column_strip(int m, int k, const float* a, int lda, const float* b, int ldb, float* c,
@@ -74,19 +94,8 @@ inline void column_strip(int m, int k, const float* a, int lda, const float* b, 
   for (; r + kMicroRows <= m; r += kMicroRows) {
     micro_kernel<kMicroRows, kVecs, kA, kAccumulate>(k, a_row(r), lda, b, ldb, c + r * ldc, ldc);
   }
-  float* c_tail = c + r * ldc;
-  const float* a_tail = a_row(r);
-  switch (m - r) {
-    case 0: break;
-    case 1: micro_kernel<1, kVecs, kA, kAccumulate>(k, a_tail, lda, b, ldb, c_tail, ldc); break;
-    case 2: micro_kernel<2, kVecs, kA, kAccumulate>(k, a_tail, lda, b, ldb, c_tail, ldc); break;
-    case 3: micro_kernel<3, kVecs, kA, kAccumulate>(k, a_tail, lda, b, ldb, c_tail, ldc); break;
-    case 4: micro_kernel<4, kVecs, kA, kAccumulate>(k, a_tail, lda, b, ldb, c_tail, ldc); break;
-    case 5: micro_kernel<5, kVecs, kA, kAccumulate>(k, a_tail, lda, b, ldb, c_tail, ldc); break;
-    case 6: micro_kernel<6, kVecs, kA, kAccumulate>(k, a_tail, lda, b, ldb, c_tail, ldc); break;
-    default: micro_kernel<7, kVecs, kA, kAccumulate>(k, a_tail, lda, b, ldb, c_tail, ldc); break;
-  }
-  static_assert(kMicroRows == 8, "the row-tail switch above covers tails of 1..7 rows");
+  row_tail<kMicroRows - 1, kVecs, kA, kAccumulate>(m - r, k, a_row(r), lda, b, ldb, c + r * ldc,
+                                                   ldc);
 }
 
 }  // namespace detail

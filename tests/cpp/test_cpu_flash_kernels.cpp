@@ -5,6 +5,8 @@
 //   * parallel_for (src/cpu/parallel.h): every task exactly once, worker ids in range, tasks that
 //     wait on lower-numbered tasks finish for any thread count, the first exception is rethrown.
 // The attention results of the backend are checked by test_forward.cpp / test_backward.cpp.
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -12,8 +14,6 @@
 #include <stdexcept>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "cpu/parallel.h"
 #include "cpu/tile_gemm.h"
@@ -39,9 +39,10 @@ struct GemmShape {
 // fp32 inputs. Each fp32 product-sum of k terms is within k · 2^-24 · Σ|a·b| of the exact value.
 template <cpu::ALayout kA, bool kAccumulate>
 void check_gemm(const GemmShape& s) {
-  SCOPED_TRACE(testing::Message() << "m=" << s.m << " n=" << s.n << " k=" << s.k
-                                  << (kA == cpu::ALayout::transposed ? " A transposed" : " A row-major")
-                                  << (kAccumulate ? " accumulate" : ""));
+  SCOPED_TRACE(
+      testing::Message() << "m=" << s.m << " n=" << s.n << " k=" << s.k
+                         << (kA == cpu::ALayout::transposed ? " A transposed" : " A row-major")
+                         << (kAccumulate ? " accumulate" : ""));
   constexpr int kExtraColumns = 5;  // leading dimensions wider than the tile
   const int lda = (kA == cpu::ALayout::row_major ? s.k : s.m) + kExtraColumns;
   const int a_rows = kA == cpu::ALayout::row_major ? s.m : s.k;
@@ -54,7 +55,8 @@ void check_gemm(const GemmShape& s) {
   cpu::tile_gemm<kA, kAccumulate>(s.m, s.n, s.k, a.data(), lda, b.data(), ldb, c.data(), ldc);
 
   const auto a_at = [&](int r, int kk) {
-    return kA == cpu::ALayout::row_major ? a[std::size_t(r) * lda + kk] : a[std::size_t(kk) * lda + r];
+    return kA == cpu::ALayout::row_major ? a[std::size_t(r) * lda + kk]
+                                         : a[std::size_t(kk) * lda + r];
   };
   constexpr double kUnitRoundoff = 1.0 / (1 << 24);
   for (int r = 0; r < s.m; ++r) {
@@ -78,9 +80,9 @@ void check_gemm(const GemmShape& s) {
 }
 
 const GemmShape kGemmShapes[] = {
-    {1, 16, 1},   {7, 16, 3},    {8, 32, 64},  {9, 48, 17},  {13, 80, 128}, {15, 16, 8},
-    {16, 64, 64}, {64, 64, 128}, {64, 128, 64}, {3, 256, 5}, {23, 112, 33}, {64, 16, 256},
-    {5, 32, 0},
+    {1, 16, 1},    {7, 16, 3},    {8, 32, 64},   {9, 48, 17},   {13, 80, 128},
+    {15, 16, 8},   {16, 64, 64},  {64, 64, 128}, {64, 128, 64}, {3, 256, 5},
+    {23, 112, 33}, {64, 16, 256}, {5, 32, 0},
 };
 
 TEST(TileGemm, RowMajorAMatchesFp64) {
@@ -108,13 +110,14 @@ TEST(TileGemm, ExactOnIntegers) {
   for (int r = 0; r < m; ++r) {
     for (int col = 0; col < n; ++col) {
       float expect = 0;
-      for (int kk = 0; kk < k; ++kk) expect += a[std::size_t(r) * k + kk] * b[std::size_t(kk) * n + col];
+      for (int kk = 0; kk < k; ++kk)
+        expect += a[std::size_t(r) * k + kk] * b[std::size_t(kk) * n + col];
       ASSERT_EQ(c[std::size_t(r) * n + col], expect) << "at (" << r << ", " << col << ")";
     }
   }
 }
 
-// --- parallel_for ------------------------------------------------------------------------------
+// --- parallel_for --------------------------------------------------------------------------------
 
 TEST(ParallelFor, WorkerCount) {
   EXPECT_EQ(cpu::parallel_workers(0, 4), 1);
@@ -134,7 +137,8 @@ TEST(ParallelFor, RunsEveryTaskOnce) {
         runs[std::size_t(t)].fetch_add(1);
         if (worker < 0 || worker >= workers) bad_worker.fetch_add(1);
       });
-      for (std::int64_t t = 0; t < tasks; ++t) ASSERT_EQ(runs[std::size_t(t)].load(), 1) << "task " << t;
+      for (std::int64_t t = 0; t < tasks; ++t)
+        ASSERT_EQ(runs[std::size_t(t)].load(), 1) << "task " << t;
       EXPECT_EQ(bad_worker.load(), 0);
     }
   }
@@ -149,7 +153,8 @@ TEST(ParallelFor, TasksMayWaitForEarlierTasks) {
     std::vector<std::atomic<int>> done(kTasks);
     cpu::parallel_for(kTasks, threads, [&](std::int64_t t, int) {
       if (t > 0) {
-        while (done[std::size_t(t - 1)].load(std::memory_order_acquire) == 0) std::this_thread::yield();
+        while (done[std::size_t(t - 1)].load(std::memory_order_acquire) == 0)
+          std::this_thread::yield();
       }
       done[std::size_t(t)].store(1, std::memory_order_release);
     });
