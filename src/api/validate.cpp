@@ -13,12 +13,18 @@ namespace {
 constexpr int kMaxHeadDim = 256;
 constexpr int kHeadDimMultiple = 8;
 constexpr int kRotaryDimMultiple = 16;
-// Sequence lengths (and KV-cache capacities) stay below 2^30 so that every row index, diagonal
+// Sequence lengths (and KV-cache capacities) stay at most 2^30 so that every row index, diagonal
 // and dropout counter fits its 32-bit field (docs/dropout.md).
 constexpr std::int64_t kMaxSeqlen = std::int64_t(1) << 30;
 
 std::string device_string(Device d) {
   return d.type == DeviceType::cpu ? "cpu" : "cuda:" + std::to_string(d.index);
+}
+
+std::string strides_string(const TensorView& t) {
+  std::string s = "(";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.stride[i]);
+  return s + ")";
 }
 
 std::string shape_of(std::initializer_list<std::int64_t> dims) {
@@ -78,7 +84,15 @@ class Checker {
   }
 
   void contiguous(const std::string& name, const TensorView& t) const {
-    if (!t.is_contiguous()) fail(name, "must be contiguous (row-major)", "contiguous strides", "other strides");
+    if (!t.is_contiguous()) {
+      TensorView dense = t;
+      std::int64_t stride = 1;
+      for (int i = t.ndim - 1; i >= 0; --i) {
+        dense.stride[i] = stride;
+        stride *= t.shape[i];
+      }
+      fail(name, "must be contiguous (row-major)", "strides " + strides_string(dense), "strides " + strides_string(t));
+    }
   }
 
   void same_device(const std::string& name, const TensorView& t, Device device) const {
@@ -321,7 +335,7 @@ Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const
            "a divisor of " + std::to_string(dims.h), std::to_string(dims.hk));
   }
   if (dims.sq > kMaxSeqlen || dims.sk > kMaxSeqlen) {
-    c.fail("q", "sequence lengths must be below 2^30", "≤ 2^30", std::to_string(std::max(dims.sq, dims.sk)));
+    c.fail("q", "sequence lengths must be at most 2^30", "≤ 2^30", std::to_string(std::max(dims.sq, dims.sk)));
   }
   return dims;
 }
