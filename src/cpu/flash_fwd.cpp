@@ -1,10 +1,15 @@
 // src/cpu/flash_fwd.cpp — the CPU flash forward: online softmax over key tiles, one task per
-// (batch, query head, block of kBlockM query rows), memory O(tiles).
+// (batch, kv head, block of kBlockM packed query rows), memory O(tiles).
 //
-// Per task the query tile is packed once, transposed, as the B operand of Sᵀ = K · Qᵀ, so the
-// per-key-tile work is a dtype conversion of K and V (no transpose) and the softmax statistics of
-// each query are vectors across the columns of Sᵀ. The probabilities then feed O += P · V with P
-// read through Sᵀ's transposed layout.
+// The query rows of all heads that share a kv head are packed, row-major over (i, head in the
+// group): packed row ρ = i · group + g. A block of kBlockM packed rows then reads each K/V tile
+// once for the whole group, which makes decoding (a few queries, GQA) cheap, and is the plain
+// (i, one head) tiling when group = 1.
+//
+// Per task the packed query tile is stored once, transposed, as the B operand of Sᵀ = K · Qᵀ, so
+// the per-key-tile work is a dtype conversion of K and V (no transpose) and the softmax statistics
+// of each query are vectors across the columns of Sᵀ. The probabilities then feed O += P · V with
+// P read through Sᵀ's transposed layout.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,30 +28,30 @@ namespace {
 using common::AttentionParams;
 using flash::FloatBuffer;
 
-constexpr int kBlockM = 64;                    // query rows per task: the columns of Sᵀ
-constexpr int kBlockN = 64;                    // keys per inner tile: the rows of Sᵀ
-constexpr int kColVecs = kBlockM / kVecWidth;  // VecF per row of Sᵀ
+constexpr int kBlockM = 64;                       // packed query rows per task: the columns of Sᵀ
+constexpr int kBlockN = 64;                       // keys per inner tile: the rows of Sᵀ
+constexpr int kMaxColVecs = kBlockM / kVecWidth;  // VecF per row of Sᵀ
 static_assert(kBlockM % kVecWidth == 0, "a row of Sᵀ is a whole number of vectors");
-static_assert(kBlockN % 16 == 0 && kBlockM % 16 == 0,
-              "tiles start on 16×16 dropout blocks, so a block never straddles two tiles");
+static_assert(kBlockN % 16 == 0, "key tiles start on 16×16 dropout blocks");
 
-// Per-worker scratch, all fp32.
+// Per-worker scratch, all fp32 except the per-column bookkeeping.
 struct ForwardScratch {
-  int head_dim, head_dim_v_padded;
-  FloatBuffer q_t;      // (d, kBlockM): the query tile, transposed
+  int head_dim_v_padded;
+  FloatBuffer q_t;      // (d, kBlockM): the packed query tile, transposed
   FloatBuffer k;        // (kBlockN, d)
   FloatBuffer v;        // (kBlockN, dv_padded); the padding columns stay 0
-  FloatBuffer s_t;      // (kBlockN, kBlockM): scores, then probabilities, keys × queries
+  FloatBuffer s_t;      // (kBlockN, kBlockM): scores, then probabilities, keys × packed queries
   FloatBuffer keep;     // (kBlockN, kBlockM): dropout keep bits as 0 / 1
   FloatBuffer o;        // (kBlockM, dv_padded): unnormalised output accumulator
   FloatBuffer row_max;  // (kBlockM): running max of the scores in log2 units
   FloatBuffer row_sum;  // (kBlockM): running Σ 2^(y − row_max)
   FloatBuffer alpha;    // (kBlockM): this tile's rescale factor of the accumulated rows
-  FloatBuffer row_tmp;  // (max(d, dv)): one converted row
+  FloatBuffer row_tmp;  // (d): one converted query row
+  std::vector<int> col_row, col_head;         // (kBlockM): query row i and head of each column
+  std::vector<common::ScoreMod<float>> mods;  // (group): the ScoreMod of each head of the group
 
-  ForwardScratch(int d, int dv)
-      : head_dim(d),
-        head_dim_v_padded(flash::round_up(dv, kVecWidth)),
+  ForwardScratch(int d, int dv, int group)
+      : head_dim_v_padded(flash::round_up(dv, kVecWidth)),
         q_t(std::size_t(d) * kBlockM),
         k(std::size_t(kBlockN) * d),
         v(std::size_t(kBlockN) * head_dim_v_padded),
@@ -56,48 +61,60 @@ struct ForwardScratch {
         row_max(kBlockM),
         row_sum(kBlockM),
         alpha(kBlockM),
-        row_tmp(std::size_t(std::max(d, dv))) {}
+        row_tmp(std::size_t(d)),
+        col_row(kBlockM),
+        col_head(kBlockM),
+        mods(std::size_t(group)) {}
 };
 
 struct ForwardTask {
-  int batch, head, block;  // query rows [block · kBlockM, …)
-  int key_tiles;           // work estimate, for scheduling the longest tasks first
+  int batch, kv_head, block;  // packed query rows [block · kBlockM, …)
+  int key_tiles;              // work estimate, for scheduling the longest tasks first
 };
 
-// One (batch, head, query block): writes out rows and lse entries [i0, i0 + rows).
+// One (batch, kv head, packed query block): writes the out rows and lse entries of its columns.
 template <class T>
 void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScratch& w) {
-  const int b = task.batch, hh = task.head, hk = hh / p.group_size();
+  const int b = task.batch, hk = task.kv_head, group = p.group_size();
   const int d = p.head_dim, dv = p.head_dim_v, ldv = w.head_dim_v_padded;
-  const int i0 = task.block * kBlockM;
-  const int rows = std::min(kBlockM, p.seqlen_q(b) - i0);
+  const int packed0 = task.block * kBlockM;
+  const int cols = std::min(kBlockM, group * p.seqlen_q(b) - packed0);  // valid columns
+  const int col_vecs = flash::ceil_div(cols, kVecWidth);
+  const int i_first = packed0 / group, i_end = (packed0 + cols - 1) / group + 1;  // query rows
   const common::Mask mask = p.mask(b);
-  const common::ScoreMod<float> mod = p.score_mod<float>(b, hh);
-  const bool plain = flash::is_plain_scale(mod);
+  bool plain = true;
+  for (int g = 0; g < group; ++g) {
+    w.mods[std::size_t(g)] = p.score_mod<float>(b, hk * group + g);
+    plain = plain && flash::is_plain_scale(w.mods[std::size_t(g)]);
+  }
   // Tile values x are dots (plain) or scores, y = x · value_log2 the score in log2 units, and
   // the softmax weight exp(s − max s) = 2^(y − max y).
-  const float value_log2 = plain ? mod.scale * flash::kLog2e : flash::kLog2e;
+  const float value_log2 = plain ? w.mods[0].scale * flash::kLog2e : flash::kLog2e;
   const bool dropout = p.dropout_p > 0.0f;
   const auto* q = static_cast<const T*>(p.q.data);
   const auto* k = static_cast<const T*>(p.k.data);
   const auto* v = static_cast<const T*>(p.v.data);
 
   float* q_t = w.q_t.get();  // (d, kBlockM)
-  for (int c = 0; c < kBlockM; ++c) {
-    float* row = w.row_tmp.get();
-    if (c < rows) {
-      flash::load_row(q + p.q_offset(p.q, b, i0 + c, hh), d, row);
+  for (int c = 0; c < col_vecs * kVecWidth; ++c) {
+    if (c < cols) {
+      const int packed = packed0 + c;
+      w.col_row[std::size_t(c)] = packed / group;
+      w.col_head[std::size_t(c)] = hk * group + packed % group;
+      float* row = w.row_tmp.get();
+      flash::load_row(q + p.q_offset(p.q, b, packed / group, hk * group + packed % group), d, row);
+      for (int e = 0; e < d; ++e) q_t[e * kBlockM + c] = row[e];
     } else {
-      std::fill(row, row + d, 0.0f);  // padding queries: finite dots, never stored
+      for (int e = 0; e < d; ++e) q_t[e * kBlockM + c] = 0.0f;  // padding: finite, never stored
     }
-    for (int e = 0; e < d; ++e) q_t[e * kBlockM + c] = row[e];
   }
   std::fill(w.o.get(), w.o.get() + std::size_t(kBlockM) * ldv, 0.0f);
   std::fill(w.row_max.get(), w.row_max.get() + kBlockM, -flash::kInfinity);
   std::fill(w.row_sum.get(), w.row_sum.get() + kBlockM, 0.0f);
+  if (dropout) std::fill(w.keep.get(), w.keep.get() + std::size_t(kBlockN) * kBlockM, 0.0f);
 
-  const int key_begin = mask.block_col_begin(i0);
-  const int key_end = mask.block_col_end(i0 + rows);
+  const int key_begin = mask.block_col_begin(i_first);
+  const int key_end = mask.block_col_end(i_end);
   for (int j0 = key_begin / kBlockN * kBlockN; j0 < key_end; j0 += kBlockN) {
     const int keys = std::min(kBlockN, key_end - j0);
     float* kt = w.k.get();     // (keys, d)
@@ -107,18 +124,21 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
       flash::load_row(k + p.k_offset(p.k, b, j0 + r, hk), d, kt + r * d);
       flash::load_row(v + p.k_offset(p.v, b, j0 + r, hk), dv, vt + r * ldv);
     }
-    tile_gemm<ALayout::row_major, false>(keys, kBlockM, d, kt, d, q_t, kBlockM, s_t, kBlockM);
+    tile_gemm<ALayout::row_major, false>(keys, col_vecs * kVecWidth, d, kt, d, q_t, kBlockM, s_t,
+                                         kBlockM);
 
     if (!plain) {
       for (int r = 0; r < keys; ++r) {
-        for (int c = 0; c < rows; ++c)
-          s_t[r * kBlockM + c] = mod(s_t[r * kBlockM + c], i0 + c, j0 + r);
+        for (int c = 0; c < cols; ++c) {
+          const common::ScoreMod<float>& mod = w.mods[std::size_t(w.col_head[c] - hk * group)];
+          s_t[r * kBlockM + c] = mod(s_t[r * kBlockM + c], w.col_row[c], j0 + r);
+        }
       }
     }
-    if (!mask.block_fully_visible(i0, i0 + rows, j0, j0 + keys)) {
+    if (!mask.block_fully_visible(i_first, i_end, j0, j0 + keys)) {
       for (int r = 0; r < keys; ++r) {
-        for (int c = 0; c < rows; ++c) {
-          if (!mask.visible(i0 + c, j0 + r)) s_t[r * kBlockM + c] = -flash::kInfinity;
+        for (int c = 0; c < cols; ++c) {
+          if (!mask.visible(w.col_row[c], j0 + r)) s_t[r * kBlockM + c] = -flash::kInfinity;
         }
       }
     }
@@ -126,18 +146,18 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
     // Online softmax, one VecF of queries at a time. y is rounded to fp32 before the max is
     // subtracted (no fused multiply-add), so a row's max element weighs exactly 2^0 = 1: a query
     // that sees one key gets exactly that key's value row, as the exact softmax does.
-    VecF tile_max[kColVecs];
-    for (int cv = 0; cv < kColVecs; ++cv) tile_max[cv] = splat(-flash::kInfinity);
+    VecF tile_max[kMaxColVecs];
+    for (int cv = 0; cv < col_vecs; ++cv) tile_max[cv] = splat(-flash::kInfinity);
     for (int r = 0; r < keys; ++r) {
-      for (int cv = 0; cv < kColVecs; ++cv) {
+      for (int cv = 0; cv < col_vecs; ++cv) {
         float* x = s_t + r * kBlockM + cv * kVecWidth;
         const VecF y = load_vec(x) * value_log2;
         store_vec(x, y);
         tile_max[cv] = flash::max_vec(tile_max[cv], y);
       }
     }
-    VecF alpha[kColVecs], safe_max[kColVecs], tile_sum[kColVecs];
-    for (int cv = 0; cv < kColVecs; ++cv) {
+    VecF alpha[kMaxColVecs], safe_max[kMaxColVecs], tile_sum[kMaxColVecs];
+    for (int cv = 0; cv < col_vecs; ++cv) {
       const VecF old_max = load_vec(w.row_max.get() + cv * kVecWidth);
       const VecF new_max = flash::max_vec(old_max, tile_max[cv]);
       // A query that has seen only masked keys has max −∞: measure against 0 instead, so that
@@ -149,43 +169,53 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
       store_vec(w.row_max.get() + cv * kVecWidth, new_max);
     }
     for (int r = 0; r < keys; ++r) {
-      for (int cv = 0; cv < kColVecs; ++cv) {
+      for (int cv = 0; cv < col_vecs; ++cv) {
         float* x = s_t + r * kBlockM + cv * kVecWidth;
         const VecF prob = flash::exp2_vec(load_vec(x) - safe_max[cv]);
         tile_sum[cv] += prob;
         store_vec(x, prob);
       }
     }
-    for (int cv = 0; cv < kColVecs; ++cv) {
+    for (int cv = 0; cv < col_vecs; ++cv) {
       float* sum = w.row_sum.get() + cv * kVecWidth;
       store_vec(sum, load_vec(sum) * alpha[cv] + tile_sum[cv]);
       store_vec(w.alpha.get() + cv * kVecWidth, alpha[cv]);
     }
     // P enters P · V in the storage precision, as on the GPU; the row sums keep fp32 P.
-    flash::round_row<T>(s_t, keys * kBlockM);
+    for (int r = 0; r < keys; ++r) flash::round_row<T>(s_t + r * kBlockM, col_vecs * kVecWidth);
     if (dropout) {
+      // The columns of head g are those of rows i with i · group + g in the block, every
+      // group-th column; the padding columns keep 0.
       float* keep = w.keep.get();
-      flash::dropout_keep_tile(p.dropout, p.dropout_stream(b, hh), i0, kBlockM, j0, keys, keep, 1,
-                               kBlockM);
-      for (int e = 0; e < keys * kBlockM; e += kVecWidth) {
-        store_vec(s_t + e, load_vec(s_t + e) * load_vec(keep + e));
+      for (int g = 0; g < group; ++g) {
+        const int i_lo = std::max(i_first, flash::ceil_div(packed0 - g, group));
+        const int i_hi = (packed0 + cols - 1 - g) / group + 1;
+        if (packed0 + cols - 1 - g < 0 || i_lo >= i_hi) continue;
+        flash::dropout_keep_tile(p.dropout, p.dropout_stream(b, hk * group + g), i_lo, i_hi - i_lo,
+                                 j0, keys, keep + (i_lo * group + g - packed0), group, kBlockM);
+      }
+      for (int r = 0; r < keys; ++r) {
+        for (int cv = 0; cv < col_vecs; ++cv) {
+          const int e = r * kBlockM + cv * kVecWidth;
+          store_vec(s_t + e, load_vec(s_t + e) * load_vec(keep + e));
+        }
       }
     }
 
     float* o = w.o.get();  // (kBlockM, ldv)
-    for (int c = 0; c < rows; ++c) {
+    for (int c = 0; c < cols; ++c) {
       const float a = w.alpha.get()[c];
       if (a == 1.0f) continue;  // the max did not move: nothing to rescale
       for (int e = 0; e < ldv; e += kVecWidth) {
         store_vec(o + c * ldv + e, load_vec(o + c * ldv + e) * a);
       }
     }
-    tile_gemm<ALayout::transposed, true>(rows, ldv, keys, s_t, kBlockM, vt, ldv, o, ldv);
+    tile_gemm<ALayout::transposed, true>(cols, ldv, keys, s_t, kBlockM, vt, ldv, o, ldv);
   }
 
   auto* out = static_cast<T*>(p.out.data);
-  for (int c = 0; c < rows; ++c) {
-    const int i = i0 + c;
+  for (int c = 0; c < cols; ++c) {
+    const int i = w.col_row[std::size_t(c)], hh = w.col_head[std::size_t(c)];
     const float sum = w.row_sum.get()[c];
     T* out_row = out + p.q_offset(p.out, b, i, hh);
     if (sum > 0.0f) {
@@ -204,16 +234,19 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
 }  // namespace
 
 void flash_forward(const AttentionParams& p, int num_threads) {
+  const int group = p.group_size();
   std::vector<ForwardTask> tasks;
   for (int b = 0; b < p.batch; ++b) {
-    const int sq = p.seqlen_q(b);
+    const int packed_rows = group * p.seqlen_q(b);
     const common::Mask mask = p.mask(b);
-    for (int block = 0; block * kBlockM < sq; ++block) {
-      const int i0 = block * kBlockM, i1 = std::min(sq, i0 + kBlockM);
-      const int key_begin = mask.block_col_begin(i0), key_end = mask.block_col_end(i1);
+    for (int block = 0; block * kBlockM < packed_rows; ++block) {
+      const int packed0 = block * kBlockM;
+      const int packed1 = std::min(packed_rows, packed0 + kBlockM);
+      const int key_begin = mask.block_col_begin(packed0 / group);
+      const int key_end = mask.block_col_end((packed1 - 1) / group + 1);
       const int key_tiles =
           key_end > key_begin ? flash::ceil_div(key_end, kBlockN) - key_begin / kBlockN : 0;
-      for (int hh = 0; hh < p.heads; ++hh) tasks.push_back({b, hh, block, key_tiles});
+      for (int hk = 0; hk < p.heads_k; ++hk) tasks.push_back({b, hk, block, key_tiles});
     }
   }
   // Longest first, so that the causal mask's short tail tasks fill in at the end. Each task owns
@@ -226,7 +259,7 @@ void flash_forward(const AttentionParams& p, int num_threads) {
     using T = decltype(type_tag);
     std::vector<ForwardScratch> scratch;
     scratch.reserve(std::size_t(workers));
-    for (int wk = 0; wk < workers; ++wk) scratch.emplace_back(p.head_dim, p.head_dim_v);
+    for (int wk = 0; wk < workers; ++wk) scratch.emplace_back(p.head_dim, p.head_dim_v, group);
     parallel_for(std::int64_t(tasks.size()), num_threads, [&](std::int64_t t, int worker) {
       forward_block<T>(p, tasks[std::size_t(t)], scratch[std::size_t(worker)]);
     });
