@@ -81,6 +81,14 @@ struct FwdTraits {
 
 // --- small device helpers -----------------------------------------------------------------------
 
+// x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
+// built on it stay "base + constant" inside the key loop instead of being hoisted out as one
+// loop-invariant register per accumulator element (which spills).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // 16-byte cp.async global → shared; when !valid nothing is read and the 16 bytes are zero-filled
 // (out-of-range rows and columns must be zeros: a stale NaN times P = 0 would still be NaN).
 __device__ __forceinline__ void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
@@ -162,9 +170,12 @@ __device__ __forceinline__ void load_tile(const typename Traits::Element* base, 
   auto thr_copy = tiled_copy.get_thread_slice(tid);
   Tensor t_s = thr_copy.partition_D(s_tile);  // (CPY, CPY_ROWS, CPY_COLS)
   Tensor t_c = thr_copy.partition_D(make_identity_tensor(make_shape(Int<kRows>{}, Int<Traits::kHeadDim>{})));
+  // The thread's first row, opaque: row offsets are recomputed per tile rather than hoisted out
+  // of the key loop (one 64-bit register pair per row).
+  const int row0 = opaque(get<0>(t_c(0, 0, 0)));
   CUTE_UNROLL
   for (int m = 0; m < size<1>(t_s); ++m) {
-    const int row = get<0>(t_c(0, m, 0));
+    const int row = row0 + (get<0>(t_c(0, m, 0)) - get<0>(t_c(0, 0, 0)));
     const bool row_ok = row < valid_rows;
     // Rows past the end are never read: their offset is not computed (it may leave the page table).
     const Element* src_row = row_ok ? base + row_offset(row) : base;
@@ -180,7 +191,10 @@ __device__ __forceinline__ void load_tile(const typename Traits::Element* base, 
 // --- the kernel ---------------------------------------------------------------------------------
 //
 // Grid: (⌈max_seqlen_q / kBlockM⌉, heads, batch). rng_state: optional device {seed, offset}.
-template <class Traits>
+// kScoreModAndDropout: whether softcap, ALiBi and dropout are compiled in. The plain variant
+// leaves them out so that their registers do not weigh on the common case (the flags are still
+// read at run time in the full variant).
+template <class Traits, bool kScoreModAndDropout>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const std::uint64_t* rng_state) {
   using Element = typename Traits::Element;
@@ -188,7 +202,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
 
-  const int m_block = blockIdx.x;
+  // Highest row blocks first: under a causal mask they see the most keys, and starting the long
+  // CTAs early shortens the tail of the grid.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
@@ -260,11 +276,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Scores reach exp2 through one multiplier: the plain path keeps raw q·k and folds
     // softmax_scale · log2(e) into it; with softcap or ALiBi the ScoreMod of src/common produces
     // natural-log scores first, and only log2(e) is left.
-    const bool use_score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+    const bool use_score_mod = kScoreModAndDropout && (p.softcap > 0.0f || p.alibi_slopes != nullptr);
     const common::ScoreMod<float> score_mod = p.score_mod<float>(batch, head);
     const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
 
-    const bool use_dropout = p.dropout_p > 0.0f;
+    const bool use_dropout = kScoreModAndDropout && p.dropout_p > 0.0f;
     common::DropoutParams dropout = p.dropout;
     if (use_dropout && rng_state != nullptr) {
       dropout.seed = rng_state[0];
@@ -295,27 +311,32 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, thr_copy_q, thr_copy_k);
 
       Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));  // (rows, cols)
+      // Sequence coordinates of element (mi, ni): (row0 + Δrow, col0 + Δcol), Δ compile-time.
+      const int row0 = opaque(m_start + get<0>(cS_rc(0, 0)));
+      const int col0 = opaque(n_start + get<1>(cS_rc(0, 0)));
+      auto seq_row = [&](int mi, int ni) { return row0 + (get<0>(cS_rc(mi, ni)) - get<0>(cS_rc(0, 0))); };
+      auto seq_col = [&](int mi, int ni) { return col0 + (get<1>(cS_rc(mi, ni)) - get<1>(cS_rc(0, 0))); };
       if (use_score_mod) {
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(s); ++mi) {
           CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(s); ++ni) {
-            const int i = m_start + get<0>(cS_rc(mi, ni));
-            const int j = n_start + get<1>(cS_rc(mi, ni));
-            s(mi, ni) = score_mod(s(mi, ni), i, j);
-          }
+          for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = score_mod(s(mi, ni), seq_row(mi, ni), seq_col(mi, ni));
         }
       }
       // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
-      // the ragged last tile).
+      // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
+      // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
+      // and hoisting one per accumulator element out of the key loop spills registers.
       if (!mask.block_fully_visible(m_start, m_start + rows_here, n_start, n_start + kBlockN)) {
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(s); ++mi) {
+          const int i = m_start + get<0>(cS_rc(mi, 0));
+          const int lo = mask.col_begin(i) - n_start;
+          const int hi = mask.col_end(i) - n_start;
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(s); ++ni) {
-            const int i = m_start + get<0>(cS_rc(mi, ni));
-            const int j = n_start + get<1>(cS_rc(mi, ni));
-            if (j >= seqlen_k || !mask.visible(i, j)) s(mi, ni) = -kInf;
+            const int col = get<1>(cS_rc(mi, ni));
+            if (col < lo || col >= hi) s(mi, ni) = -kInf;
           }
         }
       }
@@ -363,8 +384,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         for (int m = 0; m < kMmaM; ++m) {
           CUTE_UNROLL
           for (int nb = 0; nb < kMmaN / 2; ++nb) {
-            const int i0 = m_start + get<0>(cS_rc(2 * m, 4 * nb));
-            const int j0 = n_start + get<1>(cS_rc(2 * m, 4 * nb));
+            const int i0 = seq_row(2 * m, 4 * nb);
+            const int j0 = seq_col(2 * m, 4 * nb);
             const std::uint32_t bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
                                                                  common::dropout_lane(i0, j0));
             CUTE_UNROLL
@@ -372,9 +393,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               CUTE_UNROLL
               for (int c = 0; c < 4; ++c) {
                 const int mi = 2 * m + h, ni = 4 * nb + c;
-                const int i = m_start + get<0>(cS_rc(mi, ni));
-                const int j = n_start + get<1>(cS_rc(mi, ni));
-                if (!((bits >> common::dropout_element(i, j)) & 1u)) s(mi, ni) = 0.0f;
+                const int e = common::dropout_element(seq_row(mi, ni), seq_col(mi, ni));
+                if (!((bits >> e) & 1u)) s(mi, ni) = 0.0f;
               }
             }
           }
@@ -391,8 +411,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   // --- epilogue: normalise, lse, O through shared memory -------------------------------------
-  const float keep_scale = p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f;
-  const bool use_score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  const float keep_scale = kScoreModAndDropout && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f;
+  const bool use_score_mod = kScoreModAndDropout && (p.softcap > 0.0f || p.alibi_slopes != nullptr);
   const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
