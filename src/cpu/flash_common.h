@@ -1,8 +1,8 @@
 // src/cpu/flash_common.h — helpers shared by the CPU flash forward (flash_fwd.cpp) and backward
-// (flash_bwd.cpp): aligned fp32 scratch, row loads and stores with dtype
-// conversion, rounding to the storage precision, a vector exp2, the dropout keep tile, and the
-// query rows that see a key block. Semantics (mask, score, dropout bits, conversions) come from
-// src/common/; this file only arranges them for tiles.
+// (flash_bwd.cpp): aligned fp32 scratch, row loads and stores with dtype conversion, rounding to
+// the storage precision, a vector exp2, the dropout keep tile, and the query rows that see a key
+// block. Semantics (mask, score, dropout bits, conversions) come from src/common/; this file only
+// arranges them for tiles.
 #pragma once
 
 #include <algorithm>
