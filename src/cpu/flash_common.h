@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <utility>
@@ -205,26 +206,77 @@ inline std::pair<int, int> rows_seeing_keys(const common::Mask& m, int j0, int j
 
 // --- dropout -------------------------------------------------------------------------------------
 
+inline constexpr int kDropoutBlock = 16;  // the 16×16 block of the counter layout (common/philox.h)
+inline constexpr int kDropoutLanes = 32;  // lanes per block, 8 elements each
+static_assert(kDropoutBlock == kVecWidth, "one block row is one VecF");
+
+// Where each element of a 16×16 block finds its keep bit: the lane and the bit within the lane's
+// 8, from common::dropout_lane / dropout_element, arranged so that one block row (fixed i, the 16
+// keys) or one block column (fixed j, the 16 queries) is one vector of lane / bit indices.
+struct DropoutBlockTable {
+  VecI lane_of_row[kDropoutBlock], bit_of_row[kDropoutBlock];  // [i mod 16], over j mod 16
+  VecI lane_of_col[kDropoutBlock], bit_of_col[kDropoutBlock];  // [j mod 16], over i mod 16
+
+  DropoutBlockTable() {
+    for (int a = 0; a < kDropoutBlock; ++a) {
+      for (int b = 0; b < kDropoutBlock; ++b) {
+        lane_of_row[a][b] = common::dropout_lane(a, b);
+        bit_of_row[a][b] = common::dropout_element(a, b);
+        lane_of_col[a][b] = common::dropout_lane(b, a);
+        bit_of_col[a][b] = common::dropout_element(b, a);
+      }
+    }
+  }
+};
+
+inline const DropoutBlockTable& dropout_block_table() {
+  static const DropoutBlockTable table;
+  return table;
+}
+
 // keep(i, j) ∈ {0, 1} for queries [i0, i0 + rows) × keys [j0, j0 + cols) of one (batch, head),
 // written to keep[(i − i0) · stride_i + (j − j0) · stride_j]. One Philox call serves the 8
-// elements of one lane of a 16×16 block (common/philox.h), so the bits are drawn per block.
+// elements of one lane of a 16×16 block (common/philox.h), so the bits are drawn per block. A
+// whole block with unit stride along j (or i) is expanded 16 elements at a time: a two-register
+// permute picks each element's lane word, a variable shift its bit.
 inline void dropout_keep_tile(const common::DropoutParams& dp, std::uint64_t stream, int i0,
                               int rows, int j0, int cols, float* keep, int stride_i, int stride_j) {
-  constexpr int kBlock = 16;  // the 16×16 block of the counter layout
-  constexpr int kLanes = 32;  // lanes per block, 8 elements each
-  for (int bi = i0 / kBlock; bi * kBlock < i0 + rows; ++bi) {
-    for (int bj = j0 / kBlock; bj * kBlock < j0 + cols; ++bj) {
-      std::uint32_t bits[kLanes];
-      for (int lane = 0; lane < kLanes; ++lane) {
+  constexpr int kB = kDropoutBlock;
+  const DropoutBlockTable& table = dropout_block_table();
+  const VecI one = VecI{} + 1;
+  for (int bi = i0 / kB; bi * kB < i0 + rows; ++bi) {
+    for (int bj = j0 / kB; bj * kB < j0 + cols; ++bj) {
+      alignas(kScratchAlign) std::uint32_t bits[kDropoutLanes];
+      for (int lane = 0; lane < kDropoutLanes; ++lane) {
         bits[lane] = common::dropout_keep_bits(dp, stream, bi, bj, lane);
       }
-      const int i_lo = std::max(i0, bi * kBlock), i_hi = std::min(i0 + rows, (bi + 1) * kBlock);
-      const int j_lo = std::max(j0, bj * kBlock), j_hi = std::min(j0 + cols, (bj + 1) * kBlock);
-      for (int i = i_lo; i < i_hi; ++i) {
-        for (int j = j_lo; j < j_hi; ++j) {
-          const std::uint32_t bit =
-              (bits[common::dropout_lane(i, j)] >> common::dropout_element(i, j)) & 1u;
-          keep[std::int64_t(i - i0) * stride_i + std::int64_t(j - j0) * stride_j] = float(bit);
+      const int i_lo = std::max(i0, bi * kB), i_hi = std::min(i0 + rows, (bi + 1) * kB);
+      const int j_lo = std::max(j0, bj * kB), j_hi = std::min(j0 + cols, (bj + 1) * kB);
+      const bool whole = i_hi - i_lo == kB && j_hi - j_lo == kB;
+      float* corner =
+          keep + std::int64_t(i_lo - i0) * stride_i + std::int64_t(j_lo - j0) * stride_j;
+      VecI lanes_lo, lanes_hi;  // the Philox words of lanes 0..15 and 16..31
+      std::memcpy(&lanes_lo, bits, sizeof lanes_lo);
+      std::memcpy(&lanes_hi, bits + kVecWidth, sizeof lanes_hi);
+      if (whole && stride_j == 1) {
+        for (int a = 0; a < kB; ++a) {
+          const VecI word = __builtin_shuffle(lanes_lo, lanes_hi, table.lane_of_row[a]);
+          store_vec(corner + std::int64_t(a) * stride_i,
+                    __builtin_convertvector((word >> table.bit_of_row[a]) & one, VecF));
+        }
+      } else if (whole && stride_i == 1) {
+        for (int b = 0; b < kB; ++b) {
+          const VecI word = __builtin_shuffle(lanes_lo, lanes_hi, table.lane_of_col[b]);
+          store_vec(corner + std::int64_t(b) * stride_j,
+                    __builtin_convertvector((word >> table.bit_of_col[b]) & one, VecF));
+        }
+      } else {
+        for (int i = i_lo; i < i_hi; ++i) {
+          for (int j = j_lo; j < j_hi; ++j) {
+            const std::uint32_t bit =
+                (bits[common::dropout_lane(i, j)] >> common::dropout_element(i, j)) & 1u;
+            keep[std::int64_t(i - i0) * stride_i + std::int64_t(j - j0) * stride_j] = float(bit);
+          }
         }
       }
     }
