@@ -81,6 +81,15 @@ struct FwdTraits {
 
 // --- small device helpers -----------------------------------------------------------------------
 
+// 2^x on the MUFU unit, flushing results below 2^-126 to zero. exp2f would add a range check
+// and two multiplies around every MUFU.EX2 to keep denormal results — probabilities that small
+// are below fp16/bf16 resolution of any row sum, so the plain instruction is exact enough.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
 // built on it stay "base + constant" inside the key loop instead of being hoisted out as one
 // loop-invariant register per accumulator element (which spills).
@@ -233,10 +242,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const auto* k_base = static_cast<const Element*>(p.k.data);
   const auto* v_base = static_cast<const Element*>(p.v.data);
 
-  auto load_kv = [&](const Element* base, const common::RowHeadTensor& t, int valid_cols, auto& s_tile, int n_block) {
+  // K/V tile loads. Paged caches look every row up in the page table (a tile may span pages);
+  // dense and varlen rows are evenly spaced — row j at k_offset(row 0) + j · row_stride — so that
+  // path does one multiply-add per row instead of the accessor's batch-layout branches, which
+  // otherwise dominate the non-MMA instructions of the key loop.
+  const bool paged = p.is_paged();
+  const std::int64_t k_row0_offset = paged ? 0 : p.k_offset(p.k, batch, 0, kv_head);
+  const std::int64_t v_row0_offset = paged ? 0 : p.k_offset(p.v, batch, 0, kv_head);
+  auto load_kv = [&](const Element* base, const common::RowHeadTensor& t, std::int64_t row0_offset, int valid_cols,
+                     auto& s_tile, int n_block) {
     const int n_start = n_block * kBlockN;
-    load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
-                               [&](int r) { return p.k_offset(t, batch, n_start + r, kv_head); }, tid);
+    if (paged) {
+      load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
+                                 [&](int r) { return p.k_offset(t, batch, n_start + r, kv_head); }, tid);
+    } else {
+      const std::int64_t row_stride = t.row_stride;
+      load_tile<Traits, kBlockN>(base + row0_offset + std::int64_t(n_start) * row_stride, s_tile, seqlen_k - n_start,
+                                 valid_cols, [&](int r) { return std::int64_t(r) * row_stride; }, tid);
+    }
   };
 
   typename Traits::TiledMma tiled_mma;
@@ -294,10 +317,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                                [&](int r) { return p.q_offset(p.q, batch, m_start + r, head); }, tid);
     // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
     // rest need no per-element masking.
-    load_kv(k_base, p.k, p.head_dim, sK, n_block_max - 1);
+    load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block_max - 1);
     cp_async_fence();
 
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    // One key tile. kMasked (a std::bool_constant) compiles the per-element mask in or out: the
+    // loop below calls the masked copy only for tiles that are not wholly visible, so the common
+    // tile carries no mask instructions at all (a run-time branch around them gets if-converted
+    // into predicated instructions that still cost issue slots on every tile).
+    auto key_tile = [&](int n_block, auto kMasked) {
       const int n_start = n_block * kBlockN;
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2,2), MMA_M, MMA_N)
       clear(acc_s);
@@ -305,7 +332,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // K(n) has landed, and every warp has finished reading V(n+1): V(n) may overwrite it.
       cp_async_wait<0>();
       __syncthreads();
-      load_kv(v_base, p.v, p.head_dim_v, sV, n_block);
+      load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block);
       cp_async_fence();
 
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -327,7 +354,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
       // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
       // and hoisting one per accumulator element out of the key loop spills registers.
-      if (!mask.block_fully_visible(m_start, m_start + rows_here, n_start, n_start + kBlockN)) {
+      if constexpr (decltype(kMasked)::value) {
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(s); ++mi) {
           const int i = m_start + get<0>(cS_rc(mi, 0));
@@ -345,7 +372,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cp_async_wait<0>();
       __syncthreads();
       if (n_block > n_block_min) {
-        load_kv(k_base, p.k, p.head_dim, sK, n_block - 1);
+        load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1);
         cp_async_fence();
       }
 
@@ -360,7 +387,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // exp2(−∞ − (−∞)) = NaN out and gives p = 0.
         const float max_scaled = tile_max == -kInf ? 0.0f : tile_max * score_to_log2;
         const float old_scaled = row_max[mi] == -kInf ? -kInf : row_max[mi] * score_to_log2;
-        const float correction = exp2f(old_scaled - max_scaled);
+        const float correction = exp2_ftz(old_scaled - max_scaled);
         row_max[mi] = tile_max;
         row_sum[mi] *= correction;
         CUTE_UNROLL
@@ -369,7 +396,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(s); ++ni) {
           // One FFMA per element: x · (scale · log2 e) − max · (scale · log2 e).
-          s(mi, ni) = exp2f(fmaf(s(mi, ni), score_to_log2, -max_scaled));
+          s(mi, ni) = exp2_ftz(fmaf(s(mi, ni), score_to_log2, -max_scaled));
           sum += s(mi, ni);
         }
         row_sum[mi] += sum;
@@ -407,6 +434,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int e = 0; e < size(acc_s); ++e) rP(e) = static_cast<Element>(acc_s(e));
       Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand_layout(rP.layout()));  // ((2,2,2), MMA_M, MMA_N/2)
       gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, copy_v, thr_copy_v);
+    };
+
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      const int n_start = n_block * kBlockN;
+      if (mask.block_fully_visible(m_start, m_start + rows_here, n_start, n_start + kBlockN)) {
+        key_tile(n_block, std::false_type{});
+      } else {
+        key_tile(n_block, std::true_type{});
+      }
     }
   }
 
