@@ -8,6 +8,9 @@
 #include "api/validate.h"
 #include "common/numeric.h"
 #include "cpu/cpu.h"
+#ifdef FLASHATTN_WITH_CUDA
+#include "cuda/cuda_backend.h"
+#endif
 
 namespace flashattn {
 namespace {
@@ -25,7 +28,21 @@ int resolve_threads(const Options& opt) {
 Support choose_backend(const Problem& pr, const Options& opt) {
   Support s;
   if (pr.device.type == DeviceType::cuda) {
+#ifdef FLASHATTN_WITH_CUDA
+    if (pr.is_backward) {
+      s.reason = "the CUDA backend has no backward kernel yet";
+      return s;
+    }
+    std::string why;
+    if (!cuda::can_serve_forward(pr.params, &why)) {
+      s.reason = why;
+      return s;
+    }
+    s.ok = true;
+    s.backend = Backend::cuda;
+#else
     s.reason = "no CUDA backend is compiled into this build (configure with -DFLASHATTN_CUDA=ON)";
+#endif
     return s;
   }
   s.ok = true;
@@ -39,7 +56,15 @@ Support require_backend(const Problem& pr, const Options& opt, const char* api) 
   return s;
 }
 
-void run_forward(const Problem& pr, const Support& s, const Options& opt) {
+void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream stream) {
+#ifdef FLASHATTN_WITH_CUDA
+  if (s.backend == Backend::cuda) {
+    cuda::forward(pr.params, stream.handle, opt.dropout_rng_state);
+    return;
+  }
+#else
+  (void)stream;
+#endif
   if (s.backend == Backend::cpu_reference) {
     cpu::reference_forward(pr.params);
   } else {
@@ -61,9 +86,9 @@ Support support_of(Validate&& validate, const Options& opt) {
 
 }  // namespace
 
-void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream) {
+void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream stream) {
   const Problem pr = detail::validate_forward(in, out, opt);
-  run_forward(pr, require_backend(pr, opt, "flashattn::forward"), opt);
+  run_forward(pr, require_backend(pr, opt, "flashattn::forward"), opt, stream);
 }
 
 void backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, Workspace, Stream) {
@@ -76,10 +101,21 @@ void backward(const BackwardInputs& in, const BackwardOutputs& out, const Option
   }
 }
 
-void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream) {
+void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream stream) {
   Problem pr = detail::validate_kvcache(in, out, opt);
   const Support s = require_backend(pr, opt, "flashattn::forward_kvcache");
   common::AttentionParams& p = pr.params;
+  if (s.backend == Backend::cuda) {
+    // The cache is attended in place; appending and rotary run on the host and cannot read
+    // device memory.
+    if (in.k_new.defined() || in.rotary_cos.defined()) {
+      throw Error("flashattn::forward_kvcache: k_new/v_new and rotary embedding are not implemented on the "
+                  "CUDA backend yet (append on the host, or call without them)");
+    }
+    p.cache_seqlens = in.cache_seqlens.defined() ? static_cast<const std::int32_t*>(in.cache_seqlens.data) : nullptr;
+    run_forward(pr, s, opt, stream);
+    return;
+  }
 
   cpu::AppendArgs a;
   a.cache_seqlens = in.cache_seqlens.defined() ? static_cast<const std::int32_t*>(in.cache_seqlens.data) : nullptr;
@@ -121,7 +157,7 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     p.q.batch_stride = p.q.row_stride * p.max_seqlen_q;
   }
   if (!seqlens_after.empty()) p.cache_seqlens = seqlens_after.data();
-  run_forward(pr, s, opt);
+  run_forward(pr, s, opt, stream);
 }
 
 void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace, Stream) {
@@ -174,10 +210,21 @@ Support can_implement(const KVCacheInputs& in, const ForwardOutputs& out, const 
   return support_of([&] { return detail::validate_kvcache(in, out, opt); }, opt);
 }
 
-std::vector<Backend> compiled_backends() { return {Backend::cpu, Backend::cpu_reference}; }
+std::vector<Backend> compiled_backends() {
+#ifdef FLASHATTN_WITH_CUDA
+  return {Backend::cpu, Backend::cpu_reference, Backend::cuda};
+#else
+  return {Backend::cpu, Backend::cpu_reference};
+#endif
+}
 
 std::string build_info() {
+#ifdef FLASHATTN_WITH_CUDA
+  return std::string("flashattn ") + FLASHATTN_VERSION + " (backends: cpu, cpu_reference, cuda; CUDA: " +
+         cuda::compiled_kernels() + ")";
+#else
   return std::string("flashattn ") + FLASHATTN_VERSION + " (backends: cpu, cpu_reference; CUDA: not built)";
+#endif
 }
 
 }  // namespace flashattn
