@@ -173,3 +173,35 @@ def test_cuda_tensor_on_a_build_without_cuda():
     q = torch.randn(1, 4, 1, 8, dtype=torch.float16, device="cuda")
     with pytest.raises(ValueError, match="FLASHATTN_CUDA"):
         flashattn.flash_attn_func(q, q, q)
+
+
+def test_cuda_graph_capture_with_dropout():
+    """A captured CUDA graph replays the forward with fresh dropout randomness on every replay
+    (the seed is drawn on the device inside the graph), and without dropout a replay equals the
+    eager call."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU visible: CUDA-graph capture needs one")
+    if "cuda" not in flashattn.compiled_backends():
+        pytest.skip("this build has no CUDA backend (-DFLASHATTN_CUDA=ON)")
+    q, k, v = qkv("cuda", sq=64, sk=64, d=64)
+    for dropout_p in (0.0, 0.25):
+        fn = lambda: flashattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up outside the capture, as CUDA graphs require
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = fn()
+        graph.replay()
+        first = static_out.clone()
+        graph.replay()
+        second = static_out.clone()
+        torch.cuda.synchronize()
+        assert torch.isfinite(first).all() and torch.isfinite(second).all()
+        if dropout_p == 0.0:
+            torch.testing.assert_close(first, fn(), rtol=0, atol=0)
+            assert torch.equal(first, second)
+        else:
+            assert not torch.equal(first, second), "replays reused one dropout mask"
