@@ -23,6 +23,7 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -157,7 +158,8 @@ void print_help() {
       "  --check          compare out, lse, dq, dk, dv, softmax_d with the fp64 reference backend\n"
       "                   (cpu_reference) on the same inputs; exit 1 when over tolerance\n"
       "  --gemm           also time OpenBLAS cblas_sgemm on the attention's matmul shapes, with\n"
-      "                   the same FLOP count, and report the ratio of the two GFLOP/s\n"
+      "                   the same FLOP count, in turn with the attention runs, and report the\n"
+      "                   ratio of the two GFLOP/s\n"
       "  --json PATH      write the results as JSON to PATH ('-' = stdout)\n"
       "  --suite NAME     run a fixed suite instead of one configuration:\n"
       "                   cpu-report: b=1 h=16 s=2048 d=128, {f32, bf16} x {causal, not} x\n"
@@ -382,25 +384,26 @@ std::string utc_now() {
   return false;
 }
 
-// OpenBLAS picks its kernels from the CPU model at load time; a model newer than the library
-// falls back to "Prescott" (SSE3 only), which would make the sgemm baseline several times too
-// slow. Then run again with OPENBLAS_CORETYPE set from the CPU's vector extensions (the variable
-// is read only when the library loads, hence the exec). An explicit OPENBLAS_CORETYPE is kept.
-void fix_openblas_core(char** argv, const MachineInfo& m) {
+// OpenBLAS picks its kernels from the CPU model when it loads; a model newer than the library
+// falls back to "Prescott" (SSE3 only), several times too slow for a fair baseline. Then choose the
+// kernels from the CPU's vector extensions with OPENBLAS_CORETYPE and run again (the variable is
+// read only at load time, hence the exec). A variable already set is left alone.
+void configure_openblas(char** argv, const MachineInfo& m) {
 #if defined(FLASHATTN_BENCH_BLAS) && defined(OPENBLAS_VERSION)
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+  bool changed = false;
   std::string core = openblas_get_corename();
   std::transform(core.begin(), core.end(), core.begin(), [](unsigned char ch) { return char(std::tolower(ch)); });
-  if (core != "prescott") return;
   const char* better = has_flag(m, "avx512_bf16") ? "Cooperlake"
                        : has_flag(m, "avx512f")   ? "SkylakeX"
                        : has_flag(m, "avx2")      ? "Haswell"
                                                   : nullptr;
-  if (better == nullptr) return;
-  std::fprintf(stderr, "flashattn-bench: OpenBLAS does not know this CPU and chose Prescott kernels; "
-                       "running again with OPENBLAS_CORETYPE=%s\n", better);
-  setenv("OPENBLAS_CORETYPE", better, 1);
-  execv("/proc/self/exe", argv);  // returns only on failure: then go on with the slow kernels
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr && core == "prescott" && better != nullptr) {
+    std::fprintf(stderr, "flashattn-bench: OpenBLAS does not know this CPU and chose Prescott kernels; "
+                         "using OPENBLAS_CORETYPE=%s\n", better);
+    setenv("OPENBLAS_CORETYPE", better, 1);
+    changed = true;
+  }
+  if (changed) execv("/proc/self/exe", argv);  // returns only on failure: then go on as we are
 #else
   (void)argv;
   (void)m;
@@ -834,25 +837,55 @@ class Progress {
   bool shown_ = false;
 };
 
-Timing time_it(const std::string& label, const Config& c, const std::function<void()>& run) {
+// Times the workloads in turn — a, b, a, b, … — so that a baseline measured beside the attention
+// call sees the same machine (other load, clocks, caches) as the call itself. The first workload
+// decides when enough was measured (--repeats, --min-time).
+// After an sgemm call OpenBLAS's worker threads spin for 2^OPENBLAS_THREAD_TIMEOUT cycles (default
+// 2^28, about 0.1 s at 2–3 GHz) before they sleep: an attention run started at once would share
+// the cores with them. The pause after every workload but the first lets them settle; it is not
+// timed.
+constexpr int kOpenblasDefaultSpinLog2 = 28;
+constexpr double kSpinPauseMargin = 1.5;
+
+double openblas_settle_seconds(const MachineInfo& m) {
+  const char* env = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  const int spin_log2 = env ? std::clamp(std::atoi(env), 4, 30) : kOpenblasDefaultSpinLog2;
+  const double mhz = m.clock_mhz.empty() ? 0.0 : std::atof(m.clock_mhz.c_str());
+  const double hz = mhz > 0 ? mhz * 1e6 : 1e9;  // a slow clock when unknown: a longer pause
+  return kSpinPauseMargin * std::ldexp(1.0, spin_log2) / hz;
+}
+
+std::vector<Timing> time_interleaved(const std::string& label, const Config& c,
+                                     const std::vector<std::function<void()>>& workloads,
+                                     double settle_seconds = 0.0) {
   using clock = std::chrono::steady_clock;
+  auto timed = [&](const std::function<void()>& run) {
+    const auto t0 = clock::now();
+    run();
+    const double seconds = std::chrono::duration<double>(clock::now() - t0).count();
+    if (&run != &workloads[0] && settle_seconds > 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(settle_seconds));
+    }
+    return seconds;
+  };
   Progress progress(label);
   for (int i = 0; i < c.warmup; ++i) {
-    const auto t0 = clock::now();
-    run();
-    progress.update("warmup", i + 1, c.warmup, std::chrono::duration<double>(clock::now() - t0).count());
+    double first = 0.0;
+    for (std::size_t w = 0; w < workloads.size(); ++w) {
+      const double s = timed(workloads[w]);
+      if (w == 0) first = s;
+    }
+    progress.update("warmup", i + 1, c.warmup, first);
   }
-  Timing timing;
+  std::vector<Timing> timings(workloads.size());
   double total = 0.0;
-  while (int(timing.seconds.size()) < c.repeats || total < c.min_time) {
-    const auto t0 = clock::now();
-    run();
-    const double s = std::chrono::duration<double>(clock::now() - t0).count();
-    timing.seconds.push_back(s);
-    total += s;
-    progress.update("repeat", int(timing.seconds.size()), std::max(c.repeats, int(timing.seconds.size())), s);
+  while (int(timings[0].seconds.size()) < c.repeats || total < c.min_time) {
+    for (std::size_t w = 0; w < workloads.size(); ++w) timings[w].seconds.push_back(timed(workloads[w]));
+    total += timings[0].seconds.back();
+    const int done = int(timings[0].seconds.size());
+    progress.update("repeat", done, std::max(c.repeats, done), timings[0].seconds.back());
   }
-  return timing;
+  return timings;
 }
 
 // --- the sgemm baseline -------------------------------------------------------------------------
@@ -864,65 +897,85 @@ struct GemmResult {
   Timing timing;
 };
 
-#ifdef FLASHATTN_BENCH_BLAS
 // The matmuls attention does for one (batch, head), as dense fp32 sgemm calls on buffers of the
 // same shapes (row-major): forward S = Q·Kᵀ (sq×sk×d), O = S·V (sq×dv×sk); backward S = Q·Kᵀ,
-// dP = dO·Vᵀ, dV = Sᵀ·dO, dQ = dP·K, dK = dPᵀ·Q. The loop runs over as many heads as makes the
-// same FLOP count as the attention call (fewer than b·h when the mask hides pairs).
-GemmResult time_sgemm(const Config& c, bool backward, double target_flops, int threads) {
-  GemmResult r;
-  r.available = true;
-  const int sq = c.sq, sk = c.sk, d = c.d, dv = c.dv;
-  const double head_flops = backward ? 2.0 * sq * sk * double(3 * d + 2 * dv) : 2.0 * sq * sk * double(d + dv);
-  if (head_flops <= 0.0) {
-    r.note = "empty problem";
-    return r;
-  }
-  const long long heads = std::max(1LL, std::llround(target_flops / head_flops));
-  r.flops = double(heads) * head_flops;
-  std::mt19937_64 rng(c.seed + 1);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  auto matrix = [&](std::size_t n) {
-    std::vector<float> m(n);
-    for (auto& x : m) x = normal(rng);
-    return m;
-  };
-  auto Q = matrix(std::size_t(sq) * d), K = matrix(std::size_t(sk) * d), V = matrix(std::size_t(sk) * dv);
-  auto dO = matrix(std::size_t(sq) * dv);
-  std::vector<float> S(std::size_t(sq) * sk), dP(std::size_t(sq) * sk), O(std::size_t(sq) * dv);
-  std::vector<float> dQ(std::size_t(sq) * d), dK(std::size_t(sk) * d), dV(std::size_t(sk) * dv);
-#ifdef OPENBLAS_VERSION
-  openblas_set_num_threads(threads);
-#else
-  (void)threads;
-#endif
-  const auto rm = CblasRowMajor;
-  const auto N = CblasNoTrans, T = CblasTrans;
-  auto one_head = [&]() {
-    cblas_sgemm(rm, N, T, sq, sk, d, 1.0f, Q.data(), d, K.data(), d, 0.0f, S.data(), sk);
-    if (!backward) {
-      cblas_sgemm(rm, N, N, sq, dv, sk, 1.0f, S.data(), sk, V.data(), dv, 0.0f, O.data(), dv);
+// dP = dO·Vᵀ, dV = Sᵀ·dO, dQ = dP·K, dK = dPᵀ·Q. run() loops over as many heads as make the same
+// FLOP count as the attention call (fewer than b·h when the mask hides pairs).
+class SgemmBaseline {
+ public:
+  SgemmBaseline(const Config& c, bool backward, double target_flops, int threads)
+      : sq_(c.sq), sk_(c.sk), d_(c.d), dv_(c.dv), backward_(backward) {
+#ifdef FLASHATTN_BENCH_BLAS
+    const double head_flops =
+        backward ? 2.0 * sq_ * sk_ * double(3 * d_ + 2 * dv_) : 2.0 * sq_ * sk_ * double(d_ + dv_);
+    if (head_flops <= 0.0) {
+      note_ = "not run: empty problem";
       return;
     }
-    cblas_sgemm(rm, N, T, sq, sk, dv, 1.0f, dO.data(), dv, V.data(), dv, 0.0f, dP.data(), sk);
-    cblas_sgemm(rm, T, N, sk, dv, sq, 1.0f, S.data(), sk, dO.data(), dv, 0.0f, dV.data(), dv);
-    cblas_sgemm(rm, N, N, sq, d, sk, 1.0f, dP.data(), sk, K.data(), d, 0.0f, dQ.data(), d);
-    cblas_sgemm(rm, T, N, sk, d, sq, 1.0f, dP.data(), sk, Q.data(), d, 0.0f, dK.data(), d);
-  };
-  r.timing = time_it(std::string("sgemm ") + (backward ? "bwd" : "fwd"), c, [&]() {
-    for (long long i = 0; i < heads; ++i) one_head();
-  });
-  r.note = std::to_string(heads) + " head(s) of the attention's matmul shapes, fp32, " + blas_info();
-  return r;
-}
+    heads_ = std::max(1LL, std::llround(target_flops / head_flops));
+    flops_ = double(heads_) * head_flops;
+    std::mt19937_64 rng(c.seed + 1);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    auto matrix = [&](std::size_t n) {
+      std::vector<float> m(n);
+      for (auto& x : m) x = normal(rng);
+      return m;
+    };
+    const std::size_t sq = std::size_t(sq_), sk = std::size_t(sk_), d = std::size_t(d_), dv = std::size_t(dv_);
+    q_ = matrix(sq * d), k_ = matrix(sk * d), v_ = matrix(sk * dv), dout_ = matrix(sq * dv);
+    s_.resize(sq * sk), dp_.resize(sq * sk), out_.resize(sq * dv);
+    dq_.resize(sq * d), dk_.resize(sk * d), dv_buf_.resize(sk * dv);
+#ifdef OPENBLAS_VERSION
+    openblas_set_num_threads(threads);
 #else
-GemmResult time_sgemm(const Config&, bool, double, int) {
-  GemmResult r;
-  r.note = "not available: flashattn-bench was built without OpenBLAS (install libopenblas-dev and "
-           "reconfigure)";
-  return r;
-}
+    (void)threads;
 #endif
+    available_ = true;
+    note_ = std::to_string(heads_) + " head(s) of the attention's matmul shapes, fp32, " + blas_info();
+#else
+    (void)target_flops;
+    (void)threads;
+    note_ = "not available: flashattn-bench was built without OpenBLAS (install libopenblas-dev and "
+            "reconfigure)";
+#endif
+  }
+
+  bool available() const { return available_; }
+  const std::string& note() const { return note_; }
+  double flops() const { return flops_; }
+
+  void run() {
+#ifdef FLASHATTN_BENCH_BLAS
+    for (long long i = 0; i < heads_; ++i) one_head();
+#endif
+  }
+
+ private:
+#ifdef FLASHATTN_BENCH_BLAS
+  void one_head() {
+    const auto rm = CblasRowMajor;
+    const auto N = CblasNoTrans, T = CblasTrans;
+    const int sq = sq_, sk = sk_, d = d_, dv = dv_;
+    cblas_sgemm(rm, N, T, sq, sk, d, 1.0f, q_.data(), d, k_.data(), d, 0.0f, s_.data(), sk);
+    if (!backward_) {
+      cblas_sgemm(rm, N, N, sq, dv, sk, 1.0f, s_.data(), sk, v_.data(), dv, 0.0f, out_.data(), dv);
+      return;
+    }
+    cblas_sgemm(rm, N, T, sq, sk, dv, 1.0f, dout_.data(), dv, v_.data(), dv, 0.0f, dp_.data(), sk);
+    cblas_sgemm(rm, T, N, sk, dv, sq, 1.0f, s_.data(), sk, dout_.data(), dv, 0.0f, dv_buf_.data(), dv);
+    cblas_sgemm(rm, N, N, sq, d, sk, 1.0f, dp_.data(), sk, k_.data(), d, 0.0f, dq_.data(), d);
+    cblas_sgemm(rm, T, N, sk, d, sq, 1.0f, dp_.data(), sk, q_.data(), d, 0.0f, dk_.data(), d);
+  }
+#endif
+
+  int sq_, sk_, d_, dv_;
+  bool backward_;
+  bool available_ = false;
+  std::string note_;
+  double flops_ = 0.0;
+  long long heads_ = 0;
+  std::vector<float> q_, k_, v_, dout_, s_, dp_, out_, dq_, dk_, dv_buf_;  // one head's matrices
+};
 
 // --- one configuration --------------------------------------------------------------------------
 
@@ -1068,7 +1121,7 @@ bool place_on_device(const Config& c, const GpuInfo& gpu, std::string* note) {
 }
 
 // Runs one configuration; throws flashattn::Error when the library refuses the call.
-RunResult run_config(const Config& c, const GpuInfo& gpu) {
+RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_seconds) {
   RunResult r;
   r.config = c;
   r.pairs = visible_pairs(c);
@@ -1099,13 +1152,27 @@ RunResult run_config(const Config& c, const GpuInfo& gpu) {
   const auto sync = [&]() {
     if (on_device) device_sync();
   };
-  const auto sgemm = [&](bool backward, double flops) {
-    if (on_device) {
-      GemmResult g;
-      g.note = "not run: the sgemm baseline measures the CPU, and this run used the GPU";
-      return g;
+  // Times one direction, with the sgemm baseline interleaved when it was asked for.
+  const auto measure = [&](const char* name, double flops, bool backward, const std::function<void()>& call) {
+    DirectionResult d;
+    d.name = name;
+    d.flops = flops;
+    d.gemm_requested = c.gemm;
+    std::vector<std::function<void()>> workloads{call};
+    std::unique_ptr<SgemmBaseline> baseline;
+    if (c.gemm && on_device) {
+      d.gemm.note = "not run: the sgemm baseline measures the CPU, and this run used the GPU";
+    } else if (c.gemm) {
+      baseline = std::make_unique<SgemmBaseline>(c, backward, flops, resolved_threads(c));
+      d.gemm.available = baseline->available();
+      d.gemm.note = baseline->note();
+      d.gemm.flops = baseline->flops();
+      if (baseline->available()) workloads.push_back([&]() { baseline->run(); });
     }
-    return time_sgemm(c, backward, flops, resolved_threads(c));
+    std::vector<Timing> timings = time_interleaved(name, c, workloads, blas_settle_seconds);
+    d.timing = timings[0];
+    if (timings.size() > 1) d.gemm.timing = timings[1];
+    return d;
   };
 
   Scratch fwd_ws(flashattn::forward_workspace_size(p.fwd_in(), p.opt), on_device);
@@ -1117,13 +1184,7 @@ RunResult run_config(const Config& c, const GpuInfo& gpu) {
   p.out.poison();
   p.lse.poison();
   if (c.runs_fwd()) {
-    DirectionResult d;
-    d.name = "fwd";
-    d.flops = forward_flops(c, r.pairs);
-    d.timing = time_it("fwd", c, forward);
-    d.gemm_requested = c.gemm;
-    if (c.gemm) d.gemm = sgemm(false, d.flops);
-    r.directions.push_back(std::move(d));
+    r.directions.push_back(measure("fwd", forward_flops(c, r.pairs), false, forward));
   } else {
     forward();  // the backward pass reads out and lse
   }
@@ -1134,16 +1195,10 @@ RunResult run_config(const Config& c, const GpuInfo& gpu) {
     p.dk.poison();
     p.dv.poison();
     p.softmax_d.poison();
-    DirectionResult d;
-    d.name = "bwd";
-    d.flops = backward_flops(c, r.pairs);
-    d.timing = time_it("bwd", c, [&]() {
+    r.directions.push_back(measure("bwd", backward_flops(c, r.pairs), true, [&]() {
       flashattn::backward(p.bwd_in(), p.bwd_out(), p.opt, bwd_ws.workspace());
       sync();
-    });
-    d.gemm_requested = c.gemm;
-    if (c.gemm) d.gemm = sgemm(true, d.flops);
-    r.directions.push_back(std::move(d));
+    }));
   }
   for (auto& d : r.skipped) r.directions.push_back(d);
 
@@ -1333,7 +1388,7 @@ std::vector<Config> suite_configs(const std::string& suite, const Config& base) 
 int main(int argc, char** argv) {
   const Cli cli = parse_cli(argc, argv);
   const MachineInfo machine = read_machine_info();
-  if (cli.config.gemm || !cli.suite.empty()) fix_openblas_core(argv, machine);
+  if (cli.config.gemm || !cli.suite.empty()) configure_openblas(argv, machine);
   // With --json - the JSON owns stdout; the human-readable report goes to stderr.
   if (cli.json_path == "-") {
     std::fflush(stdout);
@@ -1363,7 +1418,7 @@ int main(int argc, char** argv) {
     if (configs.size() > 1) std::printf("\n[%zu/%zu]\n", i + 1, configs.size());
     std::fflush(stdout);  // before the progress lines on stderr
     try {
-      results.push_back(run_config(configs[i], gpu));
+      results.push_back(run_config(configs[i], gpu, openblas_settle_seconds(machine)));
     } catch (const flashattn::Error& e) {
       std::fprintf(stderr, "flashattn-bench: the library refused the call: %s\n", e.what());
       return kExitUsage;
