@@ -19,19 +19,6 @@ struct Case {
   AttnConfig cfg;
 };
 
-AttnConfig base(DType dtype, int b, int sq, int sk, int h, int hk, int d, int dv = 0) {
-  AttnConfig c;
-  c.dtype = dtype;
-  c.batch = b;
-  c.seqlen_q = sq;
-  c.seqlen_k = sk;
-  c.heads = h;
-  c.heads_k = hk;
-  c.head_dim = d;
-  c.head_dim_v = dv;
-  return c;
-}
-
 std::vector<Case> backward_cases() {
   std::vector<Case> cases;
   auto add = [&](std::string name, AttnConfig cfg) { cases.push_back({std::move(name), cfg}); };
@@ -44,21 +31,21 @@ std::vector<Case> backward_cases() {
   int k = 0;
   for (const auto& s : shapes) {
     for (bool causal : {false, true}) {
-      AttnConfig c = base(dtypes[k++ % 3], s.b, s.sq, s.sk, s.h, s.h, s.d);
+      AttnConfig c = dense_config(dtypes[k++ % 3], s.b, s.sq, s.sk, s.h, s.h, s.d);
       c.opt.causal = causal;
       add(std::string(s.tag) + (causal ? "_causal" : "") + "_" + flashattn::dtype_name(c.dtype), c);
     }
   }
   {
-    AttnConfig c = base(DType::f16, 2, 150, 70, 2, 2, 32);
+    AttnConfig c = dense_config(DType::f16, 2, 150, 70, 2, 2, 32);
     c.opt.causal = true;  // the first 80 rows see nothing
     add("S150x70_causal_masked_rows", c);
   }
   for (DType dt : dtypes)
-    add(std::string("dtype_") + flashattn::dtype_name(dt), base(dt, 2, 77, 129, 2, 2, 64));
+    add(std::string("dtype_") + flashattn::dtype_name(dt), dense_config(dt, 2, 77, 129, 2, 2, 64));
 
   {  // windows
-    AttnConfig c = base(DType::f16, 1, 113, 203, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 1, 113, 203, 2, 2, 64);
     c.opt.window_left = 32;
     add("window_left", c);
     c.opt.window_left = -1;
@@ -68,27 +55,27 @@ std::vector<Case> backward_cases() {
     c.opt.window_right = 7;
     c.dtype = DType::bf16;
     add("window_both_bf16", c);
-    AttnConfig m = base(DType::f16, 1, 64, 20, 2, 1, 32);
+    AttnConfig m = dense_config(DType::f16, 1, 64, 20, 2, 1, 32);
     m.opt.window_left = 4;
     m.opt.window_right = 8;  // rows i < 36 see nothing
     add("window_masked_rows", m);
   }
   {  // softcap, ALiBi, dropout
-    AttnConfig c = base(DType::f16, 1, 113, 203, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 1, 113, 203, 2, 2, 64);
     c.opt.softcap = 1.5f;
     c.qk_amplitude = 2.0f;
     add("softcap", c);
     c.opt.causal = true;
     c.dtype = DType::f32;
     add("softcap_causal_f32", c);
-    AttnConfig a = base(DType::f16, 2, 113, 203, 2, 2, 64);
+    AttnConfig a = dense_config(DType::f16, 2, 113, 203, 2, 2, 64);
     a.alibi = Alibi::per_head;
     add("alibi_h", a);
     a.alibi = Alibi::per_batch_head;
     a.opt.causal = true;
     a.dtype = DType::bf16;
     add("alibi_bh_causal_bf16", a);
-    AttnConfig d = base(DType::f16, 2, 113, 203, 2, 2, 64);
+    AttnConfig d = dense_config(DType::f16, 2, 113, 203, 2, 2, 64);
     d.opt.dropout_p = 0.17f;
     d.opt.dropout_seed = 0xfeedbeefcafeull;
     d.opt.dropout_offset = 3;
@@ -99,21 +86,21 @@ std::vector<Case> backward_cases() {
     add("dropout_causal_f32", d);
   }
   {
-    AttnConfig c = base(DType::f16, 1, 64, 80, 2, 2, 32);
+    AttnConfig c = dense_config(DType::f16, 1, 64, 80, 2, 2, 32);
     c.opt.dropout_p = 0.9f;
     c.opt.dropout_seed = 3;
     add("dropout_p09", c);
-    AttnConfig s = base(DType::bf16, 1, 70, 90, 2, 1, 64);
+    AttnConfig s = dense_config(DType::bf16, 1, 70, 90, 2, 1, 64);
     s.opt.softmax_scale = 0.3f;
     s.opt.softcap = 4.0f;
     s.qk_amplitude = 2.0f;
     add("explicit_scale_softcap", s);
-    AttnConfig m = base(DType::f16, 17, 3, 5, 2, 1, 16);
+    AttnConfig m = dense_config(DType::f16, 17, 3, 5, 2, 1, 16);
     m.opt.causal = true;
     add("many_batches", m);
   }
   {  // everything at once
-    AttnConfig c = base(DType::bf16, 2, 97, 131, 8, 2, 64, 32);
+    AttnConfig c = dense_config(DType::bf16, 2, 97, 131, 8, 2, 64, 32);
     c.opt.causal = true;
     c.opt.window_left = 50;
     c.opt.softcap = 3.0f;
@@ -124,24 +111,24 @@ std::vector<Case> backward_cases() {
     c.padded_outputs = true;
     add("all_features", c);
   }
-  for (int ratio : {1, 2, 8}) add("gqa_ratio" + std::to_string(ratio), base(DType::f16, 2, 65, 97, 8, 8 / ratio, 64));
+  for (int ratio : {1, 2, 8}) add("gqa_ratio" + std::to_string(ratio), dense_config(DType::f16, 2, 65, 97, 8, 8 / ratio, 64));
   {
-    AttnConfig c = base(DType::bf16, 1, 65, 97, 6, 1, 64);
+    AttnConfig c = dense_config(DType::bf16, 1, 65, 97, 6, 1, 64);
     c.opt.causal = true;
     add("mqa_causal", c);
   }
-  for (int d : {8, 32, 96, 128, 256}) add("head_dim" + std::to_string(d), base(DType::f16, 1, 37, 45, 2, 2, d));
+  for (int d : {8, 32, 96, 128, 256}) add("head_dim" + std::to_string(d), dense_config(DType::f16, 1, 37, 45, 2, 2, d));
   for (int d : {8, 128, 256}) {  // several key tiles and row blocks at the extreme head dims
-    AttnConfig c = base(d == 128 ? DType::bf16 : DType::f16, 1, 200, 333, 1, 1, d);
+    AttnConfig c = dense_config(d == 128 ? DType::bf16 : DType::f16, 1, 200, 333, 1, 1, d);
     c.opt.causal = d != 128;
     add("head_dim" + std::to_string(d) + "_long", c);
   }
-  add("d192_dv128", base(DType::bf16, 1, 57, 83, 2, 1, 192, 128));
-  add("d64_dv32", base(DType::f16, 2, 57, 83, 2, 2, 64, 32));
-  add("d32_dv64", base(DType::f32, 1, 57, 83, 2, 2, 32, 64));
+  add("d192_dv128", dense_config(DType::bf16, 1, 57, 83, 2, 1, 192, 128));
+  add("d64_dv32", dense_config(DType::f16, 2, 57, 83, 2, 2, 64, 32));
+  add("d32_dv64", dense_config(DType::f32, 1, 57, 83, 2, 2, 32, 64));
 
   {  // varlen
-    AttnConfig c = base(DType::f16, 0, 0, 0, 4, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 0, 0, 0, 4, 2, 64);
     c.varlen_q = {0, 1, 17, 64, 5, 30, 1};
     c.varlen_k = {3, 1, 0, 70, 5, 13, 1};
     add("varlen", c);
@@ -151,13 +138,13 @@ std::vector<Case> backward_cases() {
     add("varlen_seqused_k_causal", c);
     c.opt.causal = false;
     add("varlen_seqused_k", c);
-    AttnConfig p = base(DType::bf16, 0, 0, 0, 2, 2, 32);
+    AttnConfig p = dense_config(DType::bf16, 0, 0, 0, 2, 2, 32);
     p.varlen_q = {5, 0, 33, 1};
     p.varlen_k = {5, 0, 33, 1};
     p.layout = Layout::packed_qkv;
     p.opt.causal = true;
     add("varlen_packed_qkv", p);
-    AttnConfig d = base(DType::f32, 0, 0, 0, 2, 1, 32);
+    AttnConfig d = dense_config(DType::f32, 0, 0, 0, 2, 1, 32);
     d.varlen_q = {19, 0, 7};
     d.varlen_k = {3, 40, 0};
     d.opt.dropout_p = 0.3f;
@@ -168,20 +155,20 @@ std::vector<Case> backward_cases() {
     add("varlen_dropout_alibi_padded", d);
   }
   {  // layouts
-    AttnConfig c = base(DType::f16, 2, 70, 70, 3, 3, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 70, 70, 3, 3, 64);
     c.layout = Layout::packed_qkv;
     add("packed_qkv", c);
-    AttnConfig t = base(DType::bf16, 2, 70, 90, 4, 2, 32);
+    AttnConfig t = dense_config(DType::bf16, 2, 70, 90, 4, 2, 32);
     t.layout = Layout::bhsd;
     add("layout_bhsd", t);
     t.layout = Layout::padded;
     t.padded_outputs = true;
     add("layout_padded", t);
   }
-  add("seqlen_q0", base(DType::f16, 2, 0, 17, 2, 2, 32));
-  add("seqlen_k0", base(DType::f16, 2, 17, 0, 2, 2, 32));
+  add("seqlen_q0", dense_config(DType::f16, 2, 0, 17, 2, 2, 32));
+  add("seqlen_k0", dense_config(DType::f16, 2, 17, 0, 2, 2, 32));
   {
-    AttnConfig c = base(DType::f16, 1, 100, 300, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 1, 100, 300, 2, 2, 64);
     c.qk_amplitude = 4.0f;
     add("peaky_scores", c);
   }
@@ -230,14 +217,14 @@ int count_nonfinite(const Tensor& t) {
 // seqlen_q == 0: dk = dv = 0 (SPEC §5). seqlen_k == 0: dq = 0 and softmax_d = 0.
 TEST_P(BackwardSpecial, EmptySequences) {
   {
-    const AttnProblem p = make_problem(base(DType::f16, 2, 0, 9, 4, 2, 32));
+    const AttnProblem p = make_problem(dense_config(DType::f16, 2, 0, 9, 4, 2, 32));
     const ForwardResult f = run_forward(p, GetParam(), 2);
     const BackwardResult r = run_backward(p, f, GetParam(), 2);
     r.dk.for_each_index([&](const Index& idx) { ASSERT_EQ(r.dk.get(idx), 0.0f); });
     r.dv.for_each_index([&](const Index& idx) { ASSERT_EQ(r.dv.get(idx), 0.0f); });
   }
   {
-    const AttnProblem p = make_problem(base(DType::bf16, 2, 9, 0, 4, 2, 32));
+    const AttnProblem p = make_problem(dense_config(DType::bf16, 2, 9, 0, 4, 2, 32));
     const ForwardResult f = run_forward(p, GetParam(), 2);
     const BackwardResult r = run_backward(p, f, GetParam(), 2);
     r.dq.for_each_index([&](const Index& idx) { ASSERT_EQ(r.dq.get(idx), 0.0f); });
@@ -250,7 +237,7 @@ TEST_P(BackwardSpecial, EmptySequences) {
 TEST_P(BackwardSpecial, FullyMaskedRowsHaveZeroGradients) {
   std::vector<std::pair<AttnConfig, int>> configs;  // config, rows 0..n−1 fully masked
   {
-    AttnConfig c = base(DType::f16, 2, 50, 20, 2, 1, 32);
+    AttnConfig c = dense_config(DType::f16, 2, 50, 20, 2, 1, 32);
     c.opt.causal = true;
     configs.push_back({c, 30});
     c.opt.causal = false;
@@ -284,7 +271,7 @@ TEST_P(BackwardSpecial, FullyMaskedRowsHaveZeroGradients) {
 // GQA sums dk/dv over the group: a group of 4 heads whose q and
 // dout are identical gives 4× the dk/dv of one head.
 TEST_P(BackwardSpecial, GqaSumsOverGroup) {
-  AttnConfig c = base(DType::f32, 1, 24, 24, 4, 1, 16);
+  AttnConfig c = dense_config(DType::f32, 1, 24, 24, 4, 1, 16);
   AttnProblem p = make_problem(c);
   // Same q and dout for all four heads: each head's contribution is identical.
   for (int i = 0; i < 24; ++i)
@@ -318,7 +305,7 @@ TEST_P(BackwardSpecial, GqaSumsOverGroup) {
 // dq, dk, dv written as views into one packed (b, s, 3, h, d) gradient buffer (what a qkv-packed
 // autograd function hands over): each lands in its own slot, nothing overlaps.
 TEST_P(BackwardSpecial, GradientsIntoPackedBuffer) {
-  AttnConfig c = base(DType::bf16, 2, 45, 45, 3, 3, 32);
+  AttnConfig c = dense_config(DType::bf16, 2, 45, 45, 3, 3, 32);
   c.layout = Layout::packed_qkv;
   c.opt.causal = true;
   const AttnProblem p = make_problem(c);

@@ -17,16 +17,7 @@ namespace {
 const float kInf = std::numeric_limits<float>::infinity();
 
 AttnConfig combine_config(int b, int sq, int sk, int h, int hk, int d, int dv) {
-  AttnConfig c;
-  c.dtype = DType::f32;
-  c.batch = b;
-  c.seqlen_q = sq;
-  c.seqlen_k = sk;
-  c.heads = h;
-  c.heads_k = hk;
-  c.head_dim = d;
-  c.head_dim_v = dv;
-  return c;
+  return dense_config(DType::f32, b, sq, sk, h, hk, d, dv);
 }
 
 struct Partials {

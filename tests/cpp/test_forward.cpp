@@ -19,19 +19,6 @@ struct Case {
   AttnConfig cfg;
 };
 
-AttnConfig base(DType dtype, int b, int sq, int sk, int h, int hk, int d, int dv = 0) {
-  AttnConfig c;
-  c.dtype = dtype;
-  c.batch = b;
-  c.seqlen_q = sq;
-  c.seqlen_k = sk;
-  c.heads = h;
-  c.heads_k = hk;
-  c.head_dim = d;
-  c.head_dim_v = dv;
-  return c;
-}
-
 // The feature grid shared by the forward tests. Every case runs on both backends.
 std::vector<Case> forward_cases() {
   std::vector<Case> cases;
@@ -46,26 +33,26 @@ std::vector<Case> forward_cases() {
   int k = 0;
   for (const auto& s : shapes) {
     for (bool causal : {false, true}) {
-      AttnConfig c = base(dtypes[k++ % 3], s.b, s.sq, s.sk, s.h, s.h, s.d);
+      AttnConfig c = dense_config(dtypes[k++ % 3], s.b, s.sq, s.sk, s.h, s.h, s.d);
       c.opt.causal = causal;
       add(std::string(s.tag) + (causal ? "_causal" : "") + "_" + flashattn::dtype_name(c.dtype), c);
     }
   }
   // Causal with sq > sk: the first sq − sk rows see nothing (out 0, lse +inf).
   {
-    AttnConfig c = base(DType::f16, 2, 203, 113, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 203, 113, 2, 2, 64);
     c.opt.causal = true;
     add("S203x113_causal_masked_rows", c);
   }
 
   // --- dtypes on one mid shape -------------------------------------------------------------------
   for (DType dt : dtypes) {
-    add(std::string("dtype_") + flashattn::dtype_name(dt), base(dt, 2, 77, 129, 3, 3, 64));
+    add(std::string("dtype_") + flashattn::dtype_name(dt), dense_config(dt, 2, 77, 129, 3, 3, 64));
   }
 
   // --- sliding windows ---------------------------------------------------------------------------
   {
-    AttnConfig c = base(DType::f16, 2, 113, 203, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 113, 203, 2, 2, 64);
     c.opt.window_left = 32;
     add("window_left", c);
     c.opt.window_left = -1;
@@ -82,12 +69,12 @@ std::vector<Case> forward_cases() {
     c.opt.window_right = -1;
     add("window_left_causal", c);
     // A window that excludes every key for the first rows (r + window_right < 0).
-    AttnConfig m = base(DType::bf16, 1, 64, 20, 2, 2, 32);
+    AttnConfig m = dense_config(DType::bf16, 1, 64, 20, 2, 2, 32);
     m.opt.window_left = 4;
     m.opt.window_right = 8;
     add("window_masked_rows", m);
     // Windows at least as long as the keys are unbounded (normalised to −1).
-    AttnConfig w = base(DType::f16, 1, 50, 60, 2, 2, 32);
+    AttnConfig w = dense_config(DType::f16, 1, 50, 60, 2, 2, 32);
     w.opt.window_left = 60;
     w.opt.window_right = 1000;
     add("window_wider_than_keys", w);
@@ -95,7 +82,7 @@ std::vector<Case> forward_cases() {
 
   // --- softcap, ALiBi, dropout -------------------------------------------------------------------
   {
-    AttnConfig c = base(DType::f16, 2, 113, 203, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 113, 203, 2, 2, 64);
     c.opt.softcap = 1.5f;
     c.qk_amplitude = 2.0f;  // scores of several units so that tanh saturates
     add("softcap", c);
@@ -104,7 +91,7 @@ std::vector<Case> forward_cases() {
     add("softcap_causal_bf16", c);
   }
   {
-    AttnConfig c = base(DType::f16, 2, 113, 203, 4, 4, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 113, 203, 4, 4, 64);
     c.alibi = Alibi::per_head;
     add("alibi_h", c);
     c.alibi = Alibi::per_batch_head;
@@ -114,7 +101,7 @@ std::vector<Case> forward_cases() {
     add("alibi_bh_causal_bf16", c);
   }
   {
-    AttnConfig c = base(DType::f16, 2, 113, 203, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 113, 203, 2, 2, 64);
     c.opt.dropout_p = 0.17f;
     c.opt.dropout_seed = 0x1234567890abcdefull;
     c.opt.dropout_offset = 12;
@@ -125,19 +112,19 @@ std::vector<Case> forward_cases() {
     add("dropout_causal_f32", c);
   }
   {
-    AttnConfig c = base(DType::f16, 1, 64, 80, 2, 2, 32);
+    AttnConfig c = dense_config(DType::f16, 1, 64, 80, 2, 2, 32);
     c.opt.dropout_p = 0.9f;  // keep_scale = 10: large kept values
     c.opt.dropout_seed = 3;
     add("dropout_p09", c);
-    AttnConfig a = base(DType::bf16, 2, 150, 60, 2, 2, 32);
+    AttnConfig a = dense_config(DType::bf16, 2, 150, 60, 2, 2, 32);
     a.alibi = Alibi::per_batch_head;  // sq > sk, non-causal: the distance is an absolute value
     add("alibi_sq_gt_sk", a);
-    AttnConfig m = base(DType::f16, 17, 3, 5, 2, 1, 16);
+    AttnConfig m = dense_config(DType::f16, 17, 3, 5, 2, 1, 16);
     m.opt.causal = true;
     add("many_batches", m);
   }
   {  // everything at once
-    AttnConfig c = base(DType::bf16, 2, 97, 131, 8, 2, 64, 32);
+    AttnConfig c = dense_config(DType::bf16, 2, 97, 131, 8, 2, 64, 32);
     c.opt.causal = true;
     c.opt.window_left = 50;
     c.opt.softcap = 3.0f;
@@ -151,32 +138,32 @@ std::vector<Case> forward_cases() {
 
   // --- GQA / MQA ---------------------------------------------------------------------------------
   for (int ratio : {1, 2, 8}) {
-    AttnConfig c = base(DType::f16, 2, 65, 97, 8, 8 / ratio, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 65, 97, 8, 8 / ratio, 64);
     add("gqa_ratio" + std::to_string(ratio), c);
   }
   {
-    AttnConfig c = base(DType::bf16, 2, 65, 97, 6, 1, 64);
+    AttnConfig c = dense_config(DType::bf16, 2, 65, 97, 6, 1, 64);
     c.opt.causal = true;
     add("mqa_causal", c);
   }
 
   // --- head dims ---------------------------------------------------------------------------------
   for (int d : {8, 16, 24, 32, 40, 64, 80, 96, 128, 160, 192, 224, 256}) {
-    add("head_dim" + std::to_string(d), base(DType::f16, 1, 37, 45, 2, 2, d));
+    add("head_dim" + std::to_string(d), dense_config(DType::f16, 1, 37, 45, 2, 2, d));
   }
   for (int d : {8, 128, 256}) {  // several key tiles and row blocks at the extreme head dims
-    AttnConfig c = base(d == 128 ? DType::bf16 : DType::f16, 1, 200, 333, 1, 1, d);
+    AttnConfig c = dense_config(d == 128 ? DType::bf16 : DType::f16, 1, 200, 333, 1, 1, d);
     c.opt.causal = d != 128;
     add("head_dim" + std::to_string(d) + "_long", c);
   }
-  add("d192_dv128", base(DType::bf16, 1, 57, 83, 2, 1, 192, 128));
-  add("d64_dv32", base(DType::f16, 2, 57, 83, 2, 2, 64, 32));
-  add("d32_dv64", base(DType::f32, 1, 57, 83, 2, 2, 32, 64));
-  add("d8_dv256", base(DType::f16, 1, 33, 40, 1, 1, 8, 256));
+  add("d192_dv128", dense_config(DType::bf16, 1, 57, 83, 2, 1, 192, 128));
+  add("d64_dv32", dense_config(DType::f16, 2, 57, 83, 2, 2, 64, 32));
+  add("d32_dv64", dense_config(DType::f32, 1, 57, 83, 2, 2, 32, 64));
+  add("d8_dv256", dense_config(DType::f16, 1, 33, 40, 1, 1, 8, 256));
 
   // --- varlen ------------------------------------------------------------------------------------
   {
-    AttnConfig c = base(DType::f16, 0, 0, 0, 4, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 0, 0, 0, 4, 2, 64);
     c.varlen_q = {0, 1, 17, 64, 5, 30, 1};
     c.varlen_k = {3, 1, 0, 70, 5, 13, 1};
     add("varlen", c);
@@ -190,13 +177,13 @@ std::vector<Case> forward_cases() {
     c.alibi = Alibi::per_batch_head;
     c.dtype = DType::bf16;
     add("varlen_seqused_k_window_alibi", c);
-    AttnConfig p = base(DType::f16, 0, 0, 0, 2, 2, 32);
+    AttnConfig p = dense_config(DType::f16, 0, 0, 0, 2, 2, 32);
     p.varlen_q = {5, 0, 33, 1};
     p.varlen_k = {5, 0, 33, 1};
     p.layout = Layout::packed_qkv;
     p.opt.causal = true;
     add("varlen_packed_qkv", p);
-    AttnConfig d = base(DType::f32, 0, 0, 0, 2, 1, 32);
+    AttnConfig d = dense_config(DType::f32, 0, 0, 0, 2, 1, 32);
     d.varlen_q = {19, 0, 7};
     d.varlen_k = {3, 40, 0};
     d.opt.dropout_p = 0.3f;
@@ -208,13 +195,13 @@ std::vector<Case> forward_cases() {
 
   // --- layouts -----------------------------------------------------------------------------------
   {
-    AttnConfig c = base(DType::f16, 2, 70, 70, 3, 3, 64);
+    AttnConfig c = dense_config(DType::f16, 2, 70, 70, 3, 3, 64);
     c.layout = Layout::packed_qkv;
     add("packed_qkv", c);
     c.opt.causal = true;
     c.dtype = DType::bf16;
     add("packed_qkv_causal", c);
-    AttnConfig t = base(DType::f16, 2, 70, 90, 4, 2, 32);
+    AttnConfig t = dense_config(DType::f16, 2, 70, 90, 4, 2, 32);
     t.layout = Layout::bhsd;
     add("layout_bhsd", t);
     t.layout = Layout::padded;
@@ -223,17 +210,17 @@ std::vector<Case> forward_cases() {
   }
 
   // --- empty sequences ---------------------------------------------------------------------------
-  add("seqlen_q0", base(DType::f16, 2, 0, 17, 2, 2, 32));
-  add("seqlen_k0", base(DType::f16, 2, 17, 0, 2, 2, 32));
+  add("seqlen_q0", dense_config(DType::f16, 2, 0, 17, 2, 2, 32));
+  add("seqlen_k0", dense_config(DType::f16, 2, 17, 0, 2, 2, 32));
   {
-    AttnConfig c = base(DType::bf16, 1, 9, 0, 2, 1, 32);
+    AttnConfig c = dense_config(DType::bf16, 1, 9, 0, 2, 1, 32);
     c.opt.causal = true;
     add("seqlen_k0_causal", c);
   }
 
   // --- peaky softmax (large scores): exercises the running max of the online softmax -----------
   {
-    AttnConfig c = base(DType::f16, 1, 100, 300, 2, 2, 64);
+    AttnConfig c = dense_config(DType::f16, 1, 100, 300, 2, 2, 64);
     c.qk_amplitude = 4.0f;
     add("peaky_scores", c);
     c.opt.softmax_scale = 0.5f;
@@ -285,7 +272,7 @@ TEST_P(ForwardSpecial, FullyMaskedRowsAreZeroWithInfiniteLse) {
   };
   std::vector<Masked> configs;
   {
-    AttnConfig c = base(DType::f16, 2, 50, 20, 2, 1, 32);
+    AttnConfig c = dense_config(DType::f16, 2, 50, 20, 2, 1, 32);
     c.opt.causal = true;  // r = i − 30 < 0 for i < 30
     configs.push_back({c, 30});
     c.opt.causal = false;
@@ -323,19 +310,19 @@ TEST_P(ForwardSpecial, FullyMaskedRowsAreZeroWithInfiniteLse) {
 // does not fail.
 TEST_P(ForwardSpecial, EmptySequences) {
   {
-    const AttnProblem p = make_problem(base(DType::f16, 2, 7, 0, 3, 1, 16));
+    const AttnProblem p = make_problem(dense_config(DType::f16, 2, 7, 0, 3, 1, 16));
     const ForwardResult r = run_forward(p, GetParam(), 2);
     r.out.for_each_index([&](const Index& idx) { ASSERT_EQ(r.out.get(idx), 0.0f); });
     r.lse.for_each_index([&](const Index& idx) { ASSERT_EQ(r.lse.get(idx), kInf); });
   }
   {
-    const AttnProblem p = make_problem(base(DType::f16, 2, 0, 9, 3, 1, 16));
+    const AttnProblem p = make_problem(dense_config(DType::f16, 2, 0, 9, 3, 1, 16));
     const ForwardResult r = run_forward(p, GetParam(), 2);
     EXPECT_EQ(r.out.numel(), 0);
     EXPECT_EQ(r.out.count_written_outside_view(), 0);
   }
   {  // varlen where every sequence is empty on one side
-    AttnConfig c = base(DType::bf16, 0, 0, 0, 2, 2, 16);
+    AttnConfig c = dense_config(DType::bf16, 0, 0, 0, 2, 2, 16);
     c.varlen_q = {3, 0, 2};
     c.varlen_k = {0, 4, 0};
     const AttnProblem p = make_problem(c);
@@ -347,7 +334,7 @@ TEST_P(ForwardSpecial, EmptySequences) {
 
 // One key: p = 1 exactly, so out is v (rounded once) and lse is the single score.
 TEST_P(ForwardSpecial, SingleKeyGivesValueRow) {
-  const AttnProblem p = make_problem(base(DType::f32, 2, 31, 1, 2, 1, 32));
+  const AttnProblem p = make_problem(dense_config(DType::f32, 2, 31, 1, 2, 1, 32));
   const ForwardResult r = run_forward(p, GetParam(), 2);
   const double scale = 1.0 / std::sqrt(32.0);
   for (int b = 0; b < 2; ++b)
@@ -363,7 +350,7 @@ TEST_P(ForwardSpecial, SingleKeyGivesValueRow) {
 
 // return_lse = false: lse may be left undefined and out is still right.
 TEST_P(ForwardSpecial, WithoutLse) {
-  const AttnProblem p = make_problem(base(DType::f16, 1, 40, 50, 2, 2, 32));
+  const AttnProblem p = make_problem(dense_config(DType::f16, 1, 40, 50, 2, 2, 32));
   ForwardResult r = make_forward_outputs(p);
   flashattn::Options opt = p.opt;
   opt.backend = GetParam();
@@ -381,7 +368,7 @@ TEST_P(ForwardSpecial, WithoutLse) {
 TEST_P(ForwardSpecial, MonotoneScoresAcrossTiles) {
   for (bool rising : {true, false}) {
     for (DType dt : {DType::f16, DType::f32}) {
-      AttnConfig c = base(dt, 1, 70, 700, 2, 1, 64);
+      AttnConfig c = dense_config(dt, 1, 70, 700, 2, 1, 64);
       AttnProblem p = make_problem(c);
       const int sk = 700;
       for (int j = 0; j < sk; ++j)
@@ -403,7 +390,7 @@ TEST_P(ForwardSpecial, MonotoneScoresAcrossTiles) {
 
 // Backend::automatic serves host tensors with the CPU flash backend (bitwise the same result).
 TEST(ForwardAutomatic, PicksCpuBackend) {
-  AttnConfig c = base(DType::f16, 2, 33, 47, 4, 2, 32);
+  AttnConfig c = dense_config(DType::f16, 2, 33, 47, 4, 2, 32);
   c.opt.causal = true;
   const AttnProblem p = make_problem(c);
   const ForwardResult a = run_forward(p, Backend::automatic, 2);

@@ -179,6 +179,20 @@ struct AttnConfig {
   std::uint64_t seed = 0;  // 0: test_seed()
 };
 
+// A dense configuration: dtype, batch, seqlen_q, seqlen_k, heads, kv heads, head dims (dv 0: = d).
+inline AttnConfig dense_config(DType dtype, int b, int sq, int sk, int h, int hk, int d, int dv = 0) {
+  AttnConfig c;
+  c.dtype = dtype;
+  c.batch = b;
+  c.seqlen_q = sq;
+  c.seqlen_k = sk;
+  c.heads = h;
+  c.heads_k = hk;
+  c.head_dim = d;
+  c.head_dim_v = dv;
+  return c;
+}
+
 std::string describe(const AttnConfig& cfg);
 
 struct ForwardResult {
