@@ -340,31 +340,22 @@ Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const
   return dims;
 }
 
-// The q-like tensors (out, dout, dq): q's rows and heads with the given head dim.
-void check_q_like(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims,
-                  std::int64_t head_dim, const TensorView& q) {
+// Tensors laid out like q (out, dout, dq: q's rows and heads) or like k (dk, dv: k's rows and
+// heads), with the given head dim and q's dtype.
+enum class Rows { query, key };
+void check_like(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims, Rows rows,
+                std::int64_t head_dim, const TensorView& q) {
   c.require(name, t);
   c.well_formed(name, t);
   c.dtype(name, t, q.dtype, "must have q's dtype");
   c.same_device(name, t, q.device);
+  const std::int64_t total = rows == Rows::query ? dims.total_q : dims.total_k;
+  const std::int64_t seqlen = rows == Rows::query ? dims.sq : dims.sk;
+  const std::int64_t heads = rows == Rows::query ? dims.h : dims.hk;
   if (dims.varlen) {
-    c.shape(name, t, {dims.total_q, dims.h, head_dim});
+    c.shape(name, t, {total, heads, head_dim});
   } else {
-    c.shape(name, t, {dims.b, dims.sq, dims.h, head_dim});
-  }
-  c.last_dim_contiguous(name, t);
-}
-
-void check_k_like(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims,
-                  std::int64_t head_dim, const TensorView& q) {
-  c.require(name, t);
-  c.well_formed(name, t);
-  c.dtype(name, t, q.dtype, "must have q's dtype");
-  c.same_device(name, t, q.device);
-  if (dims.varlen) {
-    c.shape(name, t, {dims.total_k, dims.hk, head_dim});
-  } else {
-    c.shape(name, t, {dims.b, dims.sk, dims.hk, head_dim});
+    c.shape(name, t, {dims.b, seqlen, heads, head_dim});
   }
   c.last_dim_contiguous(name, t);
 }
@@ -414,7 +405,7 @@ common::AttentionParams base_params(const Dims& dims, const TensorView& q, const
 Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, const char* api) {
   const Checker c(api);
   const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt);
-  check_q_like(c, "out", out.out, dims, dims.dv, in.q);
+  check_like(c, "out", out.out, dims, Rows::query, dims.dv, in.q);
   if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, in.q.device);
   Problem pr;
   pr.dtype = in.q.dtype;
@@ -430,12 +421,12 @@ Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, con
 Problem validate_backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, const char* api) {
   const Checker c(api);
   const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt);
-  check_q_like(c, "dout", in.dout, dims, dims.dv, in.q);
-  check_q_like(c, "out", in.out, dims, dims.dv, in.q);
+  check_like(c, "dout", in.dout, dims, Rows::query, dims.dv, in.q);
+  check_like(c, "out", in.out, dims, Rows::query, dims.dv, in.q);
   check_row_stat(c, "lse", in.lse, dims, in.q.device);
-  check_q_like(c, "dq", out.dq, dims, dims.d, in.q);
-  check_k_like(c, "dk", out.dk, dims, dims.d, in.q);
-  check_k_like(c, "dv", out.dv, dims, dims.dv, in.q);
+  check_like(c, "dq", out.dq, dims, Rows::query, dims.d, in.q);
+  check_like(c, "dk", out.dk, dims, Rows::key, dims.d, in.q);
+  check_like(c, "dv", out.dv, dims, Rows::key, dims.dv, in.q);
   check_row_stat(c, "softmax_d", out.softmax_d, dims, in.q.device);
   Problem pr;
   pr.dtype = in.q.dtype;
@@ -557,7 +548,7 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
     }
   }
   dims.sk = capacity;
-  check_q_like(c, "out", out.out, dims, dims.dv, in.q);
+  check_like(c, "out", out.out, dims, Rows::query, dims.dv, in.q);
   if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, device);
 
   // Values, where they can be read: every position written or read stays inside the cache.
