@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "common/mask.h"
@@ -365,6 +366,42 @@ MachineInfo read_machine_info() {
   if (info.logical_cpus == 0) info.logical_cpus = int(std::thread::hardware_concurrency());
   return info;
 }
+
+// How busy other processes kept the CPUs while the bench ran: the machine's busy CPU time
+// (/proc/stat) minus this process's own (getrusage), per second of wall time. Other work on the
+// same cores slows every run down, the sgemm baseline alike.
+class OtherLoad {
+ public:
+  OtherLoad() : machine0_(machine_busy_seconds()), self0_(self_cpu_seconds()), wall0_(std::chrono::steady_clock::now()) {}
+  // Average number of CPUs other processes kept busy since construction; −1 when unknown.
+  double cpus() const {
+    const double machine = machine_busy_seconds();
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0_).count();
+    if (machine0_ < 0 || machine < 0 || wall <= 0) return -1.0;
+    return std::max(0.0, (machine - machine0_) - (self_cpu_seconds() - self0_)) / wall;
+  }
+
+ private:
+  static double machine_busy_seconds() {
+    std::ifstream f("/proc/stat");
+    std::string cpu;
+    double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+    f >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+    const long ticks = sysconf(_SC_CLK_TCK);
+    if (!f || cpu != "cpu" || ticks <= 0) return -1.0;
+    return (user + nice + system + irq + softirq + steal) / double(ticks);
+  }
+  static double self_cpu_seconds() {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    auto seconds = [](const timeval& t) { return double(t.tv_sec) + 1e-6 * double(t.tv_usec); };
+    return seconds(u.ru_utime) + seconds(u.ru_stime);
+  }
+
+  double machine0_;
+  double self0_;
+  std::chrono::steady_clock::time_point wall0_;
+};
 
 std::string utc_now() {
   const std::time_t now = std::time(nullptr);
@@ -1397,6 +1434,7 @@ int main(int argc, char** argv) {
     if (!g_json_stdout || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) return kExitUsage;
   }
 
+  const OtherLoad other_load;
   const std::string info = flashattn::build_info();
   const int threads = resolved_threads(cli.config);
   std::printf("flashattn-bench  %s\n", info.c_str());
@@ -1431,6 +1469,9 @@ int main(int argc, char** argv) {
     all_passed = all_passed && results.back().check.passed;
   }
 
+  const double other_cpus = other_load.cpus();
+  std::printf("\nload      other processes kept %.2f of %d CPUs busy on average during the runs\n", other_cpus,
+              machine.logical_cpus);
   if (!cli.json_path.empty()) {
     Json j;
     j.begin_object();
@@ -1444,6 +1485,7 @@ int main(int argc, char** argv) {
     j.field("present", gpu.present).field("description", gpu.description);
     j.end_object();
     j.field("threads", threads);
+    j.field("other_processes_cpus", other_cpus);
     j.field("flop_convention", kFlopConvention);
     if (!cli.suite.empty()) j.field("suite", cli.suite);
     j.key("runs").begin_array();

@@ -44,6 +44,18 @@ def best_gflops(result):
     return result["flops"] / best_ms * 1e-6 if best_ms else None
 
 
+def load_text(report):
+    other = report.get("other_processes_cpus")
+    if other is None or other < 0:
+        return "not recorded"
+    cpus = report.get("device", {}).get("logical_cpus", "?")
+    text = f"other processes kept {other:.2f} of {cpus} CPUs busy on average during the runs"
+    if other > 0.2:
+        text += (" — they slowed flashattn and sgemm alike (the two run in turn): compare the "
+                 "ratios, and read the absolute numbers as lower bounds")
+    return text
+
+
 def timed_runs(report):
     runs = report.get("runs") or [{}]
     config = runs[0].get("config", {})
@@ -67,6 +79,7 @@ def render(report, title):
         f"- clock: {device.get('clock_mhz') or '?'} MHz as /proc/cpuinfo reports it",
         f"- GPU: {report.get('gpu', {}).get('description', 'not recorded')}",
         f"- threads: {report.get('threads', '?')} (flashattn and OpenBLAS alike)",
+        f"- load: {load_text(report)}",
         f"- compiler: {device.get('compiler', 'unknown')}",
         f"- library: {report.get('build_info', 'unknown')}; backend: {', '.join(backends) or '?'}",
         f"- baseline: {device.get('blas') or 'no BLAS in this build'}",
