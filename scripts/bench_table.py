@@ -63,7 +63,7 @@ def timed_runs(report):
     return f"{repeats} timed runs after {warmup} warm-up run(s)"
 
 
-def render(report, title):
+def render(report, title, source=None):
     device = report.get("device", {})
     backends = sorted({f"{r.get('backend', '?')} ({r.get('tensors', 'host')} tensors)"
                        for r in report.get("runs", [])})
@@ -81,7 +81,8 @@ def render(report, title):
         f"- threads: {report.get('threads', '?')} (flashattn and OpenBLAS alike)",
         f"- load: {load_text(report)}",
         f"- compiler: {device.get('compiler', 'unknown')}",
-        f"- library: {report.get('build_info', 'unknown')}; backend: {', '.join(backends) or '?'}",
+        f"- library: {report.get('build_info', 'unknown')}; backend: {', '.join(backends) or '?'}"
+        + (f"; source {source}" if source else ""),
         f"- baseline: {device.get('blas') or 'no BLAS in this build'}",
         f"- FLOP convention: {report.get('flop_convention', 'unknown')}",
         f"- time: median of {timed_runs(report)}; GFLOP/s = FLOPs / median time, "
@@ -131,10 +132,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", help="JSON written by flashattn-bench --json")
     parser.add_argument("--title", default="flashattn on the CPU: benchmark")
+    parser.add_argument("--source", help="the source version measured, e.g. a commit id")
     args = parser.parse_args()
     with open(args.results, encoding="utf-8") as f:
         report = json.load(f)
-    sys.stdout.write(render(report, args.title))
+    sys.stdout.write(render(report, args.title, args.source))
 
 
 if __name__ == "__main__":
