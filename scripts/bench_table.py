@@ -122,9 +122,9 @@ def render(report, title, source=None):
         "Reading the numbers: the sgemm baseline does only the matrix products, in fp32, on the "
         "attention's shapes, storing every score matrix; flashattn does the same products plus "
         "the scaling, masking, online softmax (exponentials), dtype conversions and, backward, the "
-        "recomputation of P — without storing the score matrix. A ratio near 1 means that all of "
-        "that costs about as much as the bare matrix products. bf16 inputs are converted and "
-        "multiplied in fp32, so they are compared with fp32 sgemm too.",
+        "recomputation of P — without storing the score matrix. A ratio near 1 means the whole "
+        "fused pass takes about as long as OpenBLAS takes for the bare products. bf16 inputs are "
+        "converted and multiplied in fp32, so they are compared with fp32 sgemm too.",
     ]
     checks = [r for r in report.get("runs", []) if "check" in r]
     if checks:
