@@ -75,3 +75,14 @@ def test_nothing_written_on_error():
 def test_non_tensor_argument():
     with pytest.raises(TypeError, match="k: expected a torch.Tensor"):
         flashattn.flash_attn_func(t(1, 4, 2, 16), None, t(1, 4, 2, 16))
+
+
+def test_fp32_rejected_on_cuda():
+    """fp32 runs on the CPU backends only; CUDA tensors of fp32 get a ValueError naming the rule."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU visible: a CUDA tensor cannot be made here")
+    if "cuda" not in flashattn.compiled_backends():
+        pytest.skip("this build has no CUDA backend (-DFLASHATTN_CUDA=ON)")
+    q = torch.randn(1, 4, 2, 16, device="cuda")
+    with pytest.raises(ValueError, match="fp16 and bf16"):
+        flashattn.flash_attn_func(q, q, q)
