@@ -1,5 +1,5 @@
 // src/api/tensor.cpp — TensorView helpers and names of the API's enums.
-#include <sstream>
+#include <string>
 
 #include "flashattn/flashattn.h"
 
@@ -97,11 +97,9 @@ const char* backend_name(Backend backend) {
 
 std::string shape_string(const TensorView& t) {
   if (!t.defined()) return "(not given)";
-  std::ostringstream s;
-  s << '(';
-  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << ')';
-  return s.str();
+  std::string s = "(";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + ")";
 }
 
 }  // namespace flashattn
