@@ -2,6 +2,8 @@
 #include "flashattn/flashattn.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -29,12 +31,8 @@ Support choose_backend(const Problem& pr, const Options& opt) {
   Support s;
   if (pr.device.type == DeviceType::cuda) {
 #ifdef FLASHATTN_WITH_CUDA
-    if (pr.is_backward) {
-      s.reason = "the CUDA backend has no backward kernel yet";
-      return s;
-    }
     std::string why;
-    if (!cuda::can_serve_forward(pr.params, &why)) {
+    if (pr.is_backward ? !cuda::can_serve_backward(pr.params, &why) : !cuda::can_serve_forward(pr.params, &why)) {
       s.reason = why;
       return s;
     }
@@ -72,6 +70,26 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   }
 }
 
+// Rows of q across the batch: b · sq, or total_q for a varlen batch.
+[[maybe_unused]] std::int64_t total_q_rows(const TensorView& q, const Varlen& varlen) {
+  return varlen.enabled() ? q.shape[0] : q.shape[0] * q.shape[1];
+}
+
+// SPEC §4: device scratch comes from the caller; too little of it (or a misaligned pointer) is an
+// argument error, raised before anything is written.
+[[maybe_unused]] void check_workspace(const char* api, const Workspace& ws, std::size_t need) {
+  constexpr std::size_t kAlign = 256;
+  if (need == 0) return;
+  if (ws.data == nullptr || ws.bytes < need) {
+    throw Error(std::string(api) + ": workspace: too small (ask the matching *_workspace_size); expected at least " +
+                std::to_string(need) + " bytes, got " + std::to_string(ws.data == nullptr ? 0 : ws.bytes));
+  }
+  if (reinterpret_cast<std::uintptr_t>(ws.data) % kAlign != 0) {
+    throw Error(std::string(api) + ": workspace: must be 256-byte aligned; expected an aligned pointer, got offset " +
+                std::to_string(reinterpret_cast<std::uintptr_t>(ws.data) % kAlign));
+  }
+}
+
 template <class Validate>
 Support support_of(Validate&& validate, const Options& opt) {
   try {
@@ -91,9 +109,21 @@ void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& 
   run_forward(pr, require_backend(pr, opt, "flashattn::forward"), opt, stream);
 }
 
-void backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, Workspace, Stream) {
+void backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, Workspace workspace,
+              Stream stream) {
   const Problem pr = detail::validate_backward(in, out, opt);
   const Support s = require_backend(pr, opt, "flashattn::backward");
+#ifdef FLASHATTN_WITH_CUDA
+  if (s.backend == Backend::cuda) {
+    const std::int64_t rows = total_q_rows(in.q, in.varlen);
+    check_workspace("flashattn::backward", workspace, cuda::backward_workspace_size(pr.params, rows));
+    cuda::backward(pr.params, rows, workspace.data, stream.handle, opt.dropout_rng_state);
+    return;
+  }
+#else
+  (void)workspace;
+  (void)stream;
+#endif
   if (s.backend == Backend::cpu_reference) {
     cpu::reference_backward(pr.params);
   } else {
@@ -190,9 +220,26 @@ std::size_t forward_workspace_size(const ForwardInputs& in, const Options& opt) 
   return 0;
 }
 std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt) {
+#ifdef FLASHATTN_WITH_CUDA
+  // Only shapes are read: the params the kernels size their buffers by, without validation.
+  if (in.q.device.type != DeviceType::cuda || in.q.ndim < 3) return 0;
+  common::AttentionParams p;
+  p.heads = int(in.q.shape[in.q.ndim - 2]);
+  p.head_dim = int(in.q.shape[in.q.ndim - 1]);
+  p.deterministic = opt.deterministic;
+  if (in.varlen.enabled()) {
+    p.batch = int(in.varlen.cu_seqlens_q.shape[0] - 1);
+    p.max_seqlen_q = in.varlen.max_seqlen_q;
+  } else {
+    p.batch = int(in.q.shape[0]);
+    p.max_seqlen_q = int(in.q.shape[1]);
+  }
+  return cuda::backward_workspace_size(p, total_q_rows(in.q, in.varlen));
+#else
   (void)in;
   (void)opt;
   return 0;
+#endif
 }
 std::size_t forward_kvcache_workspace_size(const KVCacheInputs& in, const Options& opt) {
   (void)in;

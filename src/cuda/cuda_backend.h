@@ -3,6 +3,7 @@
 // the params (tensors, cu_seqlens, block_table, ALiBi slopes) is device memory.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -20,6 +21,22 @@ bool can_serve_forward(const common::AttentionParams& p, std::string* why_not);
 // Throws flashattn::Error when no kernel serves p or the launch fails.
 void forward(const common::AttentionParams& p, void* stream,
              const std::uint64_t* rng_state = nullptr);
+
+// --- backward --------------------------------------------------------------------------------
+
+// Whether a compiled backward kernel serves p; when not, *why_not says why.
+bool can_serve_backward(const common::AttentionParams& p, std::string* why_not);
+
+// Device workspace of the backward, in bytes: a fp32 dQ accumulator of total_q_rows × heads ×
+// head_dim (rounded up to 8) and, when p.deterministic, one int32 counter per (batch, head, row
+// block). total_q_rows: b · sq, or total_q for varlen batches.
+std::size_t backward_workspace_size(const common::AttentionParams& p, std::int64_t total_q_rows);
+
+// Launches preprocess, main and postprocess kernels on `stream`. workspace: device memory of at
+// least backward_workspace_size bytes, 256-byte aligned (the API layer checks both). rng_state as
+// for forward.
+void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace, void* stream,
+              const std::uint64_t* rng_state = nullptr);
 
 // The head dims and dtypes compiled into this build, e.g. "sm80 fwd: f16/bf16 × d 64, 128, 256".
 std::string compiled_kernels();
