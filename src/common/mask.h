@@ -37,6 +37,19 @@ struct Mask {
   // is [col_begin(row_begin), col_end(row_end − 1)) because both bounds grow with i.
   FA_HOST_DEVICE int block_col_begin(int row_begin) const { return col_begin(row_begin); }
   FA_HOST_DEVICE int block_col_end(int row_end) const { return col_end(row_end - 1); }
+  // The transpose, for the backward's walk over query rows: the rows that see at least one key
+  // of [col_b, col_e) (col_b < col_e ≤ seqlen_k) are [block_row_begin(col_b), block_row_end(col_e)):
+  // row i qualifies iff col_end(i) > col_b and col_begin(i) < col_e, and both bounds grow with i.
+  // Row block m and key block n meet in one direction exactly when they meet in the other.
+  FA_HOST_DEVICE int block_row_begin(int col_b) const {
+    if (window_right < 0) return 0;
+    return clamp_row((long long)col_b - window_right - seqlen_k + seqlen_q);
+  }
+  FA_HOST_DEVICE int block_row_end(int col_e) const {
+    if (window_left < 0) return seqlen_q;
+    return clamp_row((long long)col_e + window_left - seqlen_k + seqlen_q);
+  }
+  FA_HOST_DEVICE int clamp_row(long long i) const { return i < 0 ? 0 : (i > seqlen_q ? seqlen_q : int(i)); }
   // Whether every (i, j) of the block is visible, so per-element masking can be skipped.
   FA_HOST_DEVICE bool block_fully_visible(int row_begin, int row_end, int col_b, int col_e) const {
     return col_begin(row_end - 1) <= col_b && col_end(row_begin) >= col_e;

@@ -1,0 +1,87 @@
+// tests/cpp/test_mask.cpp — the block bounds of src/common/mask.h against Mask::visible, element by
+// element, over every small shape, window and block size: the forward walks key blocks by
+// block_col_*, the backward walks row blocks by block_row_*, and the deterministic CUDA backward
+// orders its dQ additions by assuming the two walks are transposes of each other.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "common/mask.h"
+
+namespace {
+
+using flashattn::common::Mask;
+using flashattn::common::make_mask;
+
+bool block_meets(const Mask& m, int r0, int r1, int c0, int c1) {
+  for (int i = r0; i < r1; ++i)
+    for (int j = c0; j < c1; ++j)
+      if (m.visible(i, j)) return true;
+  return false;
+}
+
+struct MaskCase {
+  bool causal;
+  int left, right;
+};
+
+const MaskCase kMasks[] = {{false, -1, -1}, {true, -1, -1}, {false, 3, 0}, {false, 0, 5}, {false, 2, 7},
+                           {true, 4, -1},   {false, 0, 0},  {false, 11, -1}, {false, -1, 2}};
+
+TEST(Mask, RowAndColumnBlockBoundsAreExact) {
+  int checked = 0;
+  for (const MaskCase& mc : kMasks) {
+    for (int sq = 1; sq <= 23; sq += 2) {
+      for (int sk = 1; sk <= 23; sk += 3) {
+        const Mask m = make_mask(mc.causal, mc.left, mc.right, sk, sq, sk);
+        for (int bm : {1, 4, 8}) {
+          for (int bn : {1, 3, 8}) {
+            for (int r0 = 0; r0 < sq; r0 += bm) {
+              const int r1 = std::min(r0 + bm, sq);
+              for (int c0 = 0; c0 < sk; c0 += bn) {
+                const int c1 = std::min(c0 + bn, sk);
+                const bool meets = block_meets(m, r0, r1, c0, c1);
+                // Columns of the row block, as the forward sees them.
+                const bool by_cols = m.block_col_begin(r0) < c1 && m.block_col_end(r1) > c0 &&
+                                     m.block_col_begin(r0) < m.block_col_end(r1);
+                // Rows of the key block, as the backward sees them.
+                const bool by_rows = m.block_row_begin(c0) < r1 && m.block_row_end(c1) > r0 &&
+                                     m.block_row_begin(c0) < m.block_row_end(c1);
+                ASSERT_EQ(by_rows, by_cols) << "sq " << sq << " sk " << sk << " rows [" << r0 << "," << r1
+                                            << ") cols [" << c0 << "," << c1 << ") causal " << mc.causal
+                                            << " window " << mc.left << "," << mc.right;
+                // The bounds may include blocks with no visible element (rows whose range is
+                // empty), never exclude one that has.
+                if (meets) ASSERT_TRUE(by_rows);
+                ++checked;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 10000);
+}
+
+TEST(Mask, RowBoundsHoldEveryRowThatSeesTheBlock) {
+  for (const MaskCase& mc : kMasks) {
+    for (int sq : {1, 5, 17}) {
+      for (int sk : {1, 6, 19}) {
+        const Mask m = make_mask(mc.causal, mc.left, mc.right, sk, sq, sk);
+        for (int c0 = 0; c0 < sk; ++c0) {
+          for (int c1 = c0 + 1; c1 <= sk; ++c1) {
+            for (int i = 0; i < sq; ++i) {
+              if (block_meets(m, i, i + 1, c0, c1)) {
+                ASSERT_GE(i, m.block_row_begin(c0));
+                ASSERT_LT(i, m.block_row_end(c1));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
