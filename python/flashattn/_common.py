@@ -7,6 +7,9 @@ import math
 
 from flashattn import _C
 
+# The core's rule for caller-owned workspace (SPEC §4): the pointer must be a multiple of this.
+WORKSPACE_ALIGNMENT = 256
+
 # Head dims that are not a multiple of this are zero-padded up to it (the kernels' rule, SPEC §1);
 # the padding changes neither scores nor outputs, and is sliced off the results.
 HEAD_DIM_MULTIPLE = 8

@@ -18,7 +18,10 @@ rng_state explicitly (the autograd functions of this package do), so that the op
 function of its inputs.
 
 Outputs are allocated here with torch.empty and written by the C++ core in place; inputs are
-read through DLPack with their strides, without copies.
+read through DLPack with their strides, without copies. So is the workspace the core asks for
+(_C.*_workspace_size: 0 for CPU tensors): a uint8 tensor from PyTorch's allocator, so that device
+scratch lives in the caching allocator and the library never allocates memory itself. The fake
+implementations need no workspace: it is internal to each op.
 """
 
 from typing import Optional
@@ -27,7 +30,7 @@ import torch
 from torch import Tensor
 
 from flashattn import _C
-from flashattn._common import make_options
+from flashattn._common import WORKSPACE_ALIGNMENT, make_options
 
 _RNG_STATE_LEN = 2  # [seed, offset]
 
@@ -46,6 +49,21 @@ def _stream(device: torch.device) -> int:
 def _num_threads(device: torch.device) -> int:
     # The CPU backend follows torch.set_num_threads, as PyTorch's own CPU kernels do.
     return torch.get_num_threads() if device.type == "cpu" else 0
+
+
+def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
+    """A 1-D uint8 scratch tensor of nbytes on device, WORKSPACE_ALIGNMENT-aligned; None when the
+    core needs none."""
+    if nbytes == 0:
+        return None
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    # CUDA's caching allocator hands out 512-byte aligned blocks, so this holds there; the CPU
+    # allocator guarantees less, and then the buffer is over-allocated and sliced.
+    if buf.data_ptr() % WORKSPACE_ALIGNMENT == 0:
+        return buf
+    buf = torch.empty(nbytes + WORKSPACE_ALIGNMENT - 1, dtype=torch.uint8, device=device)
+    start = -buf.data_ptr() % WORKSPACE_ALIGNMENT
+    return buf[start:start + nbytes]
 
 
 def _row_stats(shape, device) -> Tensor:
@@ -128,11 +146,15 @@ def fwd(
     out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
+    q, k, v, alibi_slopes = _plain(q), _plain(k), _plain(v), _plain(alibi_slopes)
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
+    nbytes = _C.forward_workspace_size(q, k, v, options=opt, alibi_slopes=alibi_slopes)
     _C.forward(
-        _plain(q), _plain(k), _plain(v), out, lse,
-        options=_options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p),
-        alibi_slopes=_plain(alibi_slopes),
+        q, k, v, out, lse,
+        options=opt,
+        alibi_slopes=alibi_slopes,
         rng_state=state if dropout_p > 0.0 else None,
+        workspace=_workspace(nbytes, q.device),
         stream=_stream(q.device),
     )
     return out, lse, state
@@ -173,13 +195,17 @@ def bwd(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((b, h, sq), q.device)
+    inputs = tuple(_plain(t) for t in (dout, q, k, v, out, softmax_lse))
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+                   deterministic)
+    alibi_slopes = _plain(alibi_slopes)
+    nbytes = _C.backward_workspace_size(*inputs, options=opt, alibi_slopes=alibi_slopes)
     _C.backward(
-        _plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), _plain(softmax_lse),
-        dq, dk, dv, softmax_d,
-        options=_options(q, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                         dropout_p, deterministic),
-        alibi_slopes=_plain(alibi_slopes),
+        *inputs, dq, dk, dv, softmax_d,
+        options=opt,
+        alibi_slopes=alibi_slopes,
         rng_state=_require_rng_state(rng_state, dropout_p),
+        workspace=_workspace(nbytes, q.device),
         stream=_stream(q.device),
     )
     return dq, dk, dv, softmax_d
@@ -225,14 +251,19 @@ def varlen_fwd(
     out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((h, total_q), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
+    q, k, v, alibi_slopes = _plain(q), _plain(k), _plain(v), _plain(alibi_slopes)
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    nbytes = _C.forward_workspace_size(q, k, v, options=opt, alibi_slopes=alibi_slopes, **varlen)
     _C.forward(
-        _plain(q), _plain(k), _plain(v), out, lse,
-        options=_options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p),
-        alibi_slopes=_plain(alibi_slopes),
+        q, k, v, out, lse,
+        options=opt,
+        alibi_slopes=alibi_slopes,
         rng_state=state if dropout_p > 0.0 else None,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        workspace=_workspace(nbytes, q.device),
         stream=_stream(q.device),
+        **varlen,
     )
     return out, lse, state
 
@@ -278,16 +309,21 @@ def varlen_bwd(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((h, total_q), q.device)
+    inputs = tuple(_plain(t) for t in (dout, q, k, v, out, softmax_lse))
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+                   deterministic)
+    alibi_slopes = _plain(alibi_slopes)
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    nbytes = _C.backward_workspace_size(*inputs, options=opt, alibi_slopes=alibi_slopes, **varlen)
     _C.backward(
-        _plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), _plain(softmax_lse),
-        dq, dk, dv, softmax_d,
-        options=_options(q, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                         dropout_p, deterministic),
-        alibi_slopes=_plain(alibi_slopes),
+        *inputs, dq, dk, dv, softmax_d,
+        options=opt,
+        alibi_slopes=alibi_slopes,
         rng_state=_require_rng_state(rng_state, dropout_p),
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        workspace=_workspace(nbytes, q.device),
         stream=_stream(q.device),
+        **varlen,
     )
     return dq, dk, dv, softmax_d
 
@@ -337,13 +373,20 @@ def fwd_kvcache(
     b, sq, h, _ = q.shape
     out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
-    _C.forward_kvcache(
-        _plain(q), k_cache.detach(), v_cache.detach(), out, lse,
-        options=_options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0),
+    q, k_cache, v_cache = _plain(q), k_cache.detach(), v_cache.detach()
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0)
+    extra = dict(
         k=_plain(k), v=_plain(v), cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         block_table=block_table, rotary_cos=_plain(rotary_cos), rotary_sin=_plain(rotary_sin),
         rotary_interleaved=rotary_interleaved, alibi_slopes=_plain(alibi_slopes),
+    )
+    nbytes = _C.forward_kvcache_workspace_size(q, k_cache, v_cache, options=opt, **extra)
+    _C.forward_kvcache(
+        q, k_cache, v_cache, out, lse,
+        options=opt,
+        workspace=_workspace(nbytes, q.device),
         stream=_stream(q.device),
+        **extra,
     )
     return out, lse
 

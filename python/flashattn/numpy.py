@@ -6,6 +6,8 @@ they are; bfloat16 arrays of the ml_dtypes package are passed to the core as the
 patterns (NumPy has no bfloat16 of its own), and outputs come back as ml_dtypes.bfloat16.
 
 Dropout draws its seed from NumPy's global generator (reproducible under np.random.seed).
+NumPy arrays live on the host, where the core needs no workspace today; the size is still asked
+for, so that a CPU path that needs scratch gets it from here, aligned as the core requires.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 
 from flashattn import _C
 from flashattn._common import (
+    WORKSPACE_ALIGNMENT,
     check_dropout_p,
     check_no_leftpad,
     make_options,
@@ -51,6 +54,15 @@ def _pad_head_dim(x):
     return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - d)])
 
 
+def _workspace(nbytes: int):
+    """A 1-D uint8 array of nbytes, WORKSPACE_ALIGNMENT-aligned; None when none is needed."""
+    if nbytes == 0:
+        return None
+    buf = np.empty(nbytes + WORKSPACE_ALIGNMENT - 1, dtype=np.uint8)
+    start = -buf.ctypes.data % WORKSPACE_ALIGNMENT
+    return buf[start:start + nbytes]
+
+
 def _dropout_seed(dropout_p: float) -> int:
     if dropout_p <= 0.0:
         return 0
@@ -79,9 +91,14 @@ def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, sof
     else:
         total_q, h = rows
         lse = np.empty((h, total_q), dtype=np.float32)
+    inputs = (_kernel_view(q_p), _kernel_view(k_p), _kernel_view(v_p))
+    bf16_bits = _is_bf16(q)
+    nbytes = _C.forward_workspace_size(*inputs, options=opt, alibi_slopes=alibi_slopes,
+                                       bf16_bits=bf16_bits, **varlen)
     _C.forward(
-        _kernel_view(q_p), _kernel_view(k_p), _kernel_view(v_p), _kernel_view(out), lse,
-        options=opt, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q), **varlen,
+        *inputs, _kernel_view(out), lse,
+        options=opt, alibi_slopes=alibi_slopes, workspace=_workspace(nbytes), bf16_bits=bf16_bits,
+        **varlen,
     )
     out = out[..., :head_dim_v]
     return (out, lse, None) if return_lse else out
@@ -170,12 +187,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     b, sq, h, _ = q.shape
     out = np.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype)
     lse = np.empty((b, h, sq), dtype=np.float32)
-    _C.forward_kvcache(
-        _kernel_view(q), _kernel_view(k_cache), _kernel_view(v_cache), _kernel_view(out), lse,
-        options=opt, k=_kernel_view(k), v=_kernel_view(v), cache_seqlens=cache_seqlens,
+    arrays = (_kernel_view(q), _kernel_view(k_cache), _kernel_view(v_cache))
+    extra = dict(
+        k=_kernel_view(k), v=_kernel_view(v), cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, block_table=block_table,
         rotary_cos=_kernel_view(rotary_cos), rotary_sin=_kernel_view(rotary_sin),
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-        bf16_bits=_is_bf16(q),
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q),
     )
+    nbytes = _C.forward_kvcache_workspace_size(*arrays, options=opt, **extra)
+    _C.forward_kvcache(*arrays, _kernel_view(out), lse, options=opt,
+                       workspace=_workspace(nbytes), **extra)
     return (out, lse) if return_softmax_lse else out

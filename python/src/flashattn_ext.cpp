@@ -1,8 +1,9 @@
 // python/src/flashattn_ext.cpp — the nanobind module flashattn._C: the C++ entry points over
 // arrays that arrive through DLPack (PyTorch tensors, NumPy arrays), without copies.
 //
-// Every tensor argument, outputs included, is memory the caller owns: the Python layer allocates
-// out, lse, dq, ... and passes them in. Shapes and strides (in elements) are taken as they are,
+// Every tensor argument, outputs and workspace included, is memory the caller owns: the Python
+// layer allocates out, lse, dq, ... and the workspace (its size from the *_workspace_size
+// functions, which read only shapes, dtypes and devices) and passes them in. Shapes and strides (in elements) are taken as they are,
 // so views into packed tensors are read in place. The GIL is released while the kernels run.
 // flashattn::Error surfaces as flashattn._C.Error, a subclass of ValueError.
 #include <nanobind/nanobind.h>
@@ -141,31 +142,71 @@ flashattn::Varlen varlen_of(const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqle
   return vl;
 }
 
+// The caller's scratch: a 1-D contiguous uint8 array on q's device (256-byte alignment and the
+// size are checked by the core against what the call needs). None = no workspace.
+flashattn::Workspace workspace_of(const MaybeOut& workspace, const TensorView& q) {
+  if (!workspace) return {};
+  const OutArray& w = *workspace;
+  const nb::dlpack::dtype u8{uint8_t(nb::dlpack::dtype_code::UInt), 8, 1};
+  if (w.dtype() != u8) {
+    throw Error("workspace: must be a byte buffer; expected uint8, got " + dlpack_dtype_name(w.dtype()));
+  }
+  if (w.ndim() != 1 || (w.shape(0) > 1 && w.stride(0) != 1)) {
+    throw Error("workspace: must be a contiguous 1-D uint8 array; expected rank 1 with stride 1, got rank " +
+                std::to_string(w.ndim()));
+  }
+  if (device_of("workspace", w.device_type(), w.device_id()) != q.device) {
+    throw Error("workspace: all tensors must be on one device; expected q's device");
+  }
+  flashattn::Workspace ws;
+  ws.data = w.shape(0) == 0 ? nullptr : w.data();
+  ws.bytes = std::size_t(w.shape(0));
+  return ws;
+}
+
 flashattn::Stream stream_of(std::uintptr_t handle) { return flashattn::Stream{reinterpret_cast<void*>(handle)}; }
 
-void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out, const MaybeOut& lse,
-             const flashattn::Options& options, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
-             const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
-             int max_seqlen_k, std::uintptr_t stream, bool bf16_bits) {
+flashattn::ForwardInputs forward_inputs(const InArray& q, const InArray& k, const InArray& v,
+                                        const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
+                                        const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k,
+                                        bool bf16_bits) {
   flashattn::ForwardInputs in;
   in.q = view_of("q", q, bf16_bits);
   in.k = view_of("k", k, bf16_bits);
   in.v = view_of("v", v, bf16_bits);
   in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  return in;
+}
+
+std::size_t forward_workspace_size(const InArray& q, const InArray& k, const InArray& v,
+                                   const flashattn::Options& options, const MaybeIn& alibi_slopes,
+                                   const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k,
+                                   int max_seqlen_q, int max_seqlen_k, bool bf16_bits) {
+  const flashattn::ForwardInputs in =
+      forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
+  return flashattn::forward_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
+}
+
+void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out, const MaybeOut& lse,
+             const flashattn::Options& options, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
+             const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
+             int max_seqlen_k, const MaybeOut& workspace, std::uintptr_t stream, bool bf16_bits) {
+  const flashattn::ForwardInputs in =
+      forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
   flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
   opt.return_lse = lse.has_value();
+  const flashattn::Workspace ws = workspace_of(workspace, in.q);
   nb::gil_scoped_release no_gil;
-  flashattn::forward(in, outs, opt, {}, stream_of(stream));
+  flashattn::forward(in, outs, opt, ws, stream_of(stream));
 }
 
-void backward(const InArray& dout, const InArray& q, const InArray& k, const InArray& v, const InArray& out,
-              const InArray& lse, const OutArray& dq, const OutArray& dk, const OutArray& dv,
-              const OutArray& softmax_d, const flashattn::Options& options, const MaybeIn& alibi_slopes,
-              const MaybeIn& rng_state, const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
-              const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k, std::uintptr_t stream, bool bf16_bits) {
+flashattn::BackwardInputs backward_inputs(const InArray& dout, const InArray& q, const InArray& k, const InArray& v,
+                                          const InArray& out, const InArray& lse, const MaybeIn& cu_seqlens_q,
+                                          const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
+                                          int max_seqlen_k, bool bf16_bits) {
   flashattn::BackwardInputs in;
   in.dout = view_of("dout", dout, bf16_bits);
   in.q = view_of("q", q, bf16_bits);
@@ -174,21 +215,46 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
   in.out = view_of("out", out, bf16_bits);
   in.lse = view_of("lse", lse, false);
   in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  return in;
+}
+
+std::size_t backward_workspace_size(const InArray& dout, const InArray& q, const InArray& k, const InArray& v,
+                                    const InArray& out, const InArray& lse, const flashattn::Options& options,
+                                    const MaybeIn& alibi_slopes, const MaybeIn& cu_seqlens_q,
+                                    const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
+                                    int max_seqlen_k, bool bf16_bits) {
+  const flashattn::BackwardInputs in = backward_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
+  return flashattn::backward_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
+}
+
+void backward(const InArray& dout, const InArray& q, const InArray& k, const InArray& v, const InArray& out,
+              const InArray& lse, const OutArray& dq, const OutArray& dk, const OutArray& dv,
+              const OutArray& softmax_d, const flashattn::Options& options, const MaybeIn& alibi_slopes,
+              const MaybeIn& rng_state, const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
+              const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k, const MaybeOut& workspace,
+              std::uintptr_t stream, bool bf16_bits) {
+  const flashattn::BackwardInputs in = backward_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
   flashattn::BackwardOutputs outs;
   outs.dq = view_of("dq", dq, bf16_bits);
   outs.dk = view_of("dk", dk, bf16_bits);
   outs.dv = view_of("dv", dv, bf16_bits);
   outs.softmax_d = view_of("softmax_d", softmax_d, false);
   const flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
+  const flashattn::Workspace ws = workspace_of(workspace, in.q);
   nb::gil_scoped_release no_gil;
-  flashattn::backward(in, outs, opt, {}, stream_of(stream));
+  flashattn::backward(in, outs, opt, ws, stream_of(stream));
 }
 
-void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& v_cache, const OutArray& out,
-                     const MaybeOut& lse, const flashattn::Options& options, const MaybeIn& k_new,
-                     const MaybeIn& v_new, const MaybeIn& cache_seqlens, const MaybeIn& cache_batch_idx,
-                     const MaybeIn& block_table, const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
-                     bool rotary_interleaved, const MaybeIn& alibi_slopes, std::uintptr_t stream, bool bf16_bits) {
+// The caches are taken read-only here so that the size query also accepts read-only arrays;
+// forward_kvcache itself takes them as writable (k_new/v_new are appended in place).
+template <class CacheArray>
+flashattn::KVCacheInputs kvcache_inputs(const InArray& q, const CacheArray& k_cache, const CacheArray& v_cache,
+                                        const MaybeIn& k_new, const MaybeIn& v_new, const MaybeIn& cache_seqlens,
+                                        const MaybeIn& cache_batch_idx, const MaybeIn& block_table,
+                                        const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
+                                        bool rotary_interleaved, bool bf16_bits) {
   flashattn::KVCacheInputs in;
   in.q = view_of("q", q, bf16_bits);
   in.k_cache = view_of("k_cache", k_cache, bf16_bits);
@@ -201,13 +267,38 @@ void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& 
   in.rotary_cos = maybe_view("rotary_cos", rotary_cos, bf16_bits);
   in.rotary_sin = maybe_view("rotary_sin", rotary_sin, bf16_bits);
   in.rotary_interleaved = rotary_interleaved;
+  return in;
+}
+
+std::size_t forward_kvcache_workspace_size(const InArray& q, const InArray& k_cache, const InArray& v_cache,
+                                           const flashattn::Options& options, const MaybeIn& k_new,
+                                           const MaybeIn& v_new, const MaybeIn& cache_seqlens,
+                                           const MaybeIn& cache_batch_idx, const MaybeIn& block_table,
+                                           const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
+                                           bool rotary_interleaved, const MaybeIn& alibi_slopes, bool bf16_bits) {
+  const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                                     cache_batch_idx, block_table, rotary_cos, rotary_sin,
+                                                     rotary_interleaved, bf16_bits);
+  return flashattn::forward_kvcache_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
+}
+
+void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& v_cache, const OutArray& out,
+                     const MaybeOut& lse, const flashattn::Options& options, const MaybeIn& k_new,
+                     const MaybeIn& v_new, const MaybeIn& cache_seqlens, const MaybeIn& cache_batch_idx,
+                     const MaybeIn& block_table, const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
+                     bool rotary_interleaved, const MaybeIn& alibi_slopes, const MaybeOut& workspace,
+                     std::uintptr_t stream, bool bf16_bits) {
+  const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
+                                                     cache_batch_idx, block_table, rotary_cos, rotary_sin,
+                                                     rotary_interleaved, bf16_bits);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
   flashattn::Options opt = with_tensors(options, alibi_slopes, std::nullopt, in.q);
   opt.return_lse = lse.has_value();
+  const flashattn::Workspace ws = workspace_of(workspace, in.q);
   nb::gil_scoped_release no_gil;
-  flashattn::forward_kvcache(in, outs, opt, {}, stream_of(stream));
+  flashattn::forward_kvcache(in, outs, opt, ws, stream_of(stream));
 }
 
 void combine(const InArray& out_partial, const InArray& lse_partial, const OutArray& out, const MaybeOut& lse,
@@ -261,17 +352,35 @@ NB_MODULE(_C, m) {
         nb::kw_only(), nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("rng_state").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
         nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
-        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("stream") = 0,
-        nb::arg("bf16_bits") = false,
+        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("workspace").none() = nb::none(),
+        nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
         "Writes out (and lse when given). Varlen when cu_seqlens_q/k are given. rng_state: int64 "
-        "{seed, offset} on q's device, read instead of options.dropout_seed/offset.");
+        "{seed, offset} on q's device, read instead of options.dropout_seed/offset. workspace: 1-D "
+        "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0).");
+
+  m.def("forward_workspace_size", &forward_workspace_size, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(),
+        nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+        nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
+        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("bf16_bits") = false,
+        "Bytes of workspace forward needs for these inputs and options (0 when none); reads only "
+        "shapes, dtypes and devices.");
 
   m.def("backward", &backward, nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("softmax_d"), nb::kw_only(),
         nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("rng_state").none() = nb::none(),
         nb::arg("cu_seqlens_q").none() = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none(),
         nb::arg("seqused_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
-        nb::arg("stream") = 0, nb::arg("bf16_bits") = false, "Writes dq, dk, dv and softmax_d.");
+        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        "Writes dq, dk, dv and softmax_d. workspace: 1-D uint8, 256-byte aligned, on q's device, of "
+        "backward_workspace_size(...) bytes (None when 0); too small a workspace raises Error.");
+
+  m.def("backward_workspace_size", &backward_workspace_size, nb::arg("dout"), nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::kw_only(), nb::arg("options"),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
+        nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
+        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("bf16_bits") = false,
+        "Bytes of workspace backward needs for these inputs and options (0 when none); reads only "
+        "shapes, dtypes and devices.");
 
   m.def("forward_kvcache", &forward_kvcache, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"),
         nb::arg("lse").none(), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),
@@ -279,8 +388,19 @@ NB_MODULE(_C, m) {
         nb::arg("cache_batch_idx").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
         nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
         nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
-        nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
-        "Appends k/v into the caches in place (rotated when rotary_cos/sin are given), then attends.");
+        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        "Appends k/v into the caches in place (rotated when rotary_cos/sin are given), then attends. "
+        "workspace: as for forward, of forward_kvcache_workspace_size(...) bytes.");
+
+  m.def("forward_kvcache_workspace_size", &forward_kvcache_workspace_size, nb::arg("q"), nb::arg("k_cache"),
+        nb::arg("v_cache"), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),
+        nb::arg("v").none() = nb::none(), nb::arg("cache_seqlens").none() = nb::none(),
+        nb::arg("cache_batch_idx").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
+        nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
+        nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
+        nb::arg("bf16_bits") = false,
+        "Bytes of workspace forward_kvcache needs for these inputs and options (0 when none); reads "
+        "only shapes, dtypes and devices.");
 
   m.def("combine", &combine, nb::arg("out_partial"), nb::arg("lse_partial"), nb::arg("out"),
         nb::arg("lse").none() = nb::none(), nb::kw_only(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,

@@ -1,0 +1,121 @@
+"""Caller-owned workspace (SPEC §4): the size functions of flashattn._C, the workspace argument of
+forward / backward / forward_kvcache, and the errors a wrong workspace gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashattn
+from flashattn import _C
+from flashattn._common import WORKSPACE_ALIGNMENT, make_options
+
+
+def options(**kw):
+    base = dict(softmax_scale=0.25, causal=False, window_left=-1, window_right=-1, softcap=0.0)
+    base.update(kw)
+    return make_options(**base)
+
+
+def test_numpy_sizes_are_zero(rng):
+    """Host arrays need no workspace: every size function says 0."""
+    q = rng.standard_normal((2, 7, 4, 16)).astype(np.float16)
+    k = rng.standard_normal((2, 9, 2, 16)).astype(np.float16)
+    lse = np.zeros((2, 4, 7), dtype=np.float32)
+    assert _C.forward_workspace_size(q, k, k, options=options()) == 0
+    assert _C.backward_workspace_size(q, q, k, k, q, lse, options=options(deterministic=True)) == 0
+    assert _C.forward_kvcache_workspace_size(q[:, :1], k, k, options=options()) == 0
+
+
+def test_workspace_argument_is_checked(rng):
+    """A workspace that is not a 1-D uint8 buffer on q's device is an argument error."""
+    q = rng.standard_normal((1, 5, 2, 16)).astype(np.float16)
+    out = np.empty_like(q)
+    with pytest.raises(ValueError, match="workspace: must be a byte buffer"):
+        _C.forward(q, q, q, out, None, options=options(), workspace=np.zeros(64, dtype=np.float32))
+    with pytest.raises(ValueError, match="workspace: must be a contiguous 1-D uint8 array"):
+        _C.forward(q, q, q, out, None, options=options(), workspace=np.zeros((4, 64), dtype=np.uint8))
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests need it")
+
+
+def test_torch_cpu_sizes_are_zero():
+    torch = _torch()
+    q = torch.randn(2, 7, 4, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 9, 2, 16, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 7)
+    assert _C.forward_workspace_size(q, k, k, options=options()) == 0
+    assert _C.backward_workspace_size(q, q, k, k, q, lse, options=options()) == 0
+    assert _C.forward_kvcache_workspace_size(q[:, :1], k, k, options=options(), k=k[:, :1], v=k[:, :1],
+                                             cache_seqlens=torch.tensor([3, 5], dtype=torch.int32)) == 0
+    cu_q = torch.tensor([0, 3, 7], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)
+    qv, kv = q[0], k[0]
+    assert _C.forward_workspace_size(qv, kv, kv, options=options(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                     max_seqlen_q=4, max_seqlen_k=5) == 0
+    assert _C.backward_workspace_size(qv, qv, kv, kv, qv, torch.zeros(4, 7), options=options(),
+                                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=4,
+                                      max_seqlen_k=5) == 0
+
+
+def test_explicit_workspace_on_cpu_is_accepted():
+    """A CPU call given a workspace it does not need computes the same result."""
+    torch = _torch()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 6, 2, 16, generator=g).half()
+    k = torch.randn(1, 8, 2, 16, generator=g).half()
+    out_a, out_b = torch.empty_like(q), torch.empty_like(q)
+    _C.forward(q, k, k, out_a, None, options=options())
+    _C.forward(q, k, k, out_b, None, options=options(), workspace=torch.empty(1024, dtype=torch.uint8))
+    assert torch.equal(out_a, out_b)
+
+
+def test_allocated_workspace_is_aligned():
+    torch = _torch()
+    from flashattn._torch_ops import _workspace
+
+    assert _workspace(0, torch.device("cpu")) is None
+    for nbytes in (1, 300, 4096):
+        ws = _workspace(nbytes, torch.device("cpu"))
+        assert ws.dtype == torch.uint8 and ws.shape == (nbytes,)
+        assert ws.data_ptr() % WORKSPACE_ALIGNMENT == 0
+
+
+def _cuda_or_skip(torch):
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU visible: the CUDA workspace checks need CUDA tensors")
+    if "cuda" not in flashattn.compiled_backends():
+        pytest.skip("this build has no CUDA backend (-DFLASHATTN_CUDA=ON)")
+
+
+def test_cuda_backward_rejects_small_workspace():
+    """On CUDA the backward needs backward_workspace_size bytes: less (or none) raises a ValueError
+    that names the workspace and the sizes, before anything is written."""
+    torch = _torch()
+    _cuda_or_skip(torch)
+    g = torch.Generator().manual_seed(11)
+    make = lambda *s: torch.randn(s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    q, k, v = make(2, 128, 4, 64), make(2, 128, 4, 64), make(2, 128, 4, 64)
+    out, dout = make(2, 128, 4, 64), make(2, 128, 4, 64)
+    lse = torch.randn(2, 4, 128, generator=g).cuda()
+    opt = options(deterministic=True)
+    dq = torch.full_like(q, float("nan"))
+    outputs = (dq, torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse))
+    stream = torch.cuda.current_stream().cuda_stream
+    on_host = torch.empty(1024, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="workspace: all tensors must be on one device"):
+        _C.backward(dout, q, k, v, out, lse, *outputs, options=opt, workspace=on_host, stream=stream)
+    need = _C.backward_workspace_size(dout, q, k, v, out, lse, options=opt)
+    if need == 0:
+        pytest.skip("this build's CUDA backward reports no workspace for this shape: nothing can be too small")
+    small = torch.empty(need // 2, dtype=torch.uint8, device="cuda")
+    for ws in (None, small):
+        with pytest.raises(ValueError, match=f"workspace: too small.*at least {need} bytes"):
+            _C.backward(dout, q, k, v, out, lse, *outputs, options=opt, workspace=ws, stream=stream)
+    misaligned = torch.empty(need + WORKSPACE_ALIGNMENT, dtype=torch.uint8, device="cuda")[1:]
+    with pytest.raises(ValueError, match="workspace: must be 256-byte aligned"):
+        _C.backward(dout, q, k, v, out, lse, *outputs, options=opt, workspace=misaligned, stream=stream)
+    torch.cuda.synchronize()
+    assert torch.isnan(dq).all(), "a rejected call wrote dq"
