@@ -1,0 +1,460 @@
+#!/usr/bin/env python3
+"""bench/make_report.py — turns the JSON of bench/compare.py into docs/benchmarks.md (tables
+stamped with the date, GPU, clocks, driver, CUDA, PyTorch and cuDNN versions) and PNG plots in
+docs/img/.
+
+  python bench/make_report.py build/compare/*.json                  # → docs/benchmarks.md, docs/img/
+  python bench/make_report.py run.json --out /tmp/b.md --img-dir /tmp/img
+
+Several files (runs of separate case groups) are merged; where two hold the same case, the later
+run wins. Plots need matplotlib; without it the report says so and has no images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DASH = "–"
+ORDER = ("flashattn", "cudnn", "fa2", "efficient", "flex", "math")
+LABELS = {
+    "flashattn": "flashattn",
+    "cudnn": "cuDNN",
+    "fa2": "FA2",
+    "efficient": "mem-eff",
+    "flex": "Flex",
+    "math": "math",
+}
+DIRECTION_LABELS = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+
+def load(paths) -> list:
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    runs.sort(key=lambda r: r.get("date", ""))
+    return runs
+
+
+def merged_cases(runs) -> list:
+    by_id = collections.OrderedDict()
+    for run in runs:
+        for case in run["cases"]:
+            by_id[case["id"]] = case
+    return list(by_id.values())
+
+
+def competitors_of(cases) -> list:
+    seen = {name for c in cases for name in c.get("results", {})}
+    return [n for n in ORDER if n in seen] + sorted(seen - set(ORDER))
+
+
+def number(value):
+    """A measured number, or None (missing, or written as a string for NaN)."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def figure(value: float) -> str:
+    """At most three significant figures (whole numbers from 100 up): 612, 45.3, 0.0123."""
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.3g}" if value >= 1e-3 else f"{value:.1e}"
+
+
+def metric(case, name, direction, key="tflops"):
+    entry = case.get("results", {}).get(name, {}).get(direction, {})
+    return number(entry.get(key))
+
+
+def check_failed(case) -> bool:
+    return not case.get("check", {}).get("passed", True)
+
+
+def reason(case, name, direction):
+    result = case.get("results", {}).get(name, {})
+    if "unsupported" in result:
+        return result["unsupported"]
+    return result.get(direction, {}).get("unsupported")
+
+
+# --- plots -----------------------------------------------------------------------------------------
+
+
+def make_plots(runs, img_dir):
+    """PNG plots of the runs' cases into img_dir; returns the file names, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    os.makedirs(img_dir, exist_ok=True)
+    cases = merged_cases(runs)
+    made = []
+    grid = [c for c in cases if c["group"] == "grid"]
+    names = competitors_of(grid)
+    for dtype in sorted({c["params"]["dtype"] for c in grid}):
+        rows = [c for c in grid if c["params"]["dtype"] == dtype]
+        for direction in ("fwd", "bwd", "fwdbwd"):
+            def speed(ax, panel, direction=direction):
+                for name in names:
+                    line(ax, [(c["params"]["sq"], metric(c, name, direction)) for c in panel
+                              if not (name == "flashattn" and check_failed(c))], LABELS.get(name, name))
+            made.append(grid_figure(plt, rows, speed, "TFLOP/s", img_dir, f"grid-{dtype}-{direction}.png",
+                                    f"{dtype} {DIRECTION_LABELS[direction]}, batch·seqlen = 16k, heads·d = 2048"))
+        if any(ratio(c, dn) for c in rows for dn in ("fwd", "bwd", "fwdbwd")):
+            def ratios(ax, panel):
+                for direction in ("fwd", "bwd", "fwdbwd"):
+                    line(ax, [(c["params"]["sq"], ratio(c, direction)) for c in panel if not check_failed(c)],
+                         DIRECTION_LABELS[direction])
+                ax.axhline(1.0, color="gray", lw=0.8)
+            made.append(grid_figure(plt, rows, ratios, "flashattn ÷ cuDNN", img_dir,
+                                    f"grid-{dtype}-ratio-cudnn.png",
+                                    f"{dtype}: flashattn TFLOP/s divided by cuDNN's (above 1: flashattn is faster)"))
+    made += decode_plots(plt, runs, cases, img_dir)
+    return made
+
+
+def line(ax, points, label):
+    """One curve of the measured points (x, y); points without a value are left out."""
+    points = [(x, y) for x, y in points if y is not None]
+    if points:
+        ax.plot(*zip(*points), marker="o", label=label)
+
+
+def grid_figure(plt, rows, draw, ylabel, img_dir, name, title) -> str:
+    """Panels of the grid cases: non-causal / causal (rows) × head dims (columns), sequence length
+    on a log axis; draw(ax, cases of the panel sorted by seqlen) puts the curves in."""
+    dims = sorted({c["params"]["d"] for c in rows})
+    fig, axes = plt.subplots(2, len(dims), figsize=(4.2 * len(dims), 6.4), squeeze=False, sharex=True)
+    for col, d in enumerate(dims):
+        for row, causal in enumerate((False, True)):
+            ax = axes[row][col]
+            draw(ax, sorted((c for c in rows if c["params"]["d"] == d and c["params"]["causal"] == causal),
+                            key=lambda c: c["params"]["sq"]))
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}", fontsize=10)
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel(ylabel)
+            if row == 1:
+                ax.set_xlabel("sequence length")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    save(fig, img_dir, name)
+    plt.close(fig)
+    return name
+
+
+def decode_plots(plt, runs, cases, img_dir) -> list:
+    decode = [c for c in cases if c["group"] == "decode"]
+    copy = next((number(r.get("copy_gbps")) for r in reversed(runs) if number(r.get("copy_gbps"))), None)
+    names = competitors_of(decode)
+    made = []
+    for sq in sorted({c["params"]["sq"] for c in decode}):
+        rows = [c for c in decode if c["params"]["sq"] == sq]
+        layouts = sorted({c["params"]["page_size"] for c in rows})
+        batches = sorted({c["params"]["b"] for c in rows})
+        fig, axes = plt.subplots(len(layouts), len(batches), figsize=(3.6 * len(batches), 3.0 * len(layouts)),
+                                 squeeze=False, sharey=True)
+        for r, page in enumerate(layouts):
+            for col, b in enumerate(batches):
+                ax = axes[r][col]
+                panel = sorted((c for c in rows if c["params"]["page_size"] == page and c["params"]["b"] == b),
+                               key=lambda c: c["params"]["sk"])
+                for name in names:
+                    line(ax, [(c["params"]["sk"], metric(c, name, "fwd", "gbps")) for c in panel
+                              if not (name == "flashattn" and check_failed(c))], LABELS.get(name, name))
+                if copy:
+                    ax.axhline(copy, color="gray", ls="--", lw=0.8, label="device copy")
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"b={b}, {'paged ' + str(page) if page else 'contiguous'}", fontsize=9)
+                ax.grid(alpha=0.3)
+                if col == 0:
+                    ax.set_ylabel("GB/s")
+                if r == len(layouts) - 1:
+                    ax.set_xlabel("context")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+        fig.suptitle(f"decoding, sq={sq}: GB/s of K/V read + q/out")
+        fig.tight_layout(rect=(0, 0.08, 1, 0.94))
+        made.append(save(fig, img_dir, f"decode-sq{sq}.png"))
+        plt.close(fig)
+    return made
+
+
+def save(fig, img_dir, name) -> str:
+    fig.savefig(os.path.join(img_dir, name), dpi=110)
+    return name
+
+
+def ratio(case, direction):
+    ours, theirs = metric(case, "flashattn", direction), metric(case, "cudnn", direction)
+    return ours / theirs if ours and theirs else None
+
+
+# --- tables ----------------------------------------------------------------------------------------
+
+
+class Notes:
+    """Why a cell is "–": each distinct reason once, numbered, listed under its table."""
+
+    def __init__(self):
+        self.reasons = collections.OrderedDict()
+
+    def mark(self, text) -> str:
+        if text is None:
+            return DASH
+        short = text.replace("|", "/").replace("\n", " ").strip()
+        if short not in self.reasons:
+            self.reasons[short] = len(self.reasons) + 1
+        return f"{DASH}<sup>{self.reasons[short]}</sup>"
+
+    def lines(self) -> list:
+        if not self.reasons:
+            return []
+        out = [""]
+        out += [f"<sup>{n}</sup> {text}  " for text, n in self.reasons.items()]
+        return out
+
+
+def speeds(case, name, directions, notes, key="tflops") -> str:
+    if name == "flashattn" and check_failed(case):
+        return "**wrong result**"
+    values = [metric(case, name, direction, key) for direction in directions]
+    reasons = [reason(case, name, direction) for direction in directions]
+    if all(v is None for v in values) and len(set(reasons)) == 1:
+        return notes.mark(reasons[0])  # one "–" for a competitor that ran nothing, for one reason
+    return " / ".join(figure(v) if v is not None else notes.mark(r) for v, r in zip(values, reasons))
+
+
+def check_cell(case) -> str:
+    chk = case.get("check")
+    if not chk:
+        return DASH
+    if "error" in chk:
+        return f"error: {chk['error'][:60]}"
+    worst = max((number(v) or float("inf") for v in chk.get("max_abs_error", {}).values()), default=float("nan"))
+    return f"{'ok' if chk['passed'] else 'FAILED'} ({worst:.1e})"
+
+
+def grid_section(cases) -> list:
+    grid = [c for c in cases if c["group"] == "grid"]
+    if not grid:
+        return []
+    names = competitors_of(grid)
+    out = ["## The FlashAttention grid", "",
+           "TFLOP/s as forward / backward / forward+backward; batch·seqlen = 16384 tokens, heads·d = 2048, "
+           "q/k/v random normal. The ratio is flashattn's TFLOP/s divided by cuDNN's (forward / backward). "
+           "`check`: flashattn against the fp32 reference (largest max-abs error of out, dq, dk, dv).", ""]
+    for dtype in sorted({c["params"]["dtype"] for c in grid}):
+        notes = Notes()
+        out += [f"### {dtype}", ""]
+        header = ["d", "causal", "seqlen"] + [LABELS.get(n, n) for n in names] + ["÷ cuDNN", "check"]
+        out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        rows = sorted((c for c in grid if c["params"]["dtype"] == dtype),
+                      key=lambda c: (c["params"]["d"], c["params"]["causal"], c["params"]["sq"]))
+        for c in rows:
+            p = c["params"]
+            ratios = [ratio(c, dn) for dn in ("fwd", "bwd")]
+            ratio_text = " / ".join(f"{r:.2f}" if r else DASH for r in ratios) if not check_failed(c) else DASH
+            cells = [str(p["d"]), "yes" if p["causal"] else "no", str(p["sq"])]
+            cells += [speeds(c, n, ("fwd", "bwd", "fwdbwd"), notes) for n in names]
+            cells += [ratio_text, check_cell(c)]
+            out.append("| " + " | ".join(cells) + " |")
+        out += notes.lines() + [""]
+    return out
+
+
+def features_section(cases) -> list:
+    feats = [c for c in cases if c["group"] == "features"]
+    if not feats:
+        return []
+    names = competitors_of(feats)
+    notes = Notes()
+    out = ["## Features", "",
+           "TFLOP/s as forward / backward / forward+backward, counted as FlashAttention does (dense, halved "
+           "when causal or windowed; varlen sums over its sequences). SDPA gets windows and ALiBi as an "
+           "explicit `attn_mask`, varlen as a jagged NestedTensor; FlexAttention gets them as `score_mod` / "
+           "block masks.", ""]
+    header = ["case", "shape"] + [LABELS.get(n, n) for n in names] + ["check"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in feats:
+        p = c["params"]
+        shape = f"{p['dtype']} b={p['b']} s={p['sq']} h={p['h']}/{p['hk']} d={p['d']}/{p['dv']}"
+        cells = [c["id"].split("/", 1)[1], shape] + [speeds(c, n, ("fwd", "bwd", "fwdbwd"), notes) for n in names]
+        repeat = [n for n in names if c["results"].get(n, {}).get("bitwise_repeatable") is False]
+        extra = f"; not bitwise repeatable: {', '.join(repeat)}" if repeat else ""
+        out.append("| " + " | ".join(cells + [check_cell(c) + extra]) + " |")
+    return out + notes.lines() + [""]
+
+
+def decode_section(runs, cases) -> list:
+    decode = [c for c in cases if c["group"] == "decode"]
+    if not decode:
+        return []
+    copy = next((number(r.get("copy_gbps")) for r in reversed(runs) if number(r.get("copy_gbps"))), None)
+    names = competitors_of(decode)
+    notes = Notes()
+    copy_mib = next((r.get("copy_bytes") for r in reversed(runs) if r.get("copy_bytes")), 0) // (1 << 20)
+    copy_text = f"{copy:.0f} GB/s (read + write of {copy_mib} MiB)" if copy else "not measured"
+    out = ["## Decoding", "",
+           f"GB/s = (K and V read once + q read + out written) / time; GQA {decode[0]['params']['h']}/"
+           f"{decode[0]['params']['hk']}, d {decode[0]['params']['d']}, every cache row valid, not causal. "
+           f"Device copy in the same run: **{copy_text}**. SDPA has no paged cache.", ""]
+    header = ["sq", "cache", "batch", "context"] + [LABELS.get(n, n) for n in names] + ["flashattn ÷ copy", "check"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in sorted(decode, key=lambda c: (c["params"]["sq"], c["params"]["page_size"], c["params"]["b"],
+                                           c["params"]["sk"])):
+        p = c["params"]
+        ours = metric(c, "flashattn", "fwd", "gbps")
+        share = f"{ours / copy:.2f}" if ours and copy and not check_failed(c) else DASH
+        cells = [str(p["sq"]), f"paged {p['page_size']}" if p["page_size"] else "contiguous", str(p["b"]), str(p["sk"])]
+        cells += [speeds(c, n, ("fwd",), notes, key="gbps") for n in names] + [share, check_cell(c)]
+        out.append("| " + " | ".join(cells) + " |")
+    return out + notes.lines() + [""]
+
+
+def memory_section(cases) -> list:
+    rows = [c for c in cases if c["group"] in ("memory", "features")]
+    if not rows:
+        return []
+    names = competitors_of(rows)
+    notes = Notes()
+    out = ["## Peak memory of forward + backward", "",
+           "MiB: `torch.cuda.max_memory_allocated` over one forward+backward after a reset, and in brackets the "
+           "part above what was allocated before the call (outputs, saved tensors, gradients, workspace). "
+           "flashattn allocates its workspace through PyTorch, so it is counted.", ""]
+    header = ["case"] + [LABELS.get(n, n) for n in names]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in rows:
+        cells = [c["id"]]
+        for n in names:
+            mem = c.get("results", {}).get(n, {}).get("memory", {})
+            peak, extra = number(mem.get("peak_mib")), number(mem.get("extra_mib"))
+            text = mem.get("unsupported") or c.get("results", {}).get(n, {}).get("unsupported")
+            cells.append(f"{peak:.0f} ({extra:.0f})" if peak is not None else notes.mark(text))
+        out.append("| " + " | ".join(cells) + " |")
+    return out + notes.lines() + [""]
+
+
+def cudnn_version(v) -> str:
+    """torch reports cuDNN 9.19.0 as 91900."""
+    if not isinstance(v, int):
+        return str(v)
+    return f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
+
+
+def timer_text(t: dict) -> str:
+    if not t:
+        return "?"
+    if t.get("method") == "perf_counter":
+        return f"wall clock (CPU dry run), median of {t.get('repeats')} after {t.get('warmup_calls')} warm-up call"
+    return (f"{t.get('method')} ({'triton.testing.do_bench' if t.get('method') == 'do_bench' else 'CUDA events'}), "
+            f"{t.get('statistic', 'median')} of the repeats within {t.get('rep_ms')} ms after {t.get('warmup_ms')} ms "
+            f"of warm-up; L2 {t.get('l2')}")
+
+
+def stamp(runs) -> list:
+    out = []
+    seen = set()
+    for run in runs:
+        dev = run.get("device", {})
+        gpu = (f" ({dev.get('sm')}, {dev.get('sms')} SMs, {dev.get('memory_gib')} GiB); clocks SM "
+               f"{dev.get('clock_sm', '?')} (max {dev.get('clock_sm_max', '?')}), memory {dev.get('clock_mem', '?')} "
+               f"(max {dev.get('clock_mem_max', '?')}), power limit {dev.get('power_limit', '?')}; driver "
+               f"{dev.get('driver', '?')}") if dev.get("gpu") else f" ({dev.get('cpu')}, {dev.get('threads')} threads)"
+        line = (f"- {run.get('date', '?')[:10]}: **{dev.get('gpu') or 'CPU'}**{gpu}; "
+                f"CUDA {dev.get('cuda')}; PyTorch {dev.get('torch')}; cuDNN {cudnn_version(dev.get('cudnn'))}; "
+                f"Triton {dev.get('triton')}; flashattn `{dev.get('flashattn')}`; "
+                f"cases: {', '.join(sorted({c['group'] for c in run['cases']}))}"
+                + (" (dry run: CPU, tiny shapes)" if run.get("dry_run") else "")
+                + (" (--quick)" if run.get("quick") else ""))
+        if line not in seen:
+            seen.add(line)
+            out.append(line)
+    return out
+
+
+def check_summary(cases) -> list:
+    checked = [c for c in cases if "check" in c]
+    failed = [c for c in checked if check_failed(c)]
+    out = ["## Correctness", "",
+           f"{len(checked)} of {len(cases)} cases ran flashattn and were checked against the fp32 reference "
+           f"(SPEC §7 tolerance); {len(failed)} failed" + (":" if failed else "."), ""]
+    for c in failed:
+        chk = c["check"]
+        detail = chk.get("error") or ", ".join(
+            f"{k} {v if isinstance(v, str) else format(v, '.2e')} (tolerance {chk['tolerance'].get(k, 0):.2e})"
+            for k, v in chk.get("max_abs_error", {}).items())
+        out.append(f"- `{c['id']}`: {detail}")
+    return out + [""]
+
+
+def report(runs, img_files, img_link) -> str:
+    cases = merged_cases(runs)
+    latest = runs[-1]
+    out = ["# flashattn beside PyTorch's attention backends", "",
+           "Generated by `bench/make_report.py` from the JSON of `bench/compare.py`; do not edit by hand.", "",
+           "Runs:", ""] + stamp(runs) + [
+        "",
+        "Conventions:",
+        "",
+        f"- FLOPs: {latest.get('flop_convention')}.",
+        f"- Timing: {timer_text(latest.get('timer'))}; every competitor in the same process, on the same input "
+        "values (each in its own layout, made outside the timing). The backward is "
+        "`torch.autograd.grad` of the output with the graph retained; the forward runs with autograd on.",
+        f"- Decode bandwidth: {latest.get('bandwidth_convention')}.",
+        f"- Memory: {latest.get('memory_convention')}.",
+        "- Competitors: " + ", ".join(f"{k} = {v}" for k, v in latest.get("competitors", {}).items())
+        + ". A competitor that cannot run a case shows – with the reason numbered under the table.",
+        "",
+        "Rerun on the GPU machine (see README.md, Benchmarks): `python bench/compare.py --out build/compare` "
+        "(or by parts with `--cases`), then `python bench/make_report.py build/compare/*.json`.",
+        "",
+    ]
+    out += check_summary(cases)
+    if img_files is None:
+        out += ["Plots: matplotlib was not importable when this report was made; none drawn.", ""]
+    elif img_files:
+        out += ["## Plots", ""] + [f"![{name[:-4]}]({img_link}/{name})" for name in img_files] + [""]
+    out += grid_section(cases) + features_section(cases) + decode_section(runs, cases) + memory_section(cases)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", nargs="+", help="compare.py JSON files")
+    p.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
+    p.add_argument("--img-dir", help="where the PNGs go (default: img/ beside --out)")
+    args = p.parse_args(argv)
+    runs = load(args.json)
+    img_dir = args.img_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "img")
+    img_files = make_plots(runs, img_dir)
+    if img_files is None:
+        print("make_report.py: matplotlib is not importable; the report has no plots (pip install matplotlib)")
+    img_link = os.path.relpath(img_dir, os.path.dirname(os.path.abspath(args.out)))
+    text = report(runs, img_files, img_link)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"wrote {args.out} ({len(merged_cases(runs))} cases, {len(img_files or [])} plots in {img_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
