@@ -3,6 +3,7 @@
 // share one code path. Validation has already happened: these functions trust their input.
 #pragma once
 
+#include "common/kvcache.h"
 #include "common/params.h"
 
 namespace flashattn::cpu {
@@ -46,23 +47,9 @@ void flash_backward(const common::AttentionParams& p, int num_threads);
 
 namespace flashattn::cpu {
 
-// KV cache, before attention: writes k_new/v_new (b, sk_new, hk, d/dv) into the cache rows
-// [cache_seqlens[b], cache_seqlens[b] + sk_new) of sequence b (following p's cache layout:
-// cache_batch_idx or block_table), rotating k by rotary_cos/sin when given.
-struct AppendArgs {
-  const void* k_new = nullptr;  // (b, sk_new, hk, d) with the strides below
-  const void* v_new = nullptr;
-  std::int64_t k_new_strides[3] = {};  // batch, row, head
-  std::int64_t v_new_strides[3] = {};
-  int seqlen_new = 0;
-  const std::int32_t* cache_seqlens = nullptr;  // before the append
-  const void* rotary_cos = nullptr;  // (seqlen_ro, rotary_dim / 2), row stride below
-  const void* rotary_sin = nullptr;
-  std::int64_t rotary_cos_stride = 0;
-  std::int64_t rotary_sin_stride = 0;
-  int rotary_dim = 0;  // 0: no rotary
-  bool rotary_interleaved = false;
-};
+// KV cache, before attention: appends k_new/v_new into the cache, rotating k (common::AppendArgs
+// says what and where).
+using common::AppendArgs;
 void append_kv(const common::AttentionParams& p, const AppendArgs& a);
 
 // Rotates q (b, sq, h, d) into q_rotated (contiguous, same dtype) for the KV-cache call: row i of

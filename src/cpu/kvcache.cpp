@@ -19,12 +19,6 @@ struct RowVec {
 };
 
 template <class T>
-struct Table {  // one row of rotary_cos or rotary_sin
-  const T* row;
-  float operator()(int i) const { return common::to_float(row[i]); }
-};
-
-template <class T>
 void copy_row(const T* src, T* dst, int n, const AppendArgs& a, int position) {
   if (a.rotary_dim == 0) {
     for (int i = 0; i < n; ++i) dst[i] = src[i];
@@ -34,7 +28,8 @@ void copy_row(const T* src, T* dst, int n, const AppendArgs& a, int position) {
   for (int i = 0; i < n; ++i) v.x[i] = common::to_float(src[i]);
   const T* cos = static_cast<const T*>(a.rotary_cos) + std::int64_t(position) * a.rotary_cos_stride;
   const T* sin = static_cast<const T*>(a.rotary_sin) + std::int64_t(position) * a.rotary_sin_stride;
-  common::rotate<float>(v, Table<T>{cos}, Table<T>{sin}, a.rotary_dim, a.rotary_interleaved);
+  common::rotate(v, common::RotaryTableRow<T>{cos}, common::RotaryTableRow<T>{sin}, a.rotary_dim,
+                 a.rotary_interleaved);
   for (int i = 0; i < n; ++i) dst[i] = common::from_float<T>(v.x[i]);
 }
 
@@ -61,7 +56,7 @@ template <class T>
 void rotate_queries(const common::AttentionParams& p, const AppendArgs& a, bool per_row, T* out) {
   for (int b = 0; b < p.batch; ++b) {
     for (int i = 0; i < p.max_seqlen_q; ++i) {
-      const int position = a.cache_seqlens[b] + (per_row ? i : 0);
+      const int position = common::rotary_q_position(a, b, i, per_row);
       for (int hh = 0; hh < p.heads; ++hh) {
         const T* src = static_cast<const T*>(p.q.data) + p.q_offset(p.q, b, i, hh);
         T* dst = out + ((std::int64_t(b) * p.max_seqlen_q + i) * p.heads + hh) * p.head_dim;
