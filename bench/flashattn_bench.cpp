@@ -9,6 +9,11 @@
 //   backward = 2 · pairs · (3·d + 2·dv)    (S, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q)
 // summed over batches and query heads. For d = dv the backward is 2.5× the forward. Softmax,
 // exponentials and dropout are not counted.
+// Beside it, TFLOP/s by FlashAttention's convention (the one bench/compare.py and published
+// numbers use): forward 2·b·h·sq·sk·(d + dv) (= 4·b·h·s²·d), halved when causal, backward 2.5×;
+// GB/s of the minimum traffic (every input read once, every output written once), which is the
+// figure that matters for decoding shapes (small sq); and the memory the call needs — on a GPU all
+// of it is the caller's tensors plus the reported workspace, since the library allocates nothing.
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -169,6 +174,9 @@ void print_help() {
       "\n"
       "FLOP convention: matmul FLOPs over exactly the visible (i, j) pairs of the mask;\n"
       "forward 2·pairs·(d+dv), backward 2·pairs·(3d+2dv) (2.5x forward when d = dv).\n"
+      "Also reported: TFLOP/s by FlashAttention's convention (4·b·h·sq·sk·d forward, halved when\n"
+      "causal, backward 2.5x), GB/s of the minimum traffic (for decoding shapes, e.g. --sq 1), the\n"
+      "sum of the fwd and bwd medians, and memory (GPU: tensors + workspace; host: peak RSS).\n"
       "Exit status: 0 ok, 1 a --check exceeded its tolerance, 2 bad usage or unsupported call.\n");
 }
 
@@ -770,6 +778,25 @@ double backward_flops(const Config& c, std::int64_t pairs) {
   return 2.0 * double(pairs) * double(3 * c.d + 2 * c.dv) * double(c.b) * double(c.h);
 }
 
+// FlashAttention's convention: dense sq·sk pairs, halved when causal (a window with right = 0 is
+// counted as causal); backward = 2.5 × forward.
+constexpr double kFaBackwardFactor = 2.5;
+double fa_flops(const Config& c, bool backward) {
+  const bool halved = c.causal || c.window_right == 0;
+  const double fwd = 2.0 * c.b * c.h * double(c.sq) * c.sk * (c.d + c.dv) * (halved ? 0.5 : 1.0);
+  return backward ? kFaBackwardFactor * fwd : fwd;
+}
+
+// Bytes a call must move at least: each input read once, each output written once.
+double io_bytes(const Config& c, bool backward) {
+  const double e = double(flashattn::dtype_size(c.dtype));
+  const double q = double(c.b) * c.sq * c.h * c.d * e, out = double(c.b) * c.sq * c.h * c.dv * e;
+  const double k = double(c.b) * c.sk * c.hk * c.d * e, v = double(c.b) * c.sk * c.hk * c.dv * e;
+  const double rows = double(c.b) * c.h * c.sq * sizeof(float);  // lse or softmax_d
+  if (!backward) return q + k + v + out + rows;
+  return (out + q + k + v + out + rows) + (q + k + v + rows);  // dout, q, k, v, out, lse → dq, dk, dv, softmax_d
+}
+
 // Random inputs (fixed by the seed) and output buffers of one configuration, on the host or, with
 // on_device, on the GPU.
 struct Problem {
@@ -818,6 +845,13 @@ struct Problem {
       }
     }
     if (c.alibi) opt.alibi_slopes = alibi_slopes.view();
+  }
+  std::size_t tensor_bytes() const {
+    std::size_t n = 0;
+    for (const HostTensor* t : {&q, &k, &v, &out, &lse, &dout, &dq, &dk, &dv, &softmax_d, &alibi_slopes}) {
+      if (t->defined()) n += t->bytes();
+    }
+    return n;
   }
   // The GPU's results into the host buffers (nothing to do for host tensors).
   void download_outputs() {
@@ -1039,6 +1073,9 @@ struct CheckResult {
 struct RunResult {
   Config config;
   bool on_device = false;
+  std::size_t tensor_bytes = 0;         // the caller's tensors: inputs, outputs, gradients
+  std::size_t fwd_workspace_bytes = 0;  // forward_workspace_size
+  std::size_t bwd_workspace_bytes = 0;  // backward_workspace_size (0 when no backward ran)
   std::string placement_note;
   std::vector<DirectionResult> skipped;
   std::string backend_served;
@@ -1212,7 +1249,9 @@ RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_sec
     return d;
   };
 
-  Scratch fwd_ws(flashattn::forward_workspace_size(p.fwd_in(), p.opt), on_device);
+  r.tensor_bytes = p.tensor_bytes();
+  r.fwd_workspace_bytes = flashattn::forward_workspace_size(p.fwd_in(), p.opt);
+  Scratch fwd_ws(r.fwd_workspace_bytes, on_device);
   auto forward = [&]() {
     flashattn::forward(p.fwd_in(), p.fwd_out(), p.opt, fwd_ws.workspace());
     sync();
@@ -1227,7 +1266,8 @@ RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_sec
   }
 
   if (run_bwd) {
-    Scratch bwd_ws(flashattn::backward_workspace_size(p.bwd_in(), p.opt), on_device);
+    r.bwd_workspace_bytes = flashattn::backward_workspace_size(p.bwd_in(), p.opt);
+    Scratch bwd_ws(r.bwd_workspace_bytes, on_device);
     p.dq.poison();
     p.dk.poison();
     p.dv.poison();
@@ -1283,6 +1323,44 @@ const char* kFlopConvention =
 
 double gflops(double flops, double seconds) { return seconds > 0 ? flops / seconds * 1e-9 : 0.0; }
 
+const char* kFaFlopConvention =
+    "FlashAttention's: forward 2*b*h*sq*sk*(d+dv) (= 4*b*h*s^2*d), halved when causal; backward 2.5x forward";
+const char* kBandwidthConvention = "minimum traffic: every input read once, every output written once";
+
+constexpr double kBytesPerMiB = 1024.0 * 1024.0;
+
+// Peak resident memory of this process (host runs: inputs, outputs and the CPU backend's scratch).
+double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) * 1024.0 / kBytesPerMiB;  // ru_maxrss is in KiB on Linux
+}
+
+bool is_backward(const DirectionResult& d) { return d.name == "bwd"; }
+
+// The forward and backward medians added up, when both ran: what one training step's attention
+// costs (FLOPs 3.5× the forward by FlashAttention's convention).
+struct Combined {
+  bool present = false;
+  double seconds = 0.0;
+  double flops = 0.0;
+  double fa_flops = 0.0;
+};
+
+Combined combined(const RunResult& r) {
+  Combined sum;
+  int measured = 0;
+  for (const auto& d : r.directions) {
+    if (!d.skipped_reason.empty()) continue;
+    ++measured;
+    sum.seconds += d.timing.median();
+    sum.flops += d.flops;
+    sum.fa_flops += fa_flops(r.config, is_backward(d));
+  }
+  sum.present = measured == 2;
+  return sum;
+}
+
 void print_run(const RunResult& r) {
   const Config& c = r.config;
   std::string text;
@@ -1294,16 +1372,18 @@ void print_run(const RunResult& r) {
   const double dense = double(c.sq) * double(c.sk);
   std::printf("pairs     %lld visible (i, j) pairs per head (%.1f%% of sq*sk)\n", (long long)r.pairs,
               dense > 0 ? 100.0 * double(r.pairs) / dense : 0.0);
-  std::printf("%-5s %12s %12s %10s %14s %8s\n", "dir", "median ms", "min ms", "GFLOP/s", "sgemm GFLOP/s",
-              "ratio");
+  std::printf("%-7s %12s %12s %10s %11s %10s %14s %8s\n", "dir", "median ms", "min ms", "GFLOP/s", "TFLOP/s FA",
+              "GB/s", "sgemm GFLOP/s", "ratio");
   std::string gemm_note;
   for (const auto& d : r.directions) {
     if (!d.skipped_reason.empty()) {
-      std::printf("%-5s not run: %s\n", d.name.c_str(), d.skipped_reason.c_str());
+      std::printf("%-7s not run: %s\n", d.name.c_str(), d.skipped_reason.c_str());
       continue;
     }
     const double g = gflops(d.flops, d.timing.median());
-    std::printf("%-5s %12.3f %12.3f %10.2f", d.name.c_str(), 1e3 * d.timing.median(), 1e3 * d.timing.min(), g);
+    std::printf("%-7s %12.3f %12.3f %10.2f %11.3f %10.1f", d.name.c_str(), 1e3 * d.timing.median(),
+                1e3 * d.timing.min(), g, 1e-3 * gflops(fa_flops(c, is_backward(d)), d.timing.median()),
+                gflops(io_bytes(c, is_backward(d)), d.timing.median()));
     if (d.gemm.available && d.gemm.timing.median() > 0) {
       const double gg = gflops(d.gemm.flops, d.gemm.timing.median());
       std::printf(" %14.2f %8.3f\n", gg, gg > 0 ? g / gg : 0.0);
@@ -1313,7 +1393,21 @@ void print_run(const RunResult& r) {
       if (d.gemm_requested) gemm_note = d.gemm.note;
     }
   }
+  if (const Combined sum = combined(r); sum.present) {
+    std::printf("%-7s %12.3f %12s %10.2f %11.3f   (sum of the two medians)\n", "fwd+bwd", 1e3 * sum.seconds, "",
+                gflops(sum.flops, sum.seconds), 1e-3 * gflops(sum.fa_flops, sum.seconds));
+  }
   if (!gemm_note.empty()) std::printf("sgemm     %s\n", gemm_note.c_str());
+  const double ws_mib = double(std::max(r.fwd_workspace_bytes, r.bwd_workspace_bytes)) / kBytesPerMiB;
+  if (r.on_device) {
+    std::printf("memory    GPU peak %.1f MiB = tensors %.1f MiB + workspace %.1f MiB (fwd %zu B, bwd %zu B); "
+                "the library allocates nothing else\n",
+                double(r.tensor_bytes) / kBytesPerMiB + ws_mib, double(r.tensor_bytes) / kBytesPerMiB, ws_mib,
+                r.fwd_workspace_bytes, r.bwd_workspace_bytes);
+  } else {
+    std::printf("memory    tensors %.1f MiB; process peak RSS so far %.1f MiB (host scratch of the CPU backend "
+                "included)\n", double(r.tensor_bytes) / kBytesPerMiB, peak_rss_mib());
+  }
   if (r.check.ran) {
     std::printf("check     vs cpu_reference (fp64), max abs error (tolerance):\n");
     for (const auto& item : r.check.items) {
@@ -1341,6 +1435,10 @@ void json_run(Json& j, const RunResult& r) {
     j.field("flops", d.flops);
     j.field("median_ms", 1e3 * d.timing.median()).field("min_ms", 1e3 * d.timing.min());
     j.field("gflops", gflops(d.flops, d.timing.median()));
+    j.field("fa_flops", fa_flops(r.config, is_backward(d)));
+    j.field("tflops_fa", 1e-3 * gflops(fa_flops(r.config, is_backward(d)), d.timing.median()));
+    j.field("io_bytes", io_bytes(r.config, is_backward(d)));
+    j.field("gbps", gflops(io_bytes(r.config, is_backward(d)), d.timing.median()));
     j.key("times_ms").begin_array();
     for (const double s : d.timing.seconds) j.value(1e3 * s);
     j.end_array();
@@ -1357,6 +1455,22 @@ void json_run(Json& j, const RunResult& r) {
     j.end_object();
   }
   j.end_array();
+  if (const Combined sum = combined(r); sum.present) {
+    j.key("fwd_bwd").begin_object();
+    j.field("median_ms_sum", 1e3 * sum.seconds).field("gflops", gflops(sum.flops, sum.seconds));
+    j.field("tflops_fa", 1e-3 * gflops(sum.fa_flops, sum.seconds));
+    j.end_object();
+  }
+  j.key("memory").begin_object();
+  j.field("tensor_bytes", (long long)r.tensor_bytes);
+  j.field("fwd_workspace_bytes", (long long)r.fwd_workspace_bytes);
+  j.field("bwd_workspace_bytes", (long long)r.bwd_workspace_bytes);
+  if (r.on_device) {
+    j.field("gpu_peak_bytes", (long long)(r.tensor_bytes + std::max(r.fwd_workspace_bytes, r.bwd_workspace_bytes)));
+  } else {
+    j.field("host_peak_rss_mib", peak_rss_mib());
+  }
+  j.end_object();
   if (r.check.ran) {
     j.key("check").begin_object();
     j.field("reference", "cpu_reference (fp64)").field("passed", r.check.passed);
@@ -1446,6 +1560,8 @@ int main(int argc, char** argv) {
   const GpuInfo gpu = read_gpu_info();
   std::printf("gpu       %s\n", gpu.description.c_str());
   std::printf("flops     %s\n", kFlopConvention);
+  std::printf("          TFLOP/s FA: %s\n", kFaFlopConvention);
+  std::printf("          GB/s: %s\n", kBandwidthConvention);
   std::fflush(stdout);
 
   std::vector<Config> configs =
@@ -1487,6 +1603,8 @@ int main(int argc, char** argv) {
     j.field("threads", threads);
     j.field("other_processes_cpus", other_cpus);
     j.field("flop_convention", kFlopConvention);
+    j.field("fa_flop_convention", kFaFlopConvention);
+    j.field("bandwidth_convention", kBandwidthConvention);
     if (!cli.suite.empty()) j.field("suite", cli.suite);
     j.key("runs").begin_array();
     for (const auto& r : results) json_run(j, r);
