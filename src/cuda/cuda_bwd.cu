@@ -6,30 +6,90 @@
 #include <string>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_common.h"
+#include "cuda/sm80/sm80_bwd.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
+namespace {
+
+constexpr std::size_t kWorkspaceAlign = 256;
+
+int bwd_head_dim(const common::AttentionParams& p) { return detail::instantiated_head_dim(p, sm80::kBwdHeadDims); }
+
+std::size_t round_up(std::size_t x, std::size_t to) { return (x + to - 1) / to * to; }
+
+// The workspace layout: the fp32 dQ accumulator, then (deterministic) the counters.
+struct Layout {
+  int dq_accum_ld = 0;
+  int m_blocks = 0;
+  std::size_t dq_accum_bytes = 0;
+  std::size_t counter_bytes = 0;
+};
+
+Layout layout_of(const common::AttentionParams& p, std::int64_t total_q_rows) {
+  Layout l;
+  l.dq_accum_ld = int(round_up(std::size_t(p.head_dim), detail::kVectorElems));
+  l.m_blocks = (p.max_seqlen_q + sm80::kBwdRowBlock - 1) / sm80::kBwdRowBlock;
+  l.dq_accum_bytes = round_up(std::size_t(total_q_rows) * std::size_t(p.heads) * std::size_t(l.dq_accum_ld) * sizeof(float),
+                              kWorkspaceAlign);
+  if (p.deterministic) {
+    l.counter_bytes =
+        round_up(std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(l.m_blocks) * sizeof(int), kWorkspaceAlign);
+  }
+  return l;
+}
+
+template <common::Storage kStorage>
+cudaError_t run_sm80(const common::AttentionParams& p, int head_dim, const sm80::BwdScratch& ws,
+                     const std::uint64_t* rng_state, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return sm80::run_bwd<kStorage, 64>(p, ws, rng_state, stream);
+    case 128: return sm80::run_bwd<kStorage, 128>(p, ws, rng_state, stream);
+    default: return sm80::run_bwd<kStorage, 256>(p, ws, rng_state, stream);
+  }
+}
+
+}  // namespace
 
 bool can_serve_backward(const common::AttentionParams& p, std::string* why_not) {
-  (void)p;
-  if (why_not) *why_not = "the CUDA backend has no backward kernel yet";
-  return false;
+  return detail::can_serve_common(p, sm80::kBwdHeadDims, "sm80 backward",
+                                  {{"q", &p.q},
+                                   {"k", &p.k},
+                                   {"v", &p.v},
+                                   {"out", &p.out},
+                                   {"dout", &p.dout},
+                                   {"dq", &p.dq},
+                                   {"dk", &p.dk},
+                                   {"dv", &p.dv}},
+                                  why_not);
 }
 
 std::size_t backward_workspace_size(const common::AttentionParams& p, std::int64_t total_q_rows) {
-  (void)p;
-  (void)total_q_rows;
-  return 0;
+  const Layout l = layout_of(p, total_q_rows);
+  return l.dq_accum_bytes + l.counter_bytes;
 }
 
 void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace, void* stream,
               const std::uint64_t* rng_state) {
-  (void)total_q_rows;
-  (void)workspace;
-  (void)stream;
-  (void)rng_state;
   std::string why;
   if (!can_serve_backward(p, &why)) throw Error("flashattn::backward (CUDA): " + why);
+  // SPEC §5 special cases: nothing to compute (dk/dv of no rows are zeros only when there are keys).
+  if (p.batch == 0 || (p.max_seqlen_q == 0 && p.max_seqlen_k == 0)) return;
+  const Layout l = layout_of(p, total_q_rows);
+  sm80::BwdScratch ws;
+  ws.dq_accum = static_cast<float*>(workspace);
+  ws.dq_accum_ld = l.dq_accum_ld;
+  ws.m_blocks = l.m_blocks;
+  if (p.deterministic) ws.counters = reinterpret_cast<int*>(static_cast<char*>(workspace) + l.dq_accum_bytes);
+  const int head_dim = bwd_head_dim(p);
+  auto* s = static_cast<cudaStream_t>(stream);
+  const cudaError_t err = p.storage == common::Storage::f16
+                              ? run_sm80<common::Storage::f16>(p, head_dim, ws, rng_state, s)
+                              : run_sm80<common::Storage::bf16>(p, head_dim, ws, rng_state, s);
+  if (err != cudaSuccess) {
+    throw Error(std::string("flashattn::backward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+  }
 }
 
 }  // namespace flashattn::cuda

@@ -54,19 +54,33 @@ class DeviceArena {
   ~DeviceArena() {
     for (void* ptr : ptrs_) cudaFree(ptr);
   }
-  // A device copy of `bytes` host bytes (nullptr for 0 bytes).
-  void* upload(const void* host, std::size_t bytes) {
+  // `bytes` of uninitialised device memory, 256-byte aligned (nullptr for 0 bytes).
+  void* alloc(std::size_t bytes) {
     if (bytes == 0) return nullptr;
     void* dev = nullptr;
     FA_CUDA_CHECK(cudaMalloc(&dev, bytes));
     ptrs_.push_back(dev);
-    FA_CUDA_CHECK(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice));
+    return dev;
+  }
+  // A device copy of `bytes` host bytes (nullptr for 0 bytes).
+  void* upload(const void* host, std::size_t bytes) {
+    void* dev = alloc(bytes);
+    if (dev != nullptr) FA_CUDA_CHECK(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice));
     return dev;
   }
   // A device copy of everything a test tensor's view covers, from its data pointer on.
   void* mirror(const Tensor& t) {
     if (!t.defined()) return nullptr;
     return upload(t.data(), bytes_of(t));
+  }
+  // The device copy of t as a CUDA tensor view with t's shape and strides, for the public API
+  // (undefined stays undefined). Its data pointer is what download() takes.
+  flashattn::TensorView mirror_view(const Tensor& t) {
+    if (!t.defined()) return {};
+    flashattn::TensorView v = t.tv();
+    v.data = mirror(t);
+    v.device = {flashattn::DeviceType::cuda, 0};
+    return v;
   }
   template <class T>
   T* upload_vector(const std::vector<T>& v) {
@@ -87,6 +101,20 @@ class DeviceArena {
 // Lets a test change the device params before the launch (paged K/V, cache_batch_idx, ...).
 using ParamsHook = std::function<void(flashattn::common::AttentionParams&, DeviceArena&)>;
 
+// Device copies of what the params point to besides the tensors: cu_seqlens, seqused_k, ALiBi
+// slopes; and of the {seed, offset} pair when given (returned, else nullptr).
+inline const std::uint64_t* mirror_batch_layout(const AttnProblem& p, flashattn::common::AttentionParams& dp,
+                                                DeviceArena& dev, const std::uint64_t* host_rng_state) {
+  if (p.is_varlen()) {
+    dp.cu_seqlens_q = static_cast<const std::int32_t*>(dev.mirror(p.cu_seqlens_q));
+    dp.cu_seqlens_k = static_cast<const std::int32_t*>(dev.mirror(p.cu_seqlens_k));
+    if (p.seqused_k.defined()) dp.seqused_k = static_cast<const std::int32_t*>(dev.mirror(p.seqused_k));
+  }
+  if (dp.alibi_slopes != nullptr) dp.alibi_slopes = static_cast<const float*>(dev.mirror(p.alibi_slopes));
+  if (host_rng_state == nullptr) return nullptr;
+  return static_cast<const std::uint64_t*>(dev.upload(host_rng_state, 2 * sizeof(std::uint64_t)));
+}
+
 // Poisoned outputs, the call validated on the host views (the same params the CPU backends get),
 // every pointer swapped for its device mirror, flashattn::cuda::forward, results copied back.
 inline ForwardResult run_cuda_forward(const AttnProblem& p, const ParamsHook& hook = {},
@@ -105,22 +133,53 @@ inline ForwardResult run_cuda_forward(const AttnProblem& p, const ParamsHook& ho
   dp.out.data = d_out;
   float* d_lse = p.opt.return_lse ? static_cast<float*>(dev.mirror(r.lse)) : nullptr;
   dp.lse = d_lse;
-  if (p.is_varlen()) {
-    dp.cu_seqlens_q = static_cast<const std::int32_t*>(dev.mirror(p.cu_seqlens_q));
-    dp.cu_seqlens_k = static_cast<const std::int32_t*>(dev.mirror(p.cu_seqlens_k));
-    if (p.seqused_k.defined()) dp.seqused_k = static_cast<const std::int32_t*>(dev.mirror(p.seqused_k));
-  }
-  if (dp.alibi_slopes != nullptr) dp.alibi_slopes = static_cast<const float*>(dev.mirror(p.alibi_slopes));
-  const std::uint64_t* d_rng = nullptr;
-  if (host_rng_state != nullptr) {
-    d_rng = static_cast<const std::uint64_t*>(dev.upload(host_rng_state, 2 * sizeof(std::uint64_t)));
-  }
+  const std::uint64_t* d_rng = mirror_batch_layout(p, dp, dev, host_rng_state);
   if (hook) hook(dp, dev);
 
   flashattn::cuda::forward(dp, nullptr, d_rng);
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceArena::download(r.out, d_out);
   if (d_lse) DeviceArena::download(r.lse, d_lse);
+  return r;
+}
+
+// The backward on the device: inputs (fwd: out and lse of a forward of p) and poisoned outputs
+// mirrored as above, a workspace of the reported size filled with NaN bytes (the kernels must
+// initialise what they read), flashattn::cuda::backward, gradients copied back.
+inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResult& fwd,
+                                        const std::uint64_t* host_rng_state = nullptr) {
+  BackwardResult r = make_backward_outputs(p);
+  const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+  const flashattn::detail::Problem pr = flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt);
+  flashattn::common::AttentionParams dp = pr.params;
+
+  DeviceArena dev;
+  dp.q.data = dev.mirror(p.q);
+  dp.k.data = dev.mirror(p.k);
+  dp.v.data = dev.mirror(p.v);
+  dp.dout.data = dev.mirror(p.dout);
+  dp.out.data = dev.mirror(fwd.out);
+  dp.lse = static_cast<float*>(dev.mirror(fwd.lse));
+  void* d_dq = dev.mirror(r.dq);
+  void* d_dk = dev.mirror(r.dk);
+  void* d_dv = dev.mirror(r.dv);
+  void* d_softmax_d = dev.mirror(r.softmax_d);
+  dp.dq.data = d_dq;
+  dp.dk.data = d_dk;
+  dp.dv.data = d_dv;
+  dp.softmax_d = static_cast<float*>(d_softmax_d);
+  const std::uint64_t* d_rng = mirror_batch_layout(p, dp, dev, host_rng_state);
+
+  const std::int64_t rows = p.is_varlen() ? p.total_q : std::int64_t(p.cfg.batch) * p.total_q;
+  const std::vector<std::uint8_t> poison(flashattn::cuda::backward_workspace_size(dp, rows), 0xff);
+  void* workspace = dev.upload(poison.data(), poison.size());
+
+  flashattn::cuda::backward(dp, rows, workspace, nullptr, d_rng);
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+  DeviceArena::download(r.dq, d_dq);
+  DeviceArena::download(r.dk, d_dk);
+  DeviceArena::download(r.dv, d_dv);
+  DeviceArena::download(r.softmax_d, d_softmax_d);
   return r;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/philox.h"
+#include "cuda_grid.h"
 #include "cuda_test_util.h"
 
 namespace fa_test::cuda {
@@ -19,76 +20,28 @@ namespace {
 namespace c = flashattn::common;
 using flashattn::DType;
 
-const char* dtype_tag(DType t) { return t == DType::f16 ? "f16" : "bf16"; }
-
-// --- the shape grid -----------------------------------------------------------------------------
-
-struct GridCase {
-  DType dtype;
-  int d, dv;
-  bool causal;
-  int sq, sk;
-  int group;  // h / hk
-};
-
-std::vector<GridCase> grid_cases() {
-  const std::pair<int, int> dims[] = {{64, 64}, {96, 96}, {128, 128}, {256, 256}, {192, 128}};
-  const std::pair<int, int> shapes[] = {{1, 1}, {113, 203}, {239, 1}, {799, 3}, {1023, 1024}};
-  std::vector<GridCase> cases;
-  for (DType dt : {DType::f16, DType::bf16})
-    for (auto [d, dv] : dims)
-      for (bool causal : {false, true})
-        for (auto [sq, sk] : shapes)
-          for (int group : {1, 8}) cases.push_back({dt, d, dv, causal, sq, sk, group});
-  return cases;
-}
-
-std::string grid_name(const testing::TestParamInfo<GridCase>& info) {
-  const GridCase& g = info.param;
-  return std::string(dtype_tag(g.dtype)) + "_d" + std::to_string(g.d) + "_dv" + std::to_string(g.dv) +
-         (g.causal ? "_causal" : "_full") + "_" + std::to_string(g.sq) + "x" + std::to_string(g.sk) + "_gqa" +
-         std::to_string(g.group);
-}
+// --- the shape grid (tests/cuda/cuda_grid.h) ---------------------------------------------------
 
 class CudaForwardGrid : public testing::TestWithParam<GridCase> {};
 
 TEST_P(CudaForwardGrid, MatchesReference) {
   FA_SKIP_WITHOUT_GPU();
-  const GridCase& g = GetParam();
-  AttnConfig cfg;
-  cfg.dtype = g.dtype;
-  cfg.head_dim = g.d;
-  cfg.head_dim_v = g.dv;
-  cfg.seqlen_q = g.sq;
-  cfg.seqlen_k = g.sk;
-  cfg.heads_k = g.group == 1 ? 2 : 1;
-  cfg.heads = cfg.heads_k * g.group;
-  // Two batch entries where the fp64 reference stays cheap.
-  cfg.batch = std::int64_t(g.sq) * g.sk > 100000 ? 1 : 2;
-  cfg.opt.causal = g.causal;
+  const AttnConfig cfg = grid_config(GetParam());
   const AttnProblem p = make_problem(cfg);
   SCOPED_TRACE(describe(p.cfg));
   const ForwardResult r = run_cuda_forward(p);
   EXPECT_TRUE(check_forward(p, r));
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, CudaForwardGrid, testing::ValuesIn(grid_cases()), grid_name);
+INSTANTIATE_TEST_SUITE_P(Grid, CudaForwardGrid,
+                         testing::ValuesIn(grid_cases({{1, 1}, {113, 203}, {239, 1}, {799, 3}, {1023, 1024}})),
+                         grid_name);
 
 // --- features, per dtype ------------------------------------------------------------------------
 
 class CudaForward : public testing::TestWithParam<DType> {
  protected:
-  AttnConfig base(int d, int sq, int sk) const {
-    AttnConfig cfg;
-    cfg.dtype = GetParam();
-    cfg.head_dim = d;
-    cfg.seqlen_q = sq;
-    cfg.seqlen_k = sk;
-    cfg.batch = 2;
-    cfg.heads = 4;
-    cfg.heads_k = 2;
-    return cfg;
-  }
+  AttnConfig base(int d, int sq, int sk) const { return feature_config(GetParam(), d, sq, sk); }
   void expect_matches(const AttnConfig& cfg, const ParamsHook& hook = {}) {
     const AttnProblem p = make_problem(cfg);
     SCOPED_TRACE(describe(p.cfg));

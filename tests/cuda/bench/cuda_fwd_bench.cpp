@@ -1,10 +1,12 @@
-// tests/cuda/bench/cuda_fwd_bench.cpp — forward throughput of the CUDA backend, as a CLI with
-// JSON output. FLOP convention of the FlashAttention benchmarks: fwd FLOPs = 4·b·h·sq·sk·d, halved
-// when causal; shapes keep batch·seqlen = --tokens and heads·d = --width. Timing: CUDA events
-// around each launch, the median of --repeats after --warmup launches.
+// tests/cuda/bench/cuda_fwd_bench.cpp — forward and backward throughput of the CUDA backend, as a
+// CLI with JSON output. FLOP convention of the FlashAttention benchmarks: fwd FLOPs = 4·b·h·sq·sk·d,
+// bwd = 2.5 × fwd, both halved when causal; shapes keep batch·seqlen = --tokens and heads·d =
+// --width. Timing: CUDA events around each call (the backward's three kernels together), the
+// median of --repeats after --warmup calls.
 //
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
-//                  [--tokens 16384] [--width 2048] [--repeats 30] [--warmup 5] [--json FILE]
+//                  [--passes fwd,bwd] [--deterministic 0|1] [--tokens 16384] [--width 2048]
+//                  [--repeats 30] [--warmup 5] [--json FILE]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -38,11 +40,20 @@ std::vector<int> int_list(const std::string& s) {
   return out;
 }
 
+std::vector<std::string> str_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(item);
+  return out;
+}
+
 struct Args {
   c::Storage storage = c::Storage::bf16;
   std::vector<int> dims = {64, 128};
   std::vector<int> seqlens = {1024, 4096};
   std::vector<int> causal = {0, 1};
+  std::vector<std::string> passes = {"fwd"};
+  bool deterministic = false;
   int tokens = 16384;
   int width = 2048;
   int repeats = 30;
@@ -60,6 +71,8 @@ Args parse(int argc, char** argv) {
     else if (flag == "--dims") a.dims = int_list(v);
     else if (flag == "--seqlens") a.seqlens = int_list(v);
     else if (flag == "--causal") a.causal = int_list(v);
+    else if (flag == "--passes") a.passes = str_list(v);
+    else if (flag == "--deterministic") a.deterministic = v == "1";
     else if (flag == "--tokens") a.tokens = std::stoi(v);
     else if (flag == "--width") a.width = std::stoi(v);
     else if (flag == "--repeats") a.repeats = std::stoi(v);
@@ -111,10 +124,15 @@ int main(int argc, char** argv) try {
       void* q = random_device(n, args.storage, 1);
       void* k = random_device(n, args.storage, 2);
       void* v = random_device(n, args.storage, 3);
+      void* dout = random_device(n, args.storage, 4);
       void* o = nullptr;
       float* lse = nullptr;
+      float* softmax_d = nullptr;
+      void* grads[3] = {};
       check(cudaMalloc(&o, n * sizeof(std::uint16_t)), "cudaMalloc");
       check(cudaMalloc(reinterpret_cast<void**>(&lse), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
+      check(cudaMalloc(reinterpret_cast<void**>(&softmax_d), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
+      for (void*& g : grads) check(cudaMalloc(&g, n * sizeof(std::uint16_t)), "cudaMalloc");
       for (int causal : args.causal) {
         c::AttentionParams p;
         p.storage = args.storage;
@@ -129,33 +147,59 @@ int main(int argc, char** argv) try {
           t->row_stride = std::int64_t(h) * d;
           t->head_stride = d;
         }
+        p.dout = p.out;
+        p.dout.data = dout;
+        p.dq = p.dk = p.dv = p.out;
+        p.dq.data = grads[0];
+        p.dk.data = grads[1];
+        p.dv.data = grads[2];
+        p.softmax_d = softmax_d;
+        p.deterministic = args.deterministic;
         p.lse = lse;
         p.lse_batch_stride = std::int64_t(h) * s;
         p.lse_head_stride = s;
         p.softmax_scale = 1.0f / std::sqrt(float(d));
         p.causal = causal != 0;
-        for (int i = 0; i < args.warmup; ++i) flashattn::cuda::forward(p, nullptr);
-        std::vector<float> ms;
-        for (int i = 0; i < args.repeats; ++i) {
-          check(cudaEventRecord(start), "cudaEventRecord");
-          flashattn::cuda::forward(p, nullptr);
-          check(cudaEventRecord(stop), "cudaEventRecord");
-          check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-          float t = 0;
-          check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
-          ms.push_back(t);
+        flashattn::cuda::forward(p, nullptr);  // out and lse for the backward
+        for (const std::string& pass : args.passes) {
+          const bool bwd = pass == "bwd";
+          void* workspace = nullptr;
+          if (bwd) {
+            check(cudaMalloc(&workspace, flashattn::cuda::backward_workspace_size(p, std::int64_t(b) * s)),
+                  "cudaMalloc");
+          }
+          auto call = [&] {
+            if (bwd) {
+              flashattn::cuda::backward(p, std::int64_t(b) * s, workspace, nullptr);
+            } else {
+              flashattn::cuda::forward(p, nullptr);
+            }
+          };
+          for (int i = 0; i < args.warmup; ++i) call();
+          std::vector<float> ms;
+          for (int i = 0; i < args.repeats; ++i) {
+            check(cudaEventRecord(start), "cudaEventRecord");
+            call();
+            check(cudaEventRecord(stop), "cudaEventRecord");
+            check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+            float t = 0;
+            check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
+            ms.push_back(t);
+          }
+          cudaFree(workspace);
+          std::sort(ms.begin(), ms.end());
+          const double median_ms = ms[ms.size() / 2];
+          const double flops = (bwd ? 2.5 : 1.0) * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
+          const double tflops = flops / (median_ms * 1e-3) / 1e12;
+          std::printf("flashattn sm80 %s %s d=%d s=%d b=%d h=%d causal=%d: %.3f ms, %.1f TFLOP/s\n", pass.c_str(),
+                      args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, median_ms, tflops);
+          json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_sm80\", \"pass\": \"" << pass
+               << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
+               << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
+               << ", \"causal\": " << (causal ? "true" : "false") << ", \"ms\": " << median_ms
+               << ", \"tflops\": " << tflops << "}";
+          first = false;
         }
-        std::sort(ms.begin(), ms.end());
-        const double median_ms = ms[ms.size() / 2];
-        const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
-        const double tflops = flops / (median_ms * 1e-3) / 1e12;
-        std::printf("flashattn sm80 fwd %s d=%d s=%d b=%d h=%d causal=%d: %.3f ms, %.1f TFLOP/s\n",
-                    args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, median_ms, tflops);
-        json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_sm80\", \"dtype\": \""
-             << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d << ", \"seqlen\": " << s
-             << ", \"batch\": " << b << ", \"heads\": " << h << ", \"causal\": " << (causal ? "true" : "false")
-             << ", \"ms\": " << median_ms << ", \"tflops\": " << tflops << "}";
-        first = false;
       }
       check(cudaGetLastError(), "kernel");
       cudaFree(q);
@@ -163,6 +207,9 @@ int main(int argc, char** argv) try {
       cudaFree(v);
       cudaFree(o);
       cudaFree(lse);
+      cudaFree(dout);
+      cudaFree(softmax_d);
+      for (void* g : grads) cudaFree(g);
     }
   }
   json << "\n]\n";

@@ -1,0 +1,510 @@
+// src/cuda/sm80/sm80_bwd_kernel.cuh — the portable backward kernels (FlashAttention-2 algorithm) on
+// CuTe: mma.sync m16n8k16, ldmatrix (plain and transposed), cp.async. Runs on sm80 … sm90.
+//
+// Three kernels, launched in order on one stream (sm80_bwd_launch.cuh):
+//   bwd_preprocess_kernel   softmax_d = rowsum(dO ∘ O) in fp32; clears the fp32 dQ accumulator
+//                           (workspace) and, in deterministic mode, the per-row-block counters.
+//   bwd_kernel              one CTA per (key block, kv head, batch): K and V of its kBlockN keys
+//                           stay in shared memory, dK and dV in registers, while it walks every
+//                           query head of its GQA group and every row block that sees one of its
+//                           keys (Mask::block_row_*). dK/dV are therefore summed over the group in
+//                           fp32 without an expanded (b, sk, h, d) buffer. dQ goes to the fp32
+//                           accumulator by atomics.
+//   bwd_postprocess_kernel  dQ = the accumulator, rounded to the input dtype.
+//
+// Per row block (kBlockM rows of one query head), with P and dS staged in shared memory so the
+// transposed products can read them back through ldmatrix.trans:
+//   S = Q Kᵀ, dP' = dO Vᵀ                    (warps 2 × 4 over the kBlockM × kBlockN tile)
+//   P = exp(score − lse)                     (score from src/common's ScoreMod; masked: P = 0)
+//   Z = P ∘ keep / (1 − p),  dP = dP' ∘ keep / (1 − p)       (dropout: the forward's mask)
+//   dS = P ∘ (dP − softmax_d) ∘ dscore/ddot  (dscore/ddot includes softmax_scale and the softcap)
+//   dV += Zᵀ dO,  dK += dSᵀ Q                (warps 4 × 2 over kBlockN × D)
+//   dQ_acc += dS K                           (warps 4 × 2 over kBlockM × D; fp32 atomics)
+// Z and dS are rounded to the input dtype before their products, as SPEC §2 says for P.
+//
+// Deterministic mode: the key blocks that meet a row block m form a contiguous range [n_lo, n_hi)
+// (Mask::block_col_* — the transpose of the row walk, tests/cpp/test_mask.cpp). Key block n adds
+// its dQ part of row block m only after the counter of (batch, head, m) reaches n − n_lo, then
+// increments it: the additions happen in key order on every run. CTAs are dispatched in grid order
+// with the key block fastest, so the CTAs a block waits for are already resident or finished.
+#pragma once
+
+#include "cuda/sm80/sm80_fwd_kernel.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+// Rows per row block in every backward configuration: the deterministic counters and the pre- and
+// postprocess grids are laid out by it.
+constexpr int kBwdBlockM = 64;
+constexpr int kBwdThreads = 256;
+
+// kWarpsMSdP: warps along the rows of S/dP (the rest along its keys); kWarpsNdKV: warps along the
+// keys of dK/dV (the rest along D); the dQ product always has 4 warps along rows, 2 along D.
+template <class Element_, int kHeadDim_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBwdBlockM;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kBwdThreads / 32;
+  static constexpr int kNThreads = kBwdThreads;
+  static constexpr int kWarpsMdQ = 4;
+
+  static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one swizzle atom)");
+  static_assert(kBlockN % 32 == 0, "key tiles are whole 32-row copy waves and 32-element swizzle atoms");
+
+  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                     MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+  // Each warp's tile is 16 wide along N, so B operands load with ldmatrix.x4.
+  template <int kWarpsM>
+  using Mma = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsM>, Int<kNWarps / kWarpsM>, _1>>,
+                       Tile<Int<16 * kWarpsM>, Int<16 * (kNWarps / kWarpsM)>, _16>>;
+  using TiledMmaSdP = Mma<kWarpsMSdP>;  // (kBlockM, kBlockN) += (kBlockM, D) · (kBlockN, D)ᵀ
+  using TiledMmadKV = Mma<kWarpsNdKV>;  // (kBlockN, D) += (kBlockN, kBlockM) · (D, kBlockM)ᵀ
+  using TiledMmadQ = Mma<kWarpsMdQ>;    // (kBlockM, D) += (kBlockM, kBlockN) · (D, kBlockN)ᵀ
+  static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * (kNWarps / kWarpsMSdP)) == 0);
+  static_assert(kBlockN % (16 * kWarpsNdKV) == 0 && kHeadDim % (16 * (kNWarps / kWarpsNdKV)) == 0);
+  static_assert(kBlockM % (16 * kWarpsMdQ) == 0 && kHeadDim % (16 * (kNWarps / kWarpsMdQ)) == 0);
+
+  // Shared memory: (rows, D) tiles in 64-element swizzled rows as in the forward; P and dS in rows
+  // of kBlockN (64- or 32-element atoms). Transposed views read the same bytes as (cols, rows).
+  static constexpr int kSmemRowElems = 64;
+  using SmemLayoutAtom = decltype(composition(
+      Swizzle<3, 3, 3>{}, Layout<Shape<_8, Int<kSmemRowElems>>, Stride<Int<kSmemRowElems>, _1>>{}));
+  static constexpr int kPRowElems = kBlockN % 64 == 0 ? 64 : 32;
+  using SmemLayoutAtomP = decltype(composition(
+      Swizzle<kPRowElems == 64 ? 3 : 2, 3, 3>{}, Layout<Shape<_8, Int<kPRowElems>>, Stride<Int<kPRowElems>, _1>>{}));
+
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));   // Q, dO
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // K, V
+  using SmemLayoutP = decltype(tile_to_shape(SmemLayoutAtomP{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));   // P, dS
+  using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
+  using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutPt = decltype(composition(SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+  using SmemLayoutQtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutQt{}));
+  using SmemLayoutKtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
+  using SmemLayoutPtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutPt{}));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomTransposed = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+
+  // Global ↔ shared: 16 bytes per thread and access, 8 threads per 64-element row (load_tile).
+  static constexpr int kElemsPerAccess = 16 / int(sizeof(Element));
+  static constexpr int kThreadsPerRow = kSmemRowElems / kElemsPerAccess;
+  using GmemThreadLayout = Layout<Shape<Int<kNThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>;
+  using GmemTiledCopy = decltype(make_tiled_copy(Copy_Atom<UniversalCopy<uint128_t>, Element>{}, GmemThreadLayout{},
+                                                 Layout<Shape<_1, Int<kElemsPerAccess>>>{}));
+  static_assert(kBlockM % (kNThreads / kThreadsPerRow) == 0 && kBlockN % (kNThreads / kThreadsPerRow) == 0);
+
+  static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kSmemBytesP = kBlockM * kBlockN * int(sizeof(Element));
+  static constexpr int kSmemBytesRowStats = 2 * kBlockM * int(sizeof(float));  // lse·log2e, softmax_d
+  // Q, dO, K, V, P, dS, row statistics.
+  static constexpr int kSmemBytes = 2 * kSmemBytesQ + 2 * kSmemBytesKV + 2 * kSmemBytesP + kSmemBytesRowStats;
+};
+
+// Stores a fp32 accumulator fragment, rounded to Element, into a (rows, cols) shared tile: elements
+// (mi, ni) and (mi, ni + 1) of the row/column view are adjacent columns of one row, so each pair is
+// one 32-bit store (a swizzle never separates an even/odd column pair).
+template <class Element, class AccRC, class CoordRC, class SmemTensor>
+__device__ __forceinline__ void store_pairs(const AccRC& acc_rc, const CoordRC& coord_rc, SmemTensor& s) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
+      const Element pair[2] = {static_cast<Element>(acc_rc(mi, ni)), static_cast<Element>(acc_rc(mi, ni + 1))};
+      std::uint32_t packed;
+      std::memcpy(&packed, pair, sizeof packed);
+      *reinterpret_cast<std::uint32_t*>(&s(get<0>(coord_rc(mi, ni)), get<1>(coord_rc(mi, ni)))) = packed;
+    }
+  }
+}
+
+// Writes the rows [0, valid_rows) and columns [0, valid_cols) of a shared (kRows, D) tile to global
+// memory with 16-byte stores; row_ptr(r) is the destination of tile row r.
+template <class Traits, int kRows, class SmemTensor, class RowPtr>
+__device__ __forceinline__ void write_tile(const SmemTensor& s_tile, int valid_rows, int valid_cols, RowPtr&& row_ptr,
+                                           int tid) {
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto thr = gmem_copy.get_thread_slice(tid);
+  Tensor t_s = thr.partition_S(s_tile);
+  Tensor t_c = thr.partition_S(make_identity_tensor(Shape<Int<kRows>, Int<Traits::kHeadDim>>{}));
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(t_s); ++m) {
+    const int row = get<0>(t_c(0, m, 0));
+    if (row >= valid_rows) continue;
+    auto* dst = row_ptr(row);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_s); ++k) {
+      const int col = get<1>(t_c(0, m, k));
+      if (col < valid_cols) *reinterpret_cast<uint4*>(dst + col) = *reinterpret_cast<const uint4*>(&t_s(0, m, k));
+    }
+  }
+}
+
+// First row of sequence b in the dQ accumulator, whose rows are (global row, head) pairs.
+__device__ __forceinline__ std::int64_t dq_accum_row0(const common::AttentionParams& p, int b) {
+  return p.is_varlen() ? std::int64_t(p.cu_seqlens_q[b]) : std::int64_t(b) * p.max_seqlen_q;
+}
+
+// --- preprocess -----------------------------------------------------------------------------------
+// Grid (⌈max_seqlen_q / kBwdBlockM⌉, heads, batch), kBwdThreads threads: each warp takes 8 rows;
+// a lane holds 8 consecutive columns of dO and O per step.
+template <class Element>
+__global__ void __launch_bounds__(kBwdThreads)
+    bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int dq_accum_ld,
+                          int* counters, int m_blocks) {
+  constexpr int kRowsPerWarp = kBwdBlockM / (kBwdThreads / 32);
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (counters != nullptr && threadIdx.x == 0) {
+    counters[(std::int64_t(batch) * p.heads + head) * m_blocks + blockIdx.x] = 0;
+  }
+  const int seqlen_q = p.seqlen_q(batch);
+  const auto* dout = static_cast<const Element*>(p.dout.data);
+  const auto* out = static_cast<const Element*>(p.out.data);
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int i = blockIdx.x * kBwdBlockM + warp * kRowsPerWarp + r;
+    if (i >= seqlen_q) break;
+    const Element* do_row = dout + p.q_offset(p.dout, batch, i, head);
+    const Element* o_row = out + p.q_offset(p.out, batch, i, head);
+    float dot = 0.0f;
+    for (int col = lane * 8; col < p.head_dim_v; col += 32 * 8) {
+      Element a[8], o[8];
+      *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(do_row + col);
+      *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(o_row + col);
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) dot = fmaf(float(a[e]), float(o[e]), dot);
+    }
+    CUTE_UNROLL
+    for (int m = 16; m >= 1; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+    if (lane == 0) p.softmax_d[p.lse_index(batch, head, i)] = dot;
+    float* acc_row = dq_accum + ((dq_accum_row0(p, batch) + i) * p.heads + head) * dq_accum_ld;
+    for (int col = lane * 4; col < dq_accum_ld; col += 32 * 4) {
+      *reinterpret_cast<float4*>(acc_row + col) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+}
+
+// --- postprocess ----------------------------------------------------------------------------------
+// Same grid; a lane converts 8 consecutive fp32 of the accumulator per step.
+template <class Element>
+__global__ void __launch_bounds__(kBwdThreads)
+    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, int dq_accum_ld) {
+  constexpr int kRowsPerWarp = kBwdBlockM / (kBwdThreads / 32);
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int seqlen_q = p.seqlen_q(batch);
+  auto* dq = static_cast<Element*>(p.dq.data);
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int i = blockIdx.x * kBwdBlockM + warp * kRowsPerWarp + r;
+    if (i >= seqlen_q) break;
+    const float* acc_row = dq_accum + ((dq_accum_row0(p, batch) + i) * p.heads + head) * dq_accum_ld;
+    Element* dq_row = dq + p.q_offset(p.dq, batch, i, head);
+    for (int col = lane * 8; col < p.head_dim; col += 32 * 8) {
+      const float4 lo = *reinterpret_cast<const float4*>(acc_row + col);
+      const float4 hi = *reinterpret_cast<const float4*>(acc_row + col + 4);
+      const Element v[8] = {Element(lo.x), Element(lo.y), Element(lo.z), Element(lo.w),
+                            Element(hi.x), Element(hi.y), Element(hi.z), Element(hi.w)};
+      *reinterpret_cast<uint4*>(dq_row + col) = *reinterpret_cast<const uint4*>(v);
+    }
+  }
+}
+
+// --- the main kernel ------------------------------------------------------------------------------
+//
+// Grid (⌈max_seqlen_k / kBlockN⌉, heads_k, batch), key block fastest (deterministic ordering, see
+// the top of the file). counters: nullptr unless deterministic. rng_state: optional device
+// {seed, offset}. kScoreModAndDropout as in the forward.
+template <class Traits, bool kScoreModAndDropout>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    bwd_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int dq_accum_ld, int* counters,
+               int m_blocks, const std::uint64_t* rng_state) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  const int n_block = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int tid = threadIdx.x;
+
+  const int seqlen_q = p.seqlen_q(batch);
+  const int seqlen_k = p.seqlen_k(batch);
+  const int n_start = n_block * kBlockN;
+  if (n_start >= seqlen_k) return;  // varlen: this sequence is shorter than the grid
+  const int keys_here = min(kBlockN, seqlen_k - n_start);
+
+  const common::Mask mask = p.mask(batch);
+  // Row blocks with a row that sees one of this block's keys.
+  const int row_begin = mask.block_row_begin(n_start);
+  const int row_end = mask.block_row_end(n_start + keys_here);
+  const int m_block_min = row_begin / kBlockM;
+  const int m_block_max = row_begin < row_end ? (row_end + kBlockM - 1) / kBlockM : m_block_min;
+
+  extern __shared__ __align__(128) char smem[];
+  char* smem_at = smem;
+  auto carve = [&](int bytes) {
+    char* ptr = smem_at;
+    smem_at += bytes;
+    return ptr;
+  };
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesQ))), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesQ))), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesKV))), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesKV))), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesP))), typename Traits::SmemLayoutP{});
+  Tensor sdS = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesP))), typename Traits::SmemLayoutP{});
+  float* s_lse = reinterpret_cast<float*>(carve(kBlockM * int(sizeof(float))));  // lse · log2(e) per row
+  float* s_d = reinterpret_cast<float*>(carve(kBlockM * int(sizeof(float))));    // softmax_d per row
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPt{});
+  Tensor sQtNoSwizzle = make_tensor(make_smem_ptr(sQ.data().get()), typename Traits::SmemLayoutQtNoSwizzle{});
+  Tensor sdOtNoSwizzle = make_tensor(make_smem_ptr(sdO.data().get()), typename Traits::SmemLayoutQtNoSwizzle{});
+  Tensor sKtNoSwizzle = make_tensor(make_smem_ptr(sK.data().get()), typename Traits::SmemLayoutKtNoSwizzle{});
+  Tensor sPtNoSwizzle = make_tensor(make_smem_ptr(sP.data().get()), typename Traits::SmemLayoutPtNoSwizzle{});
+  Tensor sdStNoSwizzle = make_tensor(make_smem_ptr(sdS.data().get()), typename Traits::SmemLayoutPtNoSwizzle{});
+
+  // K and V of this key block, once (dense and varlen: evenly spaced rows; no paging in backward).
+  {
+    const std::int64_t k0 = p.k_offset(p.k, batch, n_start, kv_head);
+    const std::int64_t v0 = p.k_offset(p.v, batch, n_start, kv_head);
+    const std::int64_t k_stride = p.k.row_stride, v_stride = p.v.row_stride;
+    load_tile<Traits, kBlockN>(static_cast<const Element*>(p.k.data) + k0, sK, keys_here, p.head_dim,
+                               [&](int r) { return std::int64_t(r) * k_stride; }, tid);
+    load_tile<Traits, kBlockN>(static_cast<const Element*>(p.v.data) + v0, sV, keys_here, p.head_dim_v,
+                               [&](int r) { return std::int64_t(r) * v_stride; }, tid);
+    cp_async_fence();
+  }
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // Operand fragments and shared-memory views of every product.
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_copy_sdp_a = copy_sdp_a.get_thread_slice(tid);
+  auto thr_copy_sdp_b = copy_sdp_b.get_thread_slice(tid);
+  Tensor tSsQ = thr_copy_sdp_a.partition_S(sQ);
+  Tensor tdPsdO = thr_copy_sdp_a.partition_S(sdO);
+  Tensor tSsK = thr_copy_sdp_b.partition_S(sK);
+  Tensor tdPsV = thr_copy_sdp_b.partition_S(sV);
+
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwizzle);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOtNoSwizzle);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdStNoSwizzle);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtNoSwizzle);
+  auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dkv);
+  auto thr_copy_dkv_a = copy_dkv_a.get_thread_slice(tid);
+  auto thr_copy_dkv_b = copy_dkv_b.get_thread_slice(tid);
+  Tensor tdVsPt = thr_copy_dkv_a.partition_S(sPt);
+  Tensor tdKsdSt = thr_copy_dkv_a.partition_S(sdSt);
+  Tensor tdVsdOt = thr_copy_dkv_b.partition_S(sdOt);
+  Tensor tdKsQt = thr_copy_dkv_b.partition_S(sQt);
+
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKtNoSwizzle);
+  auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, mma_dq);
+  auto thr_copy_dq_a = copy_dq_a.get_thread_slice(tid);
+  auto thr_copy_dq_b = copy_dq_b.get_thread_slice(tid);
+  Tensor tdQsdS = thr_copy_dq_a.partition_S(sdS);
+  Tensor tdQsKt = thr_copy_dq_b.partition_S(sKt);
+
+  // Tile coordinates of the accumulator elements this thread holds.
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), rowcol_layout(cS.layout()));
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  const bool use_score_mod = kScoreModAndDropout && (p.softcap > 0.0f || p.alibi_slopes != nullptr);
+  const bool use_dropout = kScoreModAndDropout && p.dropout_p > 0.0f;
+  const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
+  common::DropoutParams dropout = p.dropout;
+  if (use_dropout && rng_state != nullptr) {
+    dropout.seed = rng_state[0];
+    dropout.offset = rng_state[1];
+  }
+  const std::int64_t dq_row0 = dq_accum_row0(p, batch);
+  const int group = p.group_size();
+
+  for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+    const common::ScoreMod<float> score_mod = p.score_mod<float>(batch, head);
+    const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
+
+    // One row block. kMasked (std::bool_constant): whether per-element masking is compiled in.
+    auto row_block = [&](int m_block, auto kMasked) __attribute__((always_inline)) {
+      const int m_start = m_block * kBlockM;
+      const int rows_here = min(kBlockM, seqlen_q - m_start);
+
+      // Every warp is done with the previous block's Q, dO, dS and row statistics.
+      __syncthreads();
+      load_tile<Traits, kBlockM>(static_cast<const Element*>(p.q.data), sQ, rows_here, p.head_dim,
+                                 [&](int r) { return p.q_offset(p.q, batch, m_start + r, head); }, tid);
+      load_tile<Traits, kBlockM>(static_cast<const Element*>(p.dout.data), sdO, rows_here, p.head_dim_v,
+                                 [&](int r) { return p.q_offset(p.dout, batch, m_start + r, head); }, tid);
+      cp_async_fence();
+      if (tid < kBlockM) {
+        // Rows past the sequence: lse = +∞ makes P = 0 there (their Q and dO rows are zeros).
+        const bool valid = tid < rows_here;
+        const std::int64_t at = valid ? p.lse_index(batch, head, m_start + tid) : 0;
+        s_lse[tid] = valid ? p.lse[at] * kLog2e : kInf;
+        s_d[tid] = valid ? p.softmax_d[at] : 0.0f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      clear(acc_dp);
+      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
+      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
+
+      Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));    // (rows, cols): scores, then Z
+      Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));  // (rows, cols): dP, then dS
+      constexpr int kMmaM = decltype(size<1>(acc_s))::value;
+      constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+      // Element (mi, ni) of the row/column view is (2·m + a, 2·n + c) for MMA tile (m, n), row half
+      // a and column c: the four elements of one m16n8 tile share a dropout lane.
+      CUTE_UNROLL
+      for (int m = 0; m < kMmaM; ++m) {
+        float lse2[2], dsum[2];
+        int lo[2], hi[2];
+        CUTE_UNROLL
+        for (int a = 0; a < 2; ++a) {
+          const int row = get<0>(cS_rc(2 * m + a, 0));
+          lse2[a] = s_lse[row];
+          dsum[a] = s_d[row];
+          lo[a] = mask.col_begin(m_start + row) - n_start;
+          hi[a] = mask.col_end(m_start + row) - n_start;
+        }
+        CUTE_UNROLL
+        for (int n = 0; n < kMmaN; ++n) {
+          std::uint32_t keep_bits = 0xffu;
+          if (use_dropout) {
+            const int i0 = m_start + get<0>(cS_rc(2 * m, 2 * n));
+            const int j0 = n_start + get<1>(cS_rc(2 * m, 2 * n));
+            keep_bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
+                                                  common::dropout_lane(i0, j0));
+          }
+          CUTE_UNROLL
+          for (int a = 0; a < 2; ++a) {
+            CUTE_UNROLL
+            for (int c = 0; c < 2; ++c) {
+              const int mi = 2 * m + a, ni = 2 * n + c;
+              const int row = get<0>(cS_rc(mi, ni)), col = get<1>(cS_rc(mi, ni));
+              float x = s(mi, ni);
+              float dscore = p.softmax_scale;
+              float logit2;
+              if (use_score_mod) {
+                x = score_mod(x, m_start + row, n_start + col);
+                dscore = score_mod.dscore_ddot(x, m_start + row, n_start + col);
+                logit2 = x * kLog2e;
+              } else {
+                logit2 = x * score_to_log2;
+              }
+              float prob = exp2_ftz(logit2 - lse2[a]);
+              if constexpr (decltype(kMasked)::value) {
+                if (col < lo[a] || col >= hi[a]) prob = 0.0f;
+              }
+              float dprob = dp(mi, ni);
+              float z = prob;
+              if (use_dropout) {
+                const bool keep = (keep_bits >> common::dropout_element(m_start + row, n_start + col)) & 1u;
+                z = keep ? prob * dropout.keep_scale : 0.0f;
+                dprob = keep ? dprob * dropout.keep_scale : 0.0f;
+              }
+              s(mi, ni) = z;
+              dp(mi, ni) = prob * (dprob - dsum[a]) * dscore;
+            }
+          }
+        }
+      }
+      store_pairs<Element>(s, cS_rc, sP);
+      store_pairs<Element>(dp, cS_rc, sdS);
+      __syncthreads();
+
+      gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
+      gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
+
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
+
+      int* counter = nullptr;
+      if (counters != nullptr) {
+        // Wait for the key blocks before this one (in key order) that meet this row block.
+        counter = counters + (std::int64_t(batch) * p.heads + head) * m_blocks + m_block;
+        const int rank = n_block - mask.block_col_begin(m_start) / kBlockN;
+        if (tid == 0) {
+          while (atomicAdd(counter, 0) != rank) __nanosleep(64);
+        }
+        __syncthreads();
+        __threadfence();
+      }
+      float* acc_base = dq_accum + ((dq_row0 + m_start) * p.heads + head) * dq_accum_ld;
+      const std::int64_t row_step = std::int64_t(p.heads) * dq_accum_ld;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_dq); ++e) {
+        const int row = get<0>(cdQ(e)), col = get<1>(cdQ(e));
+        if (row < rows_here && col < p.head_dim) atomicAdd(acc_base + row * row_step + col, acc_dq(e));
+      }
+      if (counter != nullptr) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicAdd(counter, 1);
+      }
+    };
+
+    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
+      const int m_start = m_block * kBlockM;
+      const int m_end = min(m_start + kBlockM, seqlen_q);
+      if (mask.block_fully_visible(m_start, m_end, n_start, n_start + kBlockN)) {
+        row_block(m_block, std::false_type{});
+      } else {
+        row_block(m_block, std::true_type{});
+      }
+    }
+  }
+
+  // --- epilogue: dK and dV through shared memory (sK and sV are free now) -------------------------
+  cp_async_wait<0>();  // a CTA with no row block still has its K/V copies in flight
+  __syncthreads();
+  Tensor sdK = make_tensor(sK.data(), typename Traits::SmemLayoutKV{});
+  Tensor sdV = make_tensor(sV.data(), typename Traits::SmemLayoutKV{});
+  Tensor cdKV_rc = make_tensor(cdKV.data(), rowcol_layout(cdKV.layout()));
+  Tensor dk_rc = make_tensor(acc_dk.data(), rowcol_layout(acc_dk.layout()));
+  Tensor dv_rc = make_tensor(acc_dv.data(), rowcol_layout(acc_dv.layout()));
+  store_pairs<Element>(dk_rc, cdKV_rc, sdK);
+  store_pairs<Element>(dv_rc, cdKV_rc, sdV);
+  __syncthreads();
+  auto* dk = static_cast<Element*>(p.dk.data);
+  auto* dv = static_cast<Element*>(p.dv.data);
+  write_tile<Traits, kBlockN>(sdK, keys_here, p.head_dim,
+                              [&](int r) { return dk + p.k_offset(p.dk, batch, n_start + r, kv_head); }, tid);
+  write_tile<Traits, kBlockN>(sdV, keys_here, p.head_dim_v,
+                              [&](int r) { return dv + p.k_offset(p.dv, batch, n_start + r, kv_head); }, tid);
+}
+
+}  // namespace flashattn::cuda::sm80
