@@ -226,6 +226,7 @@ std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt
   common::AttentionParams p;
   p.heads = int(in.q.shape[in.q.ndim - 2]);
   p.head_dim = int(in.q.shape[in.q.ndim - 1]);
+  p.head_dim_v = in.v.ndim > 0 ? int(in.v.shape[in.v.ndim - 1]) : p.head_dim;
   p.deterministic = opt.deterministic;
   if (in.varlen.enabled()) {
     p.batch = int(in.varlen.cu_seqlens_q.shape[0] - 1);

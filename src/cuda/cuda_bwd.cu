@@ -19,20 +19,21 @@ int bwd_head_dim(const common::AttentionParams& p) { return detail::instantiated
 
 std::size_t round_up(std::size_t x, std::size_t to) { return (x + to - 1) / to * to; }
 
-// The workspace layout: the fp32 dQ accumulator, then (deterministic) the counters.
+// The workspace layout: the fp32 dQ accumulator (rows rounded per sequence to kBwdTileRowsHost, see
+// sm80_bwd_kernel.cuh; the instantiated head dim wide), then (deterministic) the counters.
 struct Layout {
-  int dq_accum_ld = 0;
   int m_blocks = 0;
   std::size_t dq_accum_bytes = 0;
   std::size_t counter_bytes = 0;
 };
 
 Layout layout_of(const common::AttentionParams& p, std::int64_t total_q_rows) {
+  constexpr std::size_t kTile = sm80::kBwdTileRowsHost;
   Layout l;
-  l.dq_accum_ld = int(round_up(std::size_t(p.head_dim), detail::kVectorElems));
   l.m_blocks = (p.max_seqlen_q + sm80::kBwdRowBlock - 1) / sm80::kBwdRowBlock;
-  l.dq_accum_bytes = round_up(std::size_t(total_q_rows) * std::size_t(p.heads) * std::size_t(l.dq_accum_ld) * sizeof(float),
-                              kWorkspaceAlign);
+  // Bounds both layouts (dense: b · ⌈sq⌉ ≤ total + b · kTile rows), so the size needs no cu_seqlens.
+  const std::size_t rows = std::size_t(total_q_rows) + (std::size_t(p.batch) + 1) * kTile;
+  l.dq_accum_bytes = round_up(rows * std::size_t(p.heads) * std::size_t(bwd_head_dim(p)) * sizeof(float), kWorkspaceAlign);
   if (p.deterministic) {
     l.counter_bytes =
         round_up(std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(l.m_blocks) * sizeof(int), kWorkspaceAlign);
@@ -79,9 +80,12 @@ void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void*
   const Layout l = layout_of(p, total_q_rows);
   sm80::BwdScratch ws;
   ws.dq_accum = static_cast<float*>(workspace);
-  ws.dq_accum_ld = l.dq_accum_ld;
+  ws.dq_accum_bytes = l.dq_accum_bytes;
   ws.m_blocks = l.m_blocks;
-  if (p.deterministic) ws.counters = reinterpret_cast<int*>(static_cast<char*>(workspace) + l.dq_accum_bytes);
+  if (p.deterministic) {
+    ws.counters = reinterpret_cast<int*>(static_cast<char*>(workspace) + l.dq_accum_bytes);
+    ws.counter_bytes = l.counter_bytes;
+  }
   const int head_dim = bwd_head_dim(p);
   auto* s = static_cast<cudaStream_t>(stream);
   const cudaError_t err = p.storage == common::Storage::f16

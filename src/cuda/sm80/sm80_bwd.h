@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/params.h"
@@ -13,14 +14,17 @@ namespace flashattn::cuda::sm80 {
 // The head dims the backward is instantiated for; a call runs in the smallest one that holds
 // max(d, dv).
 inline constexpr int kBwdHeadDims[] = {64, 128, 256};
-// Rows per row block of every backward configuration (deterministic counters are per row block).
+// Rows per preprocess block and the unit of the deterministic counters (per (batch, head, row block)).
 inline constexpr int kBwdRowBlock = 64;
+// Sequences start on a multiple of this many rows in the dQ accumulator (sm80_bwd_kernel.cuh).
+inline constexpr int kBwdTileRowsHost = 128;
 
 // Where the backward's scratch lives (device memory from the caller's workspace).
 struct BwdScratch {
-  float* dq_accum = nullptr;  // (total_q_rows, heads, dq_accum_ld) fp32
-  int dq_accum_ld = 0;        // head_dim rounded up to 8
+  float* dq_accum = nullptr;  // fp32 tiles of kBlockM rows × the instantiated head dim, per head
+  std::size_t dq_accum_bytes = 0;
   int* counters = nullptr;    // (batch, heads, m_blocks) int32; nullptr unless deterministic
+  std::size_t counter_bytes = 0;
   int m_blocks = 0;           // ⌈max_seqlen_q / kBwdRowBlock⌉
 };
 

@@ -2,8 +2,8 @@
 // CuTe: mma.sync m16n8k16, ldmatrix (plain and transposed), cp.async. Runs on sm80 … sm90.
 //
 // Three kernels, launched in order on one stream (sm80_bwd_launch.cuh):
-//   bwd_preprocess_kernel   softmax_d = rowsum(dO ∘ O) in fp32; clears the fp32 dQ accumulator
-//                           (workspace) and, in deterministic mode, the per-row-block counters.
+//   bwd_preprocess_kernel   softmax_d = rowsum(dO ∘ O) in fp32. (The fp32 dQ accumulator and the
+//                           deterministic counters, in the workspace, are cleared by a memset.)
 //   bwd_kernel              one CTA per (key block, kv head, batch): K and V of its kBlockN keys
 //                           stay in shared memory, dK and dV in registers, while it walks every
 //                           query head of its GQA group and every row block that sees one of its
@@ -12,15 +12,23 @@
 //                           accumulator by atomics.
 //   bwd_postprocess_kernel  dQ = the accumulator, rounded to the input dtype.
 //
+// The dQ accumulator is kept in the order the MMA fragments hold it: the kBlockM × kHeadDim tile of
+// one (row block, head) is a run of floats where element e of thread t sits at e · kNThreads + t. A
+// warp's atomics then cover 32 consecutive floats (one 128-byte line) instead of 8 rows' pieces,
+// and the postprocess, which has the same fragment layout, reads it back coalesced.
+//
 // Per row block (kBlockM rows of one query head), with P and dS staged in shared memory so the
-// transposed products can read them back through ldmatrix.trans:
-//   S = Q Kᵀ, dP' = dO Vᵀ                    (warps 2 × 4 over the kBlockM × kBlockN tile)
+// transposed products can read them back through ldmatrix.trans (warp arrangements per head dim in
+// sm80_bwd_launch.cuh):
+//   S = Q Kᵀ, dP' = dO Vᵀ                    (kBlockM × kBlockN)
 //   P = exp(score − lse)                     (score from src/common's ScoreMod; masked: P = 0)
 //   Z = P ∘ keep / (1 − p),  dP = dP' ∘ keep / (1 − p)       (dropout: the forward's mask)
 //   dS = P ∘ (dP − softmax_d) ∘ dscore/ddot  (dscore/ddot includes softmax_scale and the softcap)
-//   dV += Zᵀ dO,  dK += dSᵀ Q                (warps 4 × 2 over kBlockN × D)
-//   dQ_acc += dS K                           (warps 4 × 2 over kBlockM × D; fp32 atomics)
+//   dV += Zᵀ dO,  dK += dSᵀ Q                (kBlockN × D)
+//   dQ_acc += dS K                           (kBlockM × D; fp32 atomics)
 // Z and dS are rounded to the input dtype before their products, as SPEC §2 says for P.
+// With kStages = 2, Q, dO and the row statistics of the next (head, row block) are copied into the
+// other buffer while this one computes.
 //
 // Deterministic mode: the key blocks that meet a row block m form a contiguous range [n_lo, n_hi)
 // (Mask::block_col_* — the transpose of the row walk, tests/cpp/test_mask.cpp). Key block n adds
@@ -33,22 +41,26 @@
 
 namespace flashattn::cuda::sm80 {
 
-// Rows per row block in every backward configuration: the deterministic counters and the pre- and
-// postprocess grids are laid out by it.
+// Rows per block of the pre- and postprocess kernels and the unit of the deterministic counters'
+// layout; the main kernel's kBlockM is a multiple of it.
 constexpr int kBwdBlockM = 64;
 constexpr int kBwdThreads = 256;
 
 // kWarpsMSdP: warps along the rows of S/dP (the rest along its keys); kWarpsNdKV: warps along the
-// keys of dK/dV (the rest along D); the dQ product always has 4 warps along rows, 2 along D.
-template <class Element_, int kHeadDim_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV>
+// keys of dK/dV (the rest along D); kWarpsMdQ: warps along the rows of dQ (the rest along D).
+// kStages: buffers of Q / dO / row statistics (2: the next row block loads during this one).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ,
+          int kStages_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBwdBlockM;
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kBwdThreads / 32;
   static constexpr int kNThreads = kBwdThreads;
-  static constexpr int kWarpsMdQ = 4;
+  static constexpr int kStages = kStages_;
+  static_assert(kBlockM % kBwdBlockM == 0, "row blocks are whole counter units");
+  static_assert(kStages == 1 || kStages == 2);
 
   static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one swizzle atom)");
   static_assert(kBlockN % 32 == 0, "key tiles are whole 32-row copy waves and 32-element swizzle atoms");
@@ -101,8 +113,9 @@ struct BwdTraits {
   static constexpr int kSmemBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesP = kBlockM * kBlockN * int(sizeof(Element));
   static constexpr int kSmemBytesRowStats = 2 * kBlockM * int(sizeof(float));  // lse·log2e, softmax_d
-  // Q, dO, K, V, P, dS, row statistics.
-  static constexpr int kSmemBytes = 2 * kSmemBytesQ + 2 * kSmemBytesKV + 2 * kSmemBytesP + kSmemBytesRowStats;
+  // Q and dO per stage, K, V, P, dS, row statistics per stage.
+  static constexpr int kSmemBytes =
+      kStages * (2 * kSmemBytesQ + kSmemBytesRowStats) + 2 * kSmemBytesKV + 2 * kSmemBytesP;
 };
 
 // Stores a fp32 accumulator fragment, rounded to Element, into a (rows, cols) shared tile: elements
@@ -144,9 +157,25 @@ __device__ __forceinline__ void write_tile(const SmemTensor& s_tile, int valid_r
   }
 }
 
-// First row of sequence b in the dQ accumulator, whose rows are (global row, head) pairs.
-__device__ __forceinline__ std::int64_t dq_accum_row0(const common::AttentionParams& p, int b) {
-  return p.is_varlen() ? std::int64_t(p.cu_seqlens_q[b]) : std::int64_t(b) * p.max_seqlen_q;
+// Rows of the dQ accumulator are grouped in tiles of kBlockM rows per (row block, head); sequence b's
+// tiles start at a multiple of kBwdTileRows: b · ⌈max_seqlen_q⌉ for dense batches, and
+// ⌊(cu_seqlens_q[b] + b · kBwdTileRows) / kBwdTileRows⌋ · kBwdTileRows for varlen ones (each sequence
+// then starts on its own tile, and all fit in total_q + (b + 1) · kBwdTileRows rows).
+constexpr int kBwdTileRows = 128;
+
+__device__ __forceinline__ std::int64_t dq_tile_row0(const common::AttentionParams& p, int b) {
+  if (p.is_varlen()) {
+    return (std::int64_t(p.cu_seqlens_q[b]) + std::int64_t(b) * kBwdTileRows) / kBwdTileRows * kBwdTileRows;
+  }
+  return std::int64_t(b) * ((p.max_seqlen_q + kBwdTileRows - 1) / kBwdTileRows * kBwdTileRows);
+}
+
+// The first float of the accumulator tile of rows [m_start, m_start + kBlockM) of (b, head).
+template <int kBlockM, int kHeadDim>
+__device__ __forceinline__ float* dq_tile(const common::AttentionParams& p, float* dq_accum, int b, int head,
+                                          int m_start) {
+  const std::int64_t row = dq_tile_row0(p, b) + m_start;  // a multiple of kBlockM
+  return dq_accum + (row * p.heads + std::int64_t(head) * kBlockM) * kHeadDim;
 }
 
 // --- preprocess -----------------------------------------------------------------------------------
@@ -154,14 +183,10 @@ __device__ __forceinline__ std::int64_t dq_accum_row0(const common::AttentionPar
 // a lane holds 8 consecutive columns of dO and O per step.
 template <class Element>
 __global__ void __launch_bounds__(kBwdThreads)
-    bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int dq_accum_ld,
-                          int* counters, int m_blocks) {
+    bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p) {
   constexpr int kRowsPerWarp = kBwdBlockM / (kBwdThreads / 32);
   const int head = blockIdx.y, batch = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (counters != nullptr && threadIdx.x == 0) {
-    counters[(std::int64_t(batch) * p.heads + head) * m_blocks + blockIdx.x] = 0;
-  }
   const int seqlen_q = p.seqlen_q(batch);
   const auto* dout = static_cast<const Element*>(p.dout.data);
   const auto* out = static_cast<const Element*>(p.out.data);
@@ -181,34 +206,45 @@ __global__ void __launch_bounds__(kBwdThreads)
     CUTE_UNROLL
     for (int m = 16; m >= 1; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
     if (lane == 0) p.softmax_d[p.lse_index(batch, head, i)] = dot;
-    float* acc_row = dq_accum + ((dq_accum_row0(p, batch) + i) * p.heads + head) * dq_accum_ld;
-    for (int col = lane * 4; col < dq_accum_ld; col += 32 * 4) {
-      *reinterpret_cast<float4*>(acc_row + col) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
   }
 }
 
 // --- postprocess ----------------------------------------------------------------------------------
-// Same grid; a lane converts 8 consecutive fp32 of the accumulator per step.
-template <class Element>
-__global__ void __launch_bounds__(kBwdThreads)
-    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, int dq_accum_ld) {
-  constexpr int kRowsPerWarp = kBwdBlockM / (kBwdThreads / 32);
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// Grid (⌈max_seqlen_q / kBlockM⌉, heads, batch), the main kernel's threads: thread t reads its
+// fragment of the tile (coalesced) and writes each pair of adjacent columns as one 32-bit store.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
+  const int m_start = blockIdx.x * kBlockM;
   const int seqlen_q = p.seqlen_q(batch);
+  if (m_start >= seqlen_q) return;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cdQ_rc = make_tensor(cdQ.data(), rowcol_layout(cdQ.layout()));
+  Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  const float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, batch, head, m_start);
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); ++e) acc(e) = tile[e * Traits::kNThreads + tid];
+  Tensor acc_rc = make_tensor(acc.data(), rowcol_layout(acc.layout()));
   auto* dq = static_cast<Element*>(p.dq.data);
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int i = blockIdx.x * kBwdBlockM + warp * kRowsPerWarp + r;
-    if (i >= seqlen_q) break;
-    const float* acc_row = dq_accum + ((dq_accum_row0(p, batch) + i) * p.heads + head) * dq_accum_ld;
-    Element* dq_row = dq + p.q_offset(p.dq, batch, i, head);
-    for (int col = lane * 8; col < p.head_dim; col += 32 * 8) {
-      const float4 lo = *reinterpret_cast<const float4*>(acc_row + col);
-      const float4 hi = *reinterpret_cast<const float4*>(acc_row + col + 4);
-      const Element v[8] = {Element(lo.x), Element(lo.y), Element(lo.z), Element(lo.w),
-                            Element(hi.x), Element(hi.y), Element(hi.z), Element(hi.w)};
-      *reinterpret_cast<uint4*>(dq_row + col) = *reinterpret_cast<const uint4*>(v);
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
+    const int row = get<0>(cdQ_rc(mi, 0));
+    if (m_start + row >= seqlen_q) continue;
+    Element* dq_row = dq + p.q_offset(p.dq, batch, m_start + row, head);
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
+      const int col = get<1>(cdQ_rc(mi, ni));
+      if (col >= p.head_dim) continue;
+      const Element pair[2] = {static_cast<Element>(acc_rc(mi, ni)), static_cast<Element>(acc_rc(mi, ni + 1))};
+      std::uint32_t packed;
+      std::memcpy(&packed, pair, sizeof packed);
+      *reinterpret_cast<std::uint32_t*>(dq_row + col) = packed;
     }
   }
 }
@@ -220,8 +256,8 @@ __global__ void __launch_bounds__(kBwdThreads)
 // {seed, offset}. kScoreModAndDropout as in the forward.
 template <class Traits, bool kScoreModAndDropout>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    bwd_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int dq_accum_ld, int* counters,
-               int m_blocks, const std::uint64_t* rng_state) {
+    bwd_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int* counters, int m_blocks,
+               const std::uint64_t* rng_state) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -252,14 +288,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     smem_at += bytes;
     return ptr;
   };
-  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesQ))), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesQ))), typename Traits::SmemLayoutQ{});
+  // Stage s of Q / dO sits kStageElems elements after stage 0 (a whole number of swizzle periods,
+  // so the swizzled layouts hold unchanged); the tensors below are stage 0.
+  constexpr int kStageElems = Traits::kSmemBytesQ / int(sizeof(Element));
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kStages * Traits::kSmemBytesQ))),
+                          typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kStages * Traits::kSmemBytesQ))),
+                           typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesKV))), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesKV))), typename Traits::SmemLayoutKV{});
   Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesP))), typename Traits::SmemLayoutP{});
   Tensor sdS = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesP))), typename Traits::SmemLayoutP{});
-  float* s_lse = reinterpret_cast<float*>(carve(kBlockM * int(sizeof(float))));  // lse · log2(e) per row
-  float* s_d = reinterpret_cast<float*>(carve(kBlockM * int(sizeof(float))));    // softmax_d per row
+  float* s_lse = reinterpret_cast<float*>(carve(Traits::kStages * kBlockM * int(sizeof(float))));  // lse·log2 e
+  float* s_d = reinterpret_cast<float*>(carve(Traits::kStages * kBlockM * int(sizeof(float))));    // softmax_d
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
   Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
@@ -334,7 +375,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // Tile coordinates of the accumulator elements this thread holds.
   Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), rowcol_layout(cS.layout()));
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
   const bool use_score_mod = kScoreModAndDropout && (p.softcap > 0.0f || p.alibi_slopes != nullptr);
@@ -345,146 +385,168 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     dropout.seed = rng_state[0];
     dropout.offset = rng_state[1];
   }
-  const std::int64_t dq_row0 = dq_accum_row0(p, batch);
   const int group = p.group_size();
 
-  for (int head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+  // The CTA's work: every (query head of the group, row block) pair, head-major. Iteration `it`
+  // uses buffer it % kStages.
+  const int m_blocks_here = m_block_max - m_block_min;
+  const int iterations = group * m_blocks_here;
+  auto head_of = [&](int it) { return kv_head * group + it / m_blocks_here; };
+  auto m_block_of = [&](int it) { return m_block_min + it % m_blocks_here; };
+
+  // Q, dO (cp.async, one group) and the row statistics of iteration `it` into buffer `stage`.
+  auto load_rows = [&](int it, int stage) {
+    const int head = head_of(it);
+    const int m_start = m_block_of(it) * kBlockM;
+    const int rows_here = min(kBlockM, seqlen_q - m_start);
+    Tensor sQ_s = make_tensor(sQ.data() + stage * kStageElems, typename Traits::SmemLayoutQ{});
+    Tensor sdO_s = make_tensor(sdO.data() + stage * kStageElems, typename Traits::SmemLayoutQ{});
+    load_tile<Traits, kBlockM>(static_cast<const Element*>(p.q.data), sQ_s, rows_here, p.head_dim,
+                               [&](int r) { return p.q_offset(p.q, batch, m_start + r, head); }, tid);
+    load_tile<Traits, kBlockM>(static_cast<const Element*>(p.dout.data), sdO_s, rows_here, p.head_dim_v,
+                               [&](int r) { return p.q_offset(p.dout, batch, m_start + r, head); }, tid);
+    cp_async_fence();
+    for (int r = tid; r < kBlockM; r += Traits::kNThreads) {
+      // Rows past the sequence: lse = +∞ makes P = 0 there (their Q and dO rows are zeros).
+      const bool valid = r < rows_here;
+      const std::int64_t at = valid ? p.lse_index(batch, head, m_start + r) : 0;
+      s_lse[stage * kBlockM + r] = valid ? p.lse[at] * kLog2e : kInf;
+      s_d[stage * kBlockM + r] = valid ? p.softmax_d[at] : 0.0f;
+    }
+  };
+
+  // One (head, row block) from buffer `stage`. kMasked (std::bool_constant): whether per-element
+  // masking is compiled in.
+  auto row_block = [&](int head, int m_block, int stage, auto kMasked) __attribute__((always_inline)) {
+    const int m_start = m_block * kBlockM;
     const common::ScoreMod<float> score_mod = p.score_mod<float>(batch, head);
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
+    const int q_shift = stage * kStageElems;
+    const float* lse_rows = s_lse + stage * kBlockM;
+    const float* d_rows = s_d + stage * kBlockM;
+    Tensor tSsQ_s = make_tensor(tSsQ.data() + q_shift, tSsQ.layout());
+    Tensor tdPsdO_s = make_tensor(tdPsdO.data() + q_shift, tdPsdO.layout());
+    Tensor tdVsdOt_s = make_tensor(tdVsdOt.data() + q_shift, tdVsdOt.layout());
+    Tensor tdKsQt_s = make_tensor(tdKsQt.data() + q_shift, tdKsQt.layout());
 
-    // One row block. kMasked (std::bool_constant): whether per-element masking is compiled in.
-    auto row_block = [&](int m_block, auto kMasked) __attribute__((always_inline)) {
-      const int m_start = m_block * kBlockM;
-      const int rows_here = min(kBlockM, seqlen_q - m_start);
+    Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_s, tSsK, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
+    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO_s, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
 
-      // Every warp is done with the previous block's Q, dO, dS and row statistics.
-      __syncthreads();
-      load_tile<Traits, kBlockM>(static_cast<const Element*>(p.q.data), sQ, rows_here, p.head_dim,
-                                 [&](int r) { return p.q_offset(p.q, batch, m_start + r, head); }, tid);
-      load_tile<Traits, kBlockM>(static_cast<const Element*>(p.dout.data), sdO, rows_here, p.head_dim_v,
-                                 [&](int r) { return p.q_offset(p.dout, batch, m_start + r, head); }, tid);
-      cp_async_fence();
-      if (tid < kBlockM) {
-        // Rows past the sequence: lse = +∞ makes P = 0 there (their Q and dO rows are zeros).
-        const bool valid = tid < rows_here;
-        const std::int64_t at = valid ? p.lse_index(batch, head, m_start + tid) : 0;
-        s_lse[tid] = valid ? p.lse[at] * kLog2e : kInf;
-        s_d[tid] = valid ? p.softmax_d[at] : 0.0f;
-      }
-      cp_async_wait<0>();
-      __syncthreads();
-
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_s);
-      clear(acc_dp);
-      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
-      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
-
-      Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));    // (rows, cols): scores, then Z
-      Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));  // (rows, cols): dP, then dS
-      constexpr int kMmaM = decltype(size<1>(acc_s))::value;
-      constexpr int kMmaN = decltype(size<2>(acc_s))::value;
-      // Element (mi, ni) of the row/column view is (2·m + a, 2·n + c) for MMA tile (m, n), row half
-      // a and column c: the four elements of one m16n8 tile share a dropout lane.
+    Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));    // (rows, cols): scores, then Z
+    Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));  // (rows, cols): dP, then dS
+    constexpr int kMmaM = decltype(size<1>(acc_s))::value;
+    constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    // Element (mi, ni) of the row/column view is (2·m + a, 2·n + c) for MMA tile (m, n), row half
+    // a and column c: the four elements of one m16n8 tile share a dropout lane.
+    CUTE_UNROLL
+    for (int m = 0; m < kMmaM; ++m) {
+      float lse2[2], dsum[2];
+      int lo[2], hi[2];
       CUTE_UNROLL
-      for (int m = 0; m < kMmaM; ++m) {
-        float lse2[2], dsum[2];
-        int lo[2], hi[2];
+      for (int a = 0; a < 2; ++a) {
+        const int row = get<0>(cS_rc(2 * m + a, 0));
+        lse2[a] = lse_rows[row];
+        dsum[a] = d_rows[row];
+        lo[a] = mask.col_begin(m_start + row) - n_start;
+        hi[a] = mask.col_end(m_start + row) - n_start;
+      }
+      CUTE_UNROLL
+      for (int n = 0; n < kMmaN; ++n) {
+        std::uint32_t keep_bits = 0xffu;
+        if (use_dropout) {
+          const int i0 = m_start + get<0>(cS_rc(2 * m, 2 * n));
+          const int j0 = n_start + get<1>(cS_rc(2 * m, 2 * n));
+          keep_bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
+                                                common::dropout_lane(i0, j0));
+        }
         CUTE_UNROLL
         for (int a = 0; a < 2; ++a) {
-          const int row = get<0>(cS_rc(2 * m + a, 0));
-          lse2[a] = s_lse[row];
-          dsum[a] = s_d[row];
-          lo[a] = mask.col_begin(m_start + row) - n_start;
-          hi[a] = mask.col_end(m_start + row) - n_start;
-        }
-        CUTE_UNROLL
-        for (int n = 0; n < kMmaN; ++n) {
-          std::uint32_t keep_bits = 0xffu;
-          if (use_dropout) {
-            const int i0 = m_start + get<0>(cS_rc(2 * m, 2 * n));
-            const int j0 = n_start + get<1>(cS_rc(2 * m, 2 * n));
-            keep_bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
-                                                  common::dropout_lane(i0, j0));
-          }
           CUTE_UNROLL
-          for (int a = 0; a < 2; ++a) {
-            CUTE_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              const int mi = 2 * m + a, ni = 2 * n + c;
-              const int row = get<0>(cS_rc(mi, ni)), col = get<1>(cS_rc(mi, ni));
-              float x = s(mi, ni);
-              float dscore = p.softmax_scale;
-              float logit2;
-              if (use_score_mod) {
-                x = score_mod(x, m_start + row, n_start + col);
-                dscore = score_mod.dscore_ddot(x, m_start + row, n_start + col);
-                logit2 = x * kLog2e;
-              } else {
-                logit2 = x * score_to_log2;
-              }
-              float prob = exp2_ftz(logit2 - lse2[a]);
-              if constexpr (decltype(kMasked)::value) {
-                if (col < lo[a] || col >= hi[a]) prob = 0.0f;
-              }
-              float dprob = dp(mi, ni);
-              float z = prob;
-              if (use_dropout) {
-                const bool keep = (keep_bits >> common::dropout_element(m_start + row, n_start + col)) & 1u;
-                z = keep ? prob * dropout.keep_scale : 0.0f;
-                dprob = keep ? dprob * dropout.keep_scale : 0.0f;
-              }
-              s(mi, ni) = z;
-              dp(mi, ni) = prob * (dprob - dsum[a]) * dscore;
+          for (int c = 0; c < 2; ++c) {
+            const int mi = 2 * m + a, ni = 2 * n + c;
+            const int row = get<0>(cS_rc(mi, ni)), col = get<1>(cS_rc(mi, ni));
+            float x = s(mi, ni);
+            float dscore = p.softmax_scale;
+            float logit2;
+            if (use_score_mod) {
+              x = score_mod(x, m_start + row, n_start + col);
+              dscore = score_mod.dscore_ddot(x, m_start + row, n_start + col);
+              logit2 = x * kLog2e;
+            } else {
+              logit2 = x * score_to_log2;
             }
+            float prob = exp2_ftz(logit2 - lse2[a]);
+            if constexpr (decltype(kMasked)::value) {
+              if (col < lo[a] || col >= hi[a]) prob = 0.0f;
+            }
+            float dprob = dp(mi, ni);
+            float z = prob;
+            if (use_dropout) {
+              const bool keep = (keep_bits >> common::dropout_element(m_start + row, n_start + col)) & 1u;
+              z = keep ? prob * dropout.keep_scale : 0.0f;
+              dprob = keep ? dprob * dropout.keep_scale : 0.0f;
+            }
+            s(mi, ni) = z;
+            dp(mi, ni) = prob * (dprob - dsum[a]) * dscore;
           }
         }
       }
-      store_pairs<Element>(s, cS_rc, sP);
-      store_pairs<Element>(dp, cS_rc, sdS);
+    }
+    store_pairs<Element>(s, cS_rc, sP);
+    store_pairs<Element>(dp, cS_rc, sdS);
+    __syncthreads();
+
+    gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
+    gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
+
+    Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_dq);
+    gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
+
+    int* counter = nullptr;
+    if (counters != nullptr) {
+      // Wait for the key blocks before this one (in key order) that meet this row block.
+      counter = counters + (std::int64_t(batch) * p.heads + head) * m_blocks + m_block;
+      const int rank = n_block - mask.block_col_begin(m_start) / kBlockN;
+      if (tid == 0) {
+        while (atomicAdd(counter, 0) != rank) __nanosleep(64);
+      }
       __syncthreads();
+      __threadfence();
+    }
+    // Rows past the sequence and columns past d hold zeros (zero dS rows, zero-filled K columns):
+    // the whole fragment is added, each atomic instruction covering one 128-byte line.
+    float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, batch, head, m_start);
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc_dq); ++e) atomicAdd(tile + e * Traits::kNThreads + tid, acc_dq(e));
+    if (counter != nullptr) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) atomicAdd(counter, 1);
+    }
+  };
 
-      gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
-      gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
-
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      clear(acc_dq);
-      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
-
-      int* counter = nullptr;
-      if (counters != nullptr) {
-        // Wait for the key blocks before this one (in key order) that meet this row block.
-        counter = counters + (std::int64_t(batch) * p.heads + head) * m_blocks + m_block;
-        const int rank = n_block - mask.block_col_begin(m_start) / kBlockN;
-        if (tid == 0) {
-          while (atomicAdd(counter, 0) != rank) __nanosleep(64);
-        }
-        __syncthreads();
-        __threadfence();
-      }
-      float* acc_base = dq_accum + ((dq_row0 + m_start) * p.heads + head) * dq_accum_ld;
-      const std::int64_t row_step = std::int64_t(p.heads) * dq_accum_ld;
-      CUTE_UNROLL
-      for (int e = 0; e < size(acc_dq); ++e) {
-        const int row = get<0>(cdQ(e)), col = get<1>(cdQ(e));
-        if (row < rows_here && col < p.head_dim) atomicAdd(acc_base + row * row_step + col, acc_dq(e));
-      }
-      if (counter != nullptr) {
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicAdd(counter, 1);
-      }
-    };
-
-    for (int m_block = m_block_min; m_block < m_block_max; ++m_block) {
-      const int m_start = m_block * kBlockM;
-      const int m_end = min(m_start + kBlockM, seqlen_q);
-      if (mask.block_fully_visible(m_start, m_end, n_start, n_start + kBlockN)) {
-        row_block(m_block, std::false_type{});
-      } else {
-        row_block(m_block, std::true_type{});
-      }
+  if (iterations > 0) load_rows(0, 0);
+  for (int it = 0; it < iterations; ++it) {
+    const int stage = Traits::kStages == 2 ? (it & 1) : 0;
+    if (Traits::kStages == 1 && it > 0) {
+      __syncthreads();  // every warp is done with the buffer
+      load_rows(it, 0);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // this buffer has landed everywhere; every warp is done with the other one
+    if (Traits::kStages == 2 && it + 1 < iterations) load_rows(it + 1, stage ^ 1);
+    const int m_block = m_block_of(it);
+    const int m_start = m_block * kBlockM;
+    const int m_end = min(m_start + kBlockM, seqlen_q);
+    if (mask.block_fully_visible(m_start, m_end, n_start, n_start + kBlockN)) {
+      row_block(head_of(it), m_block, stage, std::false_type{});
+    } else {
+      row_block(head_of(it), m_block, stage, std::true_type{});
     }
   }
 

@@ -8,33 +8,46 @@
 
 namespace flashattn::cuda::sm80 {
 
-static_assert(kBwdRowBlock == kBwdBlockM, "the dispatcher's row block is the kernels' row block");
+static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "host and device agree on the layout");
 
-// Tiles per head dim: kBlockM = 64 rows × kBlockN keys, 8 warps, and their shared memory
-// (Q + dO + K + V + P + dS):
-//   d 64:  64 × 128 —  80 KB
-//   d 128: 64 × 128 — 128 KB (dK and dV: 64 + 64 fp32 registers per thread)
-//   d 256: 64 × 64  — 144 KB
-// With softcap / ALiBi / dropout compiled in (kFull) the key tile halves for d ≥ 128: the per-element
-// dscore/ddot and the Philox state need registers. All fit an A100's 163 KB.
-template <class Element, int kHeadDim, bool kFull>
+// Tiles per head dim (kBlockM × kBlockN, 8 warps; warps of S/dP along rows × keys, of dK/dV along
+// keys × D, of dQ along rows × D) and their shared memory with two Q/dO stages:
+//   d 64:  128 × 128, S/dP 4×2, dK/dV 4×2, dQ 4×2 — 162 KB
+//   d 128:  64 × 128, S/dP 2×4, dK/dV 4×2, dQ 2×4 — 161 KB (dK and dV: 64 + 64 fp32 registers)
+//   d 256:  64 × 64,  S/dP 4×2, dK/dV 2×4, dQ 2×4 — 209 KB; one stage (145 KB) where the device
+//           has less shared memory per block (A100: 163 KB)
+// The arrangements keep each warp's ldmatrix traffic low for its MMAs: at d 256, dK/dV warps split
+// the keys in two and D in four, as the D-wide operands (Qᵀ, dOᵀ) dominate the shared reads.
+// With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
+// and the Philox state need registers): d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
+template <class Element, int kHeadDim, bool kFull, int kStages>
 struct BwdConfig;
-template <class Element, bool kFull>
-struct BwdConfig<Element, 64, kFull> {
-  using Traits = BwdTraits<Element, 64, 128, 2, 4>;
+template <class Element, int kStages>
+struct BwdConfig<Element, 64, false, kStages> {
+  using Traits = BwdTraits<Element, 64, 128, 128, 4, 4, 4, kStages>;
 };
-template <class Element, bool kFull>
-struct BwdConfig<Element, 128, kFull> {
-  using Traits = BwdTraits<Element, 128, kFull ? 64 : 128, 2, 4>;
+template <class Element, int kStages>
+struct BwdConfig<Element, 64, true, kStages> {
+  using Traits = BwdTraits<Element, 64, 64, 64, 2, 4, 4, kStages>;
 };
-template <class Element>
-struct BwdConfig<Element, 256, false> {
-  using Traits = BwdTraits<Element, 256, 64, 2, 4>;
+template <class Element, bool kFull, int kStages>
+struct BwdConfig<Element, 128, kFull, kStages> {
+  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, 4, 2, kStages>;
 };
-template <class Element>
-struct BwdConfig<Element, 256, true> {
-  using Traits = BwdTraits<Element, 256, 32, 4, 2>;
+template <class Element, bool kFull, int kStages>
+struct BwdConfig<Element, 256, kFull, kStages> {
+  using Traits = BwdTraits<Element, 256, 64, kFull ? 32 : 64, 4, 2, 2, kStages>;
 };
+
+// Shared memory a block of the current device may opt into.
+inline int max_smem_per_block() {
+  int dev = 0, bytes = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    return 0;
+  }
+  return bytes;
+}
 
 template <class Traits, bool kFull>
 cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
@@ -47,32 +60,52 @@ cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& 
     if (err != cudaSuccess) return err;
   }
   const dim3 grid((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_k, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, ws.dq_accum, ws.dq_accum_ld, ws.counters,
-                                                                  ws.m_blocks, rng_state);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, ws.dq_accum, ws.counters, ws.m_blocks,
+                                                                  rng_state);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || p.max_seqlen_q == 0) return err;
+  const dim3 row_grid((p.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads, p.batch);
+  bwd_postprocess_kernel<Traits><<<row_grid, Traits::kNThreads, 0, stream>>>(p, ws.dq_accum);
   return cudaGetLastError();
+}
+
+// The plain or full variant; at d 256 with one stage where two do not fit.
+template <class Element, int kHeadDim>
+cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
+                               cudaStream_t stream) {
+  const bool full = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+  if constexpr (kHeadDim == 256) {
+    using Plain2 = typename BwdConfig<Element, 256, false, 2>::Traits;
+    using Full2 = typename BwdConfig<Element, 256, true, 2>::Traits;
+    if (max_smem_per_block() < (full ? Full2::kSmemBytes : Plain2::kSmemBytes)) {
+      return full ? launch_bwd_main<typename BwdConfig<Element, 256, true, 1>::Traits, true>(p, ws, rng_state, stream)
+                  : launch_bwd_main<typename BwdConfig<Element, 256, false, 1>::Traits, false>(p, ws, rng_state, stream);
+    }
+  }
+  return full ? launch_bwd_main<typename BwdConfig<Element, kHeadDim, true, 2>::Traits, true>(p, ws, rng_state, stream)
+              : launch_bwd_main<typename BwdConfig<Element, kHeadDim, false, 2>::Traits, false>(p, ws, rng_state, stream);
 }
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                     cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
-  // No query rows (sq = 0): no softmax_d or dQ to produce, but dK = dV = 0 still to write.
-  const bool has_rows = ws.m_blocks > 0;
-  const dim3 row_grid(ws.m_blocks, p.heads, p.batch);
-  cudaError_t err = cudaSuccess;
-  if (has_rows) {
-    bwd_preprocess_kernel<Element><<<row_grid, kBwdThreads, 0, stream>>>(p, ws.dq_accum, ws.dq_accum_ld, ws.counters,
-                                                                          ws.m_blocks);
+  // The accumulator and the counters start at zero; no query rows (sq = 0): no softmax_d or dQ to
+  // produce, but dK = dV = 0 still to write.
+  cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
+  if (err == cudaSuccess && ws.counters != nullptr) err = cudaMemsetAsync(ws.counters, 0, ws.counter_bytes, stream);
+  if (err != cudaSuccess) return err;
+  if (ws.m_blocks > 0) {
+    bwd_preprocess_kernel<Element><<<dim3(ws.m_blocks, p.heads, p.batch), kBwdThreads, 0, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  if (p.max_seqlen_k > 0) {
-    const bool full = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
-    err = full ? launch_bwd_main<typename BwdConfig<Element, kHeadDim, true>::Traits, true>(p, ws, rng_state, stream)
-               : launch_bwd_main<typename BwdConfig<Element, kHeadDim, false>::Traits, false>(p, ws, rng_state, stream);
-    if (err != cudaSuccess) return err;
-  }
-  if (has_rows) bwd_postprocess_kernel<Element><<<row_grid, kBwdThreads, 0, stream>>>(p, ws.dq_accum, ws.dq_accum_ld);
+  if (p.max_seqlen_k > 0) return launch_bwd_variant<Element, kHeadDim>(p, ws, rng_state, stream);
+  // No keys: dQ = 0 (the cleared accumulator, converted).
+  if (ws.m_blocks == 0) return cudaSuccess;
+  using Traits = typename BwdConfig<Element, kHeadDim, false, 2>::Traits;
+  bwd_postprocess_kernel<Traits><<<dim3((p.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.heads, p.batch),
+                                   Traits::kNThreads, 0, stream>>>(p, ws.dq_accum);
   return cudaGetLastError();
 }
 
