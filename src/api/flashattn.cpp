@@ -12,6 +12,7 @@
 #include "cpu/cpu.h"
 #ifdef FLASHATTN_WITH_CUDA
 #include "cuda/cuda_backend.h"
+#include "cuda/kvcache_append.h"
 #endif
 
 namespace flashattn {
@@ -131,23 +132,13 @@ void backward(const BackwardInputs& in, const BackwardOutputs& out, const Option
   }
 }
 
-void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream stream) {
+void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace workspace,
+                     Stream stream) {
   Problem pr = detail::validate_kvcache(in, out, opt);
   const Support s = require_backend(pr, opt, "flashattn::forward_kvcache");
   common::AttentionParams& p = pr.params;
-  if (s.backend == Backend::cuda) {
-    // The cache is attended in place; appending and rotary run on the host and cannot read
-    // device memory.
-    if (in.k_new.defined() || in.rotary_cos.defined()) {
-      throw Error("flashattn::forward_kvcache: k_new/v_new and rotary embedding are not implemented on the "
-                  "CUDA backend yet (append on the host, or call without them)");
-    }
-    p.cache_seqlens = in.cache_seqlens.defined() ? static_cast<const std::int32_t*>(in.cache_seqlens.data) : nullptr;
-    run_forward(pr, s, opt, stream);
-    return;
-  }
 
-  cpu::AppendArgs a;
+  common::AppendArgs a;
   a.cache_seqlens = in.cache_seqlens.defined() ? static_cast<const std::int32_t*>(in.cache_seqlens.data) : nullptr;
   if (in.k_new.defined()) {
     a.k_new = in.k_new.data;
@@ -166,6 +157,22 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     a.rotary_dim = int(2 * in.rotary_cos.shape[1]);
     a.rotary_interleaved = in.rotary_interleaved;
   }
+  const bool q_positions_per_row = common::rotary_q_positions_per_row(p);
+
+#ifdef FLASHATTN_WITH_CUDA
+  if (s.backend == Backend::cuda) {
+    // Append and rotate on the device, on the caller's stream: the lengths after the append and
+    // the rotated q go to the workspace's KV-cache region, where the attention reads them.
+    const cuda::KvcacheWorkspace region = cuda::kvcache_workspace(
+        p.batch, in.q.numel(), dtype_size(in.q.dtype), in.k_new.defined(), in.rotary_cos.defined());
+    check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
+    cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle);
+    run_forward(pr, s, opt, stream);
+    return;
+  }
+#else
+  (void)workspace;
+#endif
 
   // Lengths after the append: what the attention reads.
   std::vector<std::int32_t> seqlens_after;
@@ -177,14 +184,9 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
 
   std::vector<std::uint8_t> q_rotated;
   if (a.rotary_dim > 0) {
-    const common::Mask m = common::make_mask(p.causal, p.window_left, p.window_right, p.max_seqlen_k, 0, 0);
-    const bool per_row = m.window_left >= 0 || m.window_right >= 0;
     q_rotated.resize(std::size_t(in.q.numel()) * dtype_size(in.q.dtype));
-    cpu::rotate_q(p, a, per_row, q_rotated.data());
-    p.q.data = q_rotated.data();
-    p.q.head_stride = p.head_dim;
-    p.q.row_stride = std::int64_t(p.heads) * p.head_dim;
-    p.q.batch_stride = p.q.row_stride * p.max_seqlen_q;
+    cpu::rotate_q(p, a, q_positions_per_row, q_rotated.data());
+    p.q = common::contiguous_q(q_rotated.data(), p);
   }
   if (!seqlens_after.empty()) p.cache_seqlens = seqlens_after.data();
   run_forward(pr, s, opt, stream);
@@ -243,9 +245,19 @@ std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt
 #endif
 }
 std::size_t forward_kvcache_workspace_size(const KVCacheInputs& in, const Options& opt) {
-  (void)in;
   (void)opt;
+#ifdef FLASHATTN_WITH_CUDA
+  // CUDA tensors: the KV-cache region (lengths after the append, rotated q; see
+  // cuda::kvcache_workspace) first, then what the attention needs, each part 256-byte aligned.
+  // Only shapes are read.
+  if (in.q.device.type != DeviceType::cuda || in.q.ndim != 4) return 0;
+  return cuda::kvcache_workspace(in.q.shape[0], in.q.numel(), dtype_size(in.q.dtype), in.k_new.defined(),
+                                 in.rotary_cos.defined())
+      .bytes;
+#else
+  (void)in;
   return 0;
+#endif
 }
 
 Support can_implement(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt) {

@@ -10,87 +10,15 @@
 #include <string>
 #include <vector>
 
+#include "kvcache_test_util.h"
 #include "test_util.h"
 
 namespace fa_test {
 namespace {
 
-// --- a KV cache in one of three layouts --------------------------------------------------------
-
-enum class CacheKind { contiguous, paged, batch_idx };
-
-struct Cache {
-  CacheKind kind = CacheKind::contiguous;
-  int batch = 0, capacity = 0, page_size = 0;
-  Tensor k, v;                 // (rows, capacity, hk, d) or paged (num_blocks, page_size, hk, d)
-  Tensor block_table;          // (batch, blocks_per_seq) int32, paged only
-  Tensor cache_batch_idx;      // (batch) int32, batch_idx only
-  std::vector<int> table;      // block_table entries, row-major
-  std::vector<int> batch_rows; // cache row of each sequence (batch_idx)
-
-  // Element offset of (sequence b, position j, kv head hk, 0) in k (or v with v's tensor).
-  std::int64_t offset(const Tensor& t, int b, int j, int hk) const {
-    if (kind == CacheKind::paged) {
-      const int blocks = capacity / page_size;
-      return t.offset({table[std::size_t(b) * blocks + j / page_size], j % page_size, hk, 0});
-    }
-    const int row = kind == CacheKind::batch_idx ? batch_rows[std::size_t(b)] : b;
-    return t.offset({row, j, hk, 0});
-  }
-};
-
-// A poisoned cache: positions never written stay NaN, so reading one poisons the output.
-Cache make_cache(CacheKind kind, DType dtype, int batch, int capacity, int hk, int d, int dv,
-                 int page_size, std::uint64_t seed) {
-  Cache c;
-  c.kind = kind;
-  c.batch = batch;
-  c.capacity = capacity;
-  c.page_size = page_size;
-  std::mt19937_64 rng(seed);
-  if (kind == CacheKind::paged) {
-    const int blocks = capacity / page_size;
-    const int num_blocks = batch * blocks + 3;  // three spare pages nobody references
-    std::vector<int> pages(static_cast<std::size_t>(num_blocks));
-    std::iota(pages.begin(), pages.end(), 0);
-    std::shuffle(pages.begin(), pages.end(), rng);
-    c.table.assign(pages.begin(), pages.begin() + std::ptrdiff_t(batch) * blocks);
-    c.block_table = Tensor(DType::i32, {batch, blocks});
-    for (int i = 0; i < batch * blocks; ++i) c.block_table.store(i, float(c.table[std::size_t(i)]));
-    c.k = Tensor(dtype, {num_blocks, page_size, hk, d});
-    c.v = Tensor(dtype, {num_blocks, page_size, hk, dv});
-  } else if (kind == CacheKind::batch_idx) {
-    const int rows = batch + 2;  // two rows nobody references
-    std::vector<int> perm(static_cast<std::size_t>(rows));
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    c.batch_rows.assign(perm.begin(), perm.begin() + batch);
-    c.cache_batch_idx = Tensor::from_i32(std::vector<std::int32_t>(c.batch_rows.begin(), c.batch_rows.end()));
-    c.k = Tensor(dtype, {rows, capacity, hk, d});
-    c.v = Tensor(dtype, {rows, capacity, hk, dv});
-  } else {
-    c.k = Tensor(dtype, {batch, capacity, hk, d});
-    c.v = Tensor(dtype, {batch, capacity, hk, dv});
-  }
-  return c;
-}
-
-flashattn::KVCacheInputs cache_inputs(const Cache& c) {
-  flashattn::KVCacheInputs in;
-  in.k_cache = c.k.tv();
-  in.v_cache = c.v.tv();
-  if (c.kind == CacheKind::paged) in.block_table = c.block_table.tv();
-  if (c.kind == CacheKind::batch_idx) in.cache_batch_idx = c.cache_batch_idx.tv();
-  return in;
-}
-
 // Rows [t0, t0 + n) of a dense (b, s, h, w) tensor, as a view.
 Tensor rows_view(const Tensor& t, int t0, int n) {
   return t.view(t.offset({0, t0, 0, 0}), {t.shape(0), n, t.shape(2), t.shape(3)}, t.stride());
-}
-
-std::string kind_name(CacheKind k) {
-  return k == CacheKind::paged ? "paged" : k == CacheKind::batch_idx ? "batch_idx" : "contiguous";
 }
 
 // --- incremental attention == one whole-sequence forward ---------------------------------------
@@ -254,18 +182,6 @@ TEST_P(KVCache, WholeCacheWithoutAppend) {
 
 // --- rotary embedding --------------------------------------------------------------------------
 
-// cos/sin tables (seqlen_ro, rotary_dim / 2) in dtype: angle pos · 10000^(−2i / rotary_dim).
-void make_tables(DType dtype, int seqlen_ro, int rotary_dim, Tensor& cos, Tensor& sin) {
-  cos = Tensor(dtype, {seqlen_ro, rotary_dim / 2});
-  sin = Tensor(dtype, {seqlen_ro, rotary_dim / 2});
-  for (int pos = 0; pos < seqlen_ro; ++pos)
-    for (int i = 0; i < rotary_dim / 2; ++i) {
-      const double angle = pos * std::pow(10000.0, -2.0 * i / rotary_dim);
-      cos.set({pos, i}, float(std::cos(angle)));
-      sin.set({pos, i}, float(std::sin(angle)));
-    }
-}
-
 // The documented rotation of one head vector x (w entries) at `pos`, in double from the stored
 // x, cos and sin: pairs (x[i], x[i + rd/2]) or, interleaved, (x[2i], x[2i+1]) become
 // (xa·cos − xb·sin, xa·sin + xb·cos); entries past rotary_dim are unchanged.
@@ -303,16 +219,7 @@ TEST_P(KVCacheRotary, AppendRotatesLikeTheFormula) {
   const std::vector<int> cached = {10, 3};
   const int capacity = 32;
   Cache cache = make_cache(rc.kind, rc.dtype, b, capacity, hk, d, dv, page, test_seed(1));
-  // Pre-filled cache positions [0, cached[b]) with random (unrotated) keys and values.
-  Tensor pre_k(rc.dtype, {b, capacity, hk, d}), pre_v(rc.dtype, {b, capacity, hk, dv});
-  pre_k.fill_random(test_seed(2));
-  pre_v.fill_random(test_seed(3));
-  for (int bb = 0; bb < b; ++bb)
-    for (int j = 0; j < cached[std::size_t(bb)]; ++j)
-      for (int x = 0; x < hk; ++x) {
-        for (int c = 0; c < d; ++c) cache.k.store(cache.offset(cache.k, bb, j, x) + c, pre_k.get({bb, j, x, c}));
-        for (int c = 0; c < dv; ++c) cache.v.store(cache.offset(cache.v, bb, j, x) + c, pre_v.get({bb, j, x, c}));
-      }
+  const Tensor pre_k = prefill_cache(cache, cached, test_seed(2), test_seed(3)).k;
   Tensor q(rc.dtype, {b, sq, h, d}), k_new(rc.dtype, {b, sk_new, hk, d}), v_new(rc.dtype, {b, sk_new, hk, dv});
   q.fill_random(test_seed(4));
   k_new.fill_random(test_seed(5));
@@ -373,37 +280,14 @@ TEST_P(KVCacheRotary, AppendRotatesLikeTheFormula) {
         for (int c = 0; c < dv; ++c) ASSERT_EQ(cache.v.load(vo + c), v_new.get({bb, t, x, c})) << "v is not rotated";
       }
     // The attention: a batch-1 problem over the cache's keys with the rotated queries.
-    AttnConfig cfg;
-    cfg.dtype = rc.dtype;
-    cfg.batch = 1;
-    cfg.seqlen_q = sq;
-    cfg.seqlen_k = sk;
-    cfg.heads = h;
-    cfg.heads_k = hk;
-    cfg.head_dim = d;
-    cfg.head_dim_v = dv;
-    cfg.opt.causal = rc.causal;
-    cfg.opt.window_left = opt.window_left;
-    cfg.opt.window_right = opt.window_right;
-    AttnProblem p = make_problem(cfg);
+    AttnProblem p = sequence_problem(cache, bb, sk, sq, h, opt);
     for (int i = 0; i < sq; ++i)
       for (int hh = 0; hh < h; ++hh) {
         const int pos = cs + (per_row_positions ? i : 0);
         const auto qr = rotate(row(q, {bb, i, hh, 0}, d), cos, sin, pos, rc.rotary_dim, rc.interleaved);
         for (int c = 0; c < d; ++c) p.q.set({0, i, hh, c}, float(qr[std::size_t(c)]));
       }
-    for (int j = 0; j < sk; ++j)
-      for (int x = 0; x < hk; ++x) {
-        const std::int64_t ko = cache.offset(cache.k, bb, j, x), vo = cache.offset(cache.v, bb, j, x);
-        for (int c = 0; c < d; ++c) p.k.set({0, j, x, c}, cache.k.load(ko + c));
-        for (int c = 0; c < dv; ++c) p.v.set({0, j, x, c}, cache.v.load(vo + c));
-      }
-    ForwardResult r = make_forward_outputs(p);
-    for (int i = 0; i < sq; ++i)
-      for (int hh = 0; hh < h; ++hh) {
-        r.lse.set({0, hh, i}, lse.get({bb, hh, i}));
-        for (int c = 0; c < dv; ++c) r.out.set({0, i, hh, c}, out.get({bb, i, hh, c}));
-      }
+    const ForwardResult r = sequence_outputs(p, out, lse, bb);
     EXPECT_TRUE(check_forward(p, r));
   }
 }

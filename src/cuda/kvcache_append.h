@@ -1,0 +1,40 @@
+// src/cuda/kvcache_append.h — the KV-cache call's work before attention, on CUDA tensors: append
+// k_new/v_new into the cache in place (k rotated), rotate q, and the lengths after the append.
+// Same definitions as the CPU backend (src/common/kvcache.h, rotary.h), bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/kvcache.h"
+#include "common/params.h"
+
+namespace flashattn::cuda {
+
+// The KV-cache region of forward_kvcache's device workspace. It sits at the start of the
+// workspace; what the attention itself needs follows at offset `bytes`. Offsets and size are
+// multiples of 256 bytes.
+struct KvcacheWorkspace {
+  bool appends = false;           // holds the lengths after the append
+  bool rotary = false;            // holds the rotated q
+  std::size_t seqlens_after = 0;  // offset of int32 (b): cache_seqlens + sk_new
+  std::size_t q_rotated = 0;      // offset of (b, sq, h, d), contiguous, in q's dtype
+  std::size_t bytes = 0;          // the region's size; 0 when the call needs neither part
+};
+
+// The region for a call with `batch` sequences and q of q_elements elements of element_bytes each;
+// appends: k_new is given; rotary: rotary_cos/sin are given. Only shapes decide it, so the size
+// query and the call agree.
+KvcacheWorkspace kvcache_workspace(std::int64_t batch, std::int64_t q_elements, std::size_t element_bytes,
+                                   bool appends, bool rotary);
+
+// Launches the append and the q rotation on `stream` (one kernel), then points p at what the
+// attention must read: p.cache_seqlens at the lengths after the append (when appending; otherwise
+// at a.cache_seqlens) and p.q at the rotated copy (with rotary). `region` is kvcache_workspace of
+// this call; workspace: device memory holding it, 256-byte aligned (the API layer checks both).
+// Validation has already happened: positions and pages are trusted. Throws flashattn::Error when
+// the launch fails.
+void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
+                    const KvcacheWorkspace& region, void* workspace, void* stream);
+
+}  // namespace flashattn::cuda
