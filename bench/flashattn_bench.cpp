@@ -77,6 +77,11 @@ constexpr double kProgressAfterSeconds = 1.0;
 
 enum class Direction { fwd, bwd, both };
 
+// How one run of the attention call is timed: the host clock around the call and a device
+// synchronisation (wall), or CUDA events around the enqueued kernels (events: device time only,
+// the way triton.testing.do_bench and bench/compare.py measure; GPU tensors only).
+enum class TimerKind { wall, events };
+
 struct Config {
   int b = 1;
   int sq = 1024;
@@ -99,6 +104,8 @@ struct Config {
   int warmup = 1;
   int repeats = 5;
   double min_time = 0.0;  // keep timing past `repeats` until this many seconds were measured
+  TimerKind timer = TimerKind::wall;
+  bool l2_flush = false;  // GPU: clear a buffer larger than the L2 before every run, untimed
   bool check = false;
   bool gemm = false;
   bool deterministic = false;
@@ -117,6 +124,8 @@ struct Cli {
   std::string json_path;  // "" none, "-" stdout
   std::string suite;      // "" or "cpu-report"
 };
+
+const char* timer_name(TimerKind t) { return t == TimerKind::events ? "events" : "wall"; }
 
 const char* direction_name(Direction d) {
   switch (d) {
@@ -161,6 +170,12 @@ void print_help() {
       "  --warmup N       untimed runs before timing                   (default 1)\n"
       "  --repeats N      timed runs; the median is reported  (default 5; 10 in a suite)\n"
       "  --min-time S     keep timing past --repeats until S seconds were measured\n"
+      "  --timer T        wall | events                                (default wall)\n"
+      "                   wall: host clock around the call and a device synchronisation;\n"
+      "                   events: CUDA events around the enqueued kernels (GPU tensors only;\n"
+      "                   device time without launch latency, as bench/compare.py measures)\n"
+      "  --l2-flush       GPU tensors: clear a 256 MiB buffer before every run, untimed, so that\n"
+      "                   no run finds its inputs in the L2 (as triton.testing.do_bench does)\n"
       "  --check          compare out, lse, dq, dk, dv, softmax_d with the fp64 reference backend\n"
       "                   (cpu_reference) on the same inputs; exit 1 when over tolerance\n"
       "  --gemm           also time OpenBLAS cblas_sgemm on the attention's matmul shapes, with\n"
@@ -221,6 +236,12 @@ Backend parse_backend(const std::string& value) {
   if (value == "cpu_reference") return Backend::cpu_reference;
   if (value == "cuda") return Backend::cuda;
   usage_error("--backend must be auto, cpu, cpu_reference or cuda, got '" + value + "'");
+}
+
+TimerKind parse_timer(const std::string& value) {
+  if (value == "wall") return TimerKind::wall;
+  if (value == "events") return TimerKind::events;
+  usage_error("--timer must be wall or events, got '" + value + "'");
 }
 
 Direction parse_direction(const std::string& value) {
@@ -307,6 +328,11 @@ Cli parse_cli(int argc, char** argv) {
     } else if (flag == "--min-time") {
       c.min_time = parse_double(flag, next());
       if (c.min_time < 0) usage_error("--min-time must be ≥ 0");
+    } else if (flag == "--timer") {
+      c.timer = parse_timer(next());
+    } else if (flag == "--l2-flush") {
+      no_value();
+      c.l2_flush = true;
     } else if (flag == "--check") {
       no_value();
       c.check = true;
@@ -618,6 +644,25 @@ void copy_to_host(void* dst, const void* src, std::size_t bytes) {
 }
 // Kernels run asynchronously: a timed call ends when the device is idle again.
 void device_sync() { cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+void device_clear(void* p, std::size_t bytes) { cuda_check(cudaMemsetAsync(p, 0, bytes), "cudaMemsetAsync"); }
+
+// Seconds between two CUDA events recorded on the default stream (where the library launches when
+// no stream is given) around the kernels that `enqueue` launches: the device's time for them, with
+// the host's launch and synchronisation latency left out.
+double device_seconds(const std::function<void()>& enqueue) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  cuda_check(cudaEventCreate(&start), "cudaEventCreate");
+  cuda_check(cudaEventCreate(&stop), "cudaEventCreate");
+  cuda_check(cudaEventRecord(start, nullptr), "cudaEventRecord");
+  enqueue();
+  cuda_check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
+  cuda_check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0.0f;
+  cuda_check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 1e-3 * double(ms);
+}
 #else
 GpuInfo read_gpu_info() {
   GpuInfo info;
@@ -634,6 +679,8 @@ void device_free(void*) {}
 void copy_to_device(void*, const void*, std::size_t) { no_cuda(); }
 void copy_to_host(void*, const void*, std::size_t) { no_cuda(); }
 void device_sync() {}
+void device_clear(void*, std::size_t) { no_cuda(); }
+double device_seconds(const std::function<void()>&) { no_cuda(); }
 #endif
 
 // --- tensors ------------------------------------------------------------------------------------
@@ -926,14 +973,22 @@ double openblas_settle_seconds(const MachineInfo& m) {
   return kSpinPauseMargin * std::ldexp(1.0, spin_log2) / hz;
 }
 
+// Host-clock seconds of one run of a workload that returns when its work is done.
+double wall_seconds(const std::function<void()>& run) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  run();
+  return std::chrono::duration<double>(clock::now() - t0).count();
+}
+
+// Seconds of one run of the first workload (the attention call), by whatever method it needs.
+using CallTimer = std::function<double(const std::function<void()>&)>;
+
 std::vector<Timing> time_interleaved(const std::string& label, const Config& c,
                                      const std::vector<std::function<void()>>& workloads,
-                                     double settle_seconds = 0.0) {
-  using clock = std::chrono::steady_clock;
+                                     const CallTimer& time_first, double settle_seconds = 0.0) {
   auto timed = [&](const std::function<void()>& run) {
-    const auto t0 = clock::now();
-    run();
-    const double seconds = std::chrono::duration<double>(clock::now() - t0).count();
+    const double seconds = &run == &workloads[0] ? time_first(run) : wall_seconds(run);
     if (&run != &workloads[0] && settle_seconds > 0) {
       std::this_thread::sleep_for(std::chrono::duration<double>(settle_seconds));
     }
@@ -1143,6 +1198,7 @@ void describe_config(const Config& c, Json* json, std::string* text) {
     json->field("direction", direction_name(c.direction));
     json->field("backend_requested", flashattn::backend_name(c.backend));
     json->field("warmup", c.warmup).field("repeats", c.repeats).field("min_time_s", c.min_time);
+    json->field("timer", timer_name(c.timer)).field("l2_flush", c.l2_flush);
     json->end_object();
   }
 }
@@ -1175,6 +1231,39 @@ class Scratch {
   bool on_device_;
   std::vector<unsigned char> host_;
   void* device_ = nullptr;
+};
+
+// Larger than the L2 of any GPU this runs on (H200: 50 MB), as triton.testing.do_bench's buffer is.
+constexpr std::size_t kL2FlushBytes = std::size_t(256) << 20;
+
+// Times one run of an attention call that only enqueues its work (GPU) or does it (host):
+// --timer wall puts the host clock around the call and a device synchronisation, --timer events
+// CUDA events around the enqueued kernels. With --l2-flush a 256 MiB buffer is cleared before
+// every run, outside the timed interval (events: ahead of the start event on the same stream,
+// which also hides the next call's launch behind the clearing).
+class CallClock {
+ public:
+  CallClock(const Config& c, bool on_device)
+      : timer_(c.timer), on_device_(on_device), flush_bytes_(c.l2_flush && on_device ? kL2FlushBytes : 0),
+        flush_(flush_bytes_, on_device) {
+    if (!on_device_ && c.timer == TimerKind::events) throw std::invalid_argument("--timer events needs GPU tensors");
+    if (!on_device_ && c.l2_flush) throw std::invalid_argument("--l2-flush needs GPU tensors");
+  }
+  double operator()(const std::function<void()>& call) {
+    if (flush_bytes_ > 0) device_clear(flush_.workspace().data, flush_bytes_);
+    if (timer_ == TimerKind::events) return device_seconds(call);
+    if (flush_bytes_ > 0) device_sync();
+    return wall_seconds([&]() {
+      call();
+      if (on_device_) device_sync();
+    });
+  }
+
+ private:
+  TimerKind timer_;
+  bool on_device_;
+  std::size_t flush_bytes_;  // declared before flush_, which is sized by it
+  Scratch flush_;
 };
 
 // Where the tensors go: a GPU for --backend cuda; for auto, a GPU when one is visible and its
@@ -1223,9 +1312,7 @@ RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_sec
       r.backend_served += std::string(" (backward: ") + flashattn::backend_name(bwd_support.backend) + ")";
     }
   }
-  const auto sync = [&]() {
-    if (on_device) device_sync();
-  };
+  CallClock clock(c, on_device);
   // Times one direction, with the sgemm baseline interleaved when it was asked for.
   const auto measure = [&](const char* name, double flops, bool backward, const std::function<void()>& call) {
     DirectionResult d;
@@ -1243,7 +1330,7 @@ RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_sec
       d.gemm.flops = baseline->flops();
       if (baseline->available()) workloads.push_back([&]() { baseline->run(); });
     }
-    std::vector<Timing> timings = time_interleaved(name, c, workloads, blas_settle_seconds);
+    std::vector<Timing> timings = time_interleaved(name, c, workloads, std::ref(clock), blas_settle_seconds);
     d.timing = timings[0];
     if (timings.size() > 1) d.gemm.timing = timings[1];
     return d;
@@ -1252,10 +1339,8 @@ RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_sec
   r.tensor_bytes = p.tensor_bytes();
   r.fwd_workspace_bytes = flashattn::forward_workspace_size(p.fwd_in(), p.opt);
   Scratch fwd_ws(r.fwd_workspace_bytes, on_device);
-  auto forward = [&]() {
-    flashattn::forward(p.fwd_in(), p.fwd_out(), p.opt, fwd_ws.workspace());
-    sync();
-  };
+  // The calls only enqueue their kernels on a GPU; the clock waits for them.
+  auto forward = [&]() { flashattn::forward(p.fwd_in(), p.fwd_out(), p.opt, fwd_ws.workspace()); };
 
   p.out.poison();
   p.lse.poison();
@@ -1263,6 +1348,7 @@ RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_sec
     r.directions.push_back(measure("fwd", forward_flops(c, r.pairs), false, forward));
   } else {
     forward();  // the backward pass reads out and lse
+    if (on_device) device_sync();
   }
 
   if (run_bwd) {
@@ -1274,7 +1360,6 @@ RunResult run_config(const Config& c, const GpuInfo& gpu, double blas_settle_sec
     p.softmax_d.poison();
     r.directions.push_back(measure("bwd", backward_flops(c, r.pairs), true, [&]() {
       flashattn::backward(p.bwd_in(), p.bwd_out(), p.opt, bwd_ws.workspace());
-      sync();
     }));
   }
   for (auto& d : r.skipped) r.directions.push_back(d);
@@ -1372,6 +1457,11 @@ void print_run(const RunResult& r) {
   const double dense = double(c.sq) * double(c.sk);
   std::printf("pairs     %lld visible (i, j) pairs per head (%.1f%% of sq*sk)\n", (long long)r.pairs,
               dense > 0 ? 100.0 * double(r.pairs) / dense : 0.0);
+  std::printf("timing    median of at least %d run(s) after %d warm-up run(s); %s%s\n", c.repeats, c.warmup,
+              c.timer == TimerKind::events ? "CUDA events around the enqueued kernels"
+              : r.on_device                ? "host clock around the call and a device synchronisation"
+                                           : "host clock around the call",
+              c.l2_flush ? "; L2 flushed before every run" : "");
   std::printf("%-7s %12s %12s %10s %11s %10s %14s %8s\n", "dir", "median ms", "min ms", "GFLOP/s", "TFLOP/s FA",
               "GB/s", "sgemm GFLOP/s", "ratio");
   std::string gemm_note;
