@@ -17,6 +17,17 @@ Case groups (--cases):
             d 128, batch 1 … 128, context 1k … 128k; GB/s beside a measured device copy
   memory    long sequences (b 1, h 16, d 128, causal, s 8k … 64k) with the math backend too: the
             peak memory of forward+backward is the point
+  cpu       CPU tensors (also on the GPU machine, whose host has PyTorch): flashattn's CPU backend
+            beside SDPA on CPU tensors (whichever CPU backend torch picks; the JSON says which) and
+            an fp32 torch.matmul sgemm doing the same FLOPs on the attention's matmul shapes;
+            bf16 and fp32, b 1, h 16, d 64/128, s 1024/2048, causal or not, forward and backward;
+            GFLOP/s. One thread count for all (--cpu-threads, default torch.get_num_threads();
+            flashattn's CPU backend follows torch.get_num_threads())
+
+--cpp-bench PATH (the built flashattn-bench) adds the group cpp: bf16 d 128 s 4096 b 4 h 16,
+causal and not, on the GPU, and b 1 h 16 s 2048 on the CPU, timed by this script (flashattn only)
+and then by the C++ CLI with the matching flags; the report sets both medians side by side with
+their ratio and whether they agree within 5% (reported, not an exit status).
 
 Conventions (also written into the JSON):
   FLOPs     as FlashAttention counts them: forward 4·b·h·sq·sk·d (2·b·h·sq·sk·(d + dv) when d ≠ dv),
@@ -25,21 +36,25 @@ Conventions (also written into the JSON):
   bytes     decode: K and V read once, q read, out written (the minimum traffic of the call).
   timing    median of repeats; triton.testing.do_bench (25 ms warm-up, 100 ms of repeats, L2
             flushed before each) where Triton is present, else CUDA events with the same warm-up,
-            repeats and L2 flush (--timer). The backward is torch.autograd.grad of the output with
-            the graph retained; the forward runs with autograd on (training forward) when the case
-            has a backward.
+            repeats and L2 flush (--timer). CPU cases: the host clock around every call, median of
+            5 (--quick: 3) after one warm-up call. The backward is torch.autograd.grad of the output
+            with the graph retained; the forward runs with autograd on (training forward) when the
+            case has a backward.
   memory    torch.cuda.max_memory_allocated over one forward+backward after a reset; reported as
             the peak and as the part above what was allocated before the call.
   check     every case runs flashattn once more, untimed, and compares out (and dq, dk, dv) on
             one batch entry and one key/value head group with an fp32 reference: the SDPA math
             backend where it can express the case, the same formulas written out otherwise
-            (softcap, dropout with the library's Philox mask from docs/dropout.md). The
-            tolerance is SPEC §7's: 2·(error of a naive low-precision attention) + 2·rounding
-            (3× with softcap). A failed check marks the case; the report shows no speed for it.
+            (softcap, dropout with the library's Philox mask from docs/dropout.md); fp32 cases
+            against fp64. The tolerance is SPEC §7's: 2·(error of a naive low-precision attention)
+            + 2·rounding (3× with softcap; fp32 cases add fp32 rounding over the longest reduction).
+            A failed check marks the case; the report shows no speed for it.
 
   python bench/compare.py --device-info
   python bench/compare.py --quick --out build/compare
   python bench/compare.py --cases grid --dtypes bf16 --dims 128 --out build/compare
+  python bench/compare.py --cases cpu --out build/compare      # sized for about 2 minutes on 16 cores
+  python bench/compare.py --quick --cpp-bench build/gpu/flashattn-bench --out build/compare
   python bench/compare.py --dry-run --out /tmp/cmp      # CPU only, tiny shapes: tests the script
 Then python bench/make_report.py build/compare/*.json writes docs/benchmarks.md and docs/img/.
 """
@@ -55,6 +70,8 @@ import logging
 import math
 import os
 import platform
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -76,7 +93,9 @@ import make_report  # noqa: E402  (plots and number formatting; standard library
 from make_report import figure  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+CPU_DTYPES = ("bf16", "fp32")  # the cpu group's; fp32 is the CPU backend's native type
+ALL_DTYPES = {**DTYPES, "fp32": torch.float32}
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 2.0**-24}
 DIRECTIONS = ("fwd", "bwd", "fwdbwd")
 BWD_FLOP_FACTOR = 2.5  # FlashAttention's convention: backward = 2.5 × forward
 COPY_BUFFER_BYTES = 1 << 30  # the device-copy bandwidth is measured on 1 GiB
@@ -84,6 +103,12 @@ L2_FLUSH_BYTES = 256 << 20  # larger than the H200's 50 MB L2
 MIB = 1 << 20
 GIB = 1 << 30
 ERROR_TEXT_LIMIT = 400  # characters of an exception's message kept in the JSON
+
+# --cpp-bench: flashattn-bench and this script "agree" when their medians differ by at most this
+# fraction; a run of the CLI that takes longer than CPP_BENCH_TIMEOUT_S is given up.
+AGREEMENT_TOLERANCE = 0.05
+CPP_BENCH_TIMEOUT_S = 600
+CPU_REPEATS = {"full": 5, "quick": 3}  # timed runs of a CPU case, after one warm-up run
 
 # The fp32 reference materialises the scores of the checked slice: above this many (4 GiB of
 # fp32), only the last query rows are checked.
@@ -95,6 +120,7 @@ SPEC_NAIVE_FACTOR = 2.0
 SPEC_SOFTCAP_FACTOR = 3.0
 
 COMPETITORS = ("flashattn", "cudnn", "fa2", "efficient", "flex")
+CPU_COMPETITORS = ("flashattn", "sdpa_cpu", "sgemm")  # the cpu group's, whatever --competitors says
 LABELS = {
     "flashattn": "flashattn",
     "cudnn": "cuDNN (SDPA)",
@@ -102,6 +128,8 @@ LABELS = {
     "efficient": "mem-efficient (SDPA)",
     "flex": "FlexAttention (compiled)",
     "math": "math (SDPA)",
+    "sdpa_cpu": "SDPA on CPU tensors (the backend torch picks)",
+    "sgemm": "fp32 sgemm (torch.matmul) of the same FLOP count",
 }
 
 
@@ -130,6 +158,11 @@ class Scale:
     decode_max_kv_bytes: int
     memory_seqlens: tuple
     memory_shape: tuple  # (b, h, d)
+    cpu_seqlens: tuple
+    cpu_dims: tuple
+    cpu_shape: tuple  # (b, h)
+    cpp_cuda_shape: tuple  # (b, s, h, d) of the CUDA configurations timed by flashattn-bench too
+    cpp_cpu_shape: tuple  # (b, s, h, d) of the CPU one
 
 
 FULL = Scale(
@@ -139,6 +172,8 @@ FULL = Scale(
     decode_batches=(1, 8, 32, 64, 128), decode_contexts=(1024, 4096, 16384, 65536, 131072),
     decode_heads=(32, 8), decode_pages=(0, 16, 256), decode_max_kv_bytes=32 * GIB,
     memory_seqlens=(8192, 16384, 32768, 65536), memory_shape=(1, 16, 128),
+    cpu_seqlens=(1024, 2048), cpu_dims=(64, 128), cpu_shape=(1, 16),
+    cpp_cuda_shape=(4, 4096, 16, 128), cpp_cpu_shape=(1, 2048, 16, 128),  # batch·seqlen 16k, heads·d 2048
 )
 
 DRY = Scale(
@@ -146,6 +181,8 @@ DRY = Scale(
     feature_shape=(2, 48, 4, 32), window=16, varlen_lengths=(7, 30, 1, 26),
     decode_batches=(1, 3), decode_contexts=(300,), decode_heads=(4, 2), decode_pages=(0, 16),
     decode_max_kv_bytes=GIB, memory_seqlens=(64,), memory_shape=(1, 2, 32),
+    cpu_seqlens=(48,), cpu_dims=(32,), cpu_shape=(1, 2),
+    cpp_cuda_shape=(2, 64, 4, 32), cpp_cpu_shape=(1, 64, 2, 32),  # a dry run has no GPU: only the CPU one runs
 )
 
 
@@ -174,6 +211,9 @@ class Case:
     decode: bool = False
     page_size: int = 0  # decode: 0 = contiguous cache
     extra_competitors: tuple = ()  # e.g. ("math",) for the memory cases
+    host: bool = False  # CPU tensors, also in a run on the GPU (the cpu group)
+    only_competitors: tuple = ()  # when set, these instead of the run's competitors
+    timed_directions: tuple = ()  # when set, these instead of fwd, bwd, fwd+bwd
 
     @property
     def id(self) -> str:
@@ -181,7 +221,9 @@ class Case:
 
     @property
     def directions(self):
-        return ("fwd",) if self.decode else DIRECTIONS
+        if self.decode:
+            return ("fwd",)
+        return self.timed_directions or DIRECTIONS
 
     @property
     def scale(self) -> float:
@@ -215,7 +257,8 @@ class Case:
         p = dataclasses.asdict(self)
         p["window"] = list(self.window)
         p["varlen"] = list(self.varlen) if self.varlen else None
-        p.pop("extra_competitors")
+        for internal in ("extra_competitors", "only_competitors", "timed_directions"):
+            p.pop(internal)
         return p
 
 
@@ -276,11 +319,39 @@ def memory_cases(scale: Scale, dtype: str, seqlens) -> list:
                  extra_competitors=("math",)) for s in seqlens]
 
 
-def build_cases(args, scale: Scale) -> list:
+def cpu_cases(scale: Scale, quick: bool) -> list:
+    """flashattn's CPU backend beside SDPA on CPU tensors and an sgemm: forward and backward."""
+    b, h = scale.cpu_shape
+    seqlens = scale.cpu_seqlens[-1:] if quick else scale.cpu_seqlens
+    dims = scale.cpu_dims[-1:] if quick else scale.cpu_dims
+    return [Case("cpu", f"{dtype}/d{d}/{'causal' if causal else 'full'}/s{s}", dtype, b, s, s, h, h, d, d,
+                 causal=causal, host=True, only_competitors=CPU_COMPETITORS, timed_directions=("fwd", "bwd"))
+            for dtype in CPU_DTYPES for d in dims for causal in (False, True) for s in seqlens]
+
+
+def cpp_cases(scale: Scale, on_cuda: bool) -> list:
+    """The configurations timed by flashattn-bench too (--cpp-bench): bf16, causal or not, on the
+    GPU (when the run has one) and one on the CPU; flashattn only, forward and backward."""
+    cases = []
+    for device, (b, s, h, d), causals in (("cuda", scale.cpp_cuda_shape, (False, True)),
+                                          ("cpu", scale.cpp_cpu_shape, (False,))):
+        if device == "cuda" and not on_cuda:
+            continue
+        for causal in causals:
+            cases.append(Case("cpp", f"{device}/bf16/d{d}/{'causal' if causal else 'full'}/s{s}", "bf16", b, s, s,
+                              h, h, d, d, causal=causal, host=device == "cpu", only_competitors=("flashattn",),
+                              timed_directions=("fwd", "bwd")))
+    return cases
+
+
+GROUPS = ("grid", "features", "decode", "memory", "cpu")
+
+
+def build_cases(args, scale: Scale, on_cuda: bool) -> list:
     groups = args.cases.split(",")
-    unknown = set(groups) - {"grid", "features", "decode", "memory"}
+    unknown = set(groups) - set(GROUPS)
     if unknown:
-        raise SystemExit(f"compare.py: unknown case group(s) {sorted(unknown)}; known: grid,features,decode,memory")
+        raise SystemExit(f"compare.py: unknown case group(s) {sorted(unknown)}; known: {','.join(GROUPS)}")
     quick = args.quick and not args.dry_run
     if args.dtypes and set(args.dtypes.split(",")) - set(DTYPES):
         raise SystemExit(f"compare.py: --dtypes takes {','.join(DTYPES)}; got {args.dtypes}")
@@ -301,6 +372,10 @@ def build_cases(args, scale: Scale) -> list:
                   if not quick or (c.sq == 1 and c.page_size in (0, 16))]
     if "memory" in groups:
         cases += memory_cases(scale, dtypes[0], scale.memory_seqlens[:1] if quick else scale.memory_seqlens)
+    if "cpu" in groups:
+        cases += cpu_cases(scale, quick)
+    if args.cpp_bench:
+        cases += cpp_cases(scale, on_cuda)
     return cases
 
 
@@ -481,7 +556,7 @@ class Inputs:
     def __init__(self, case: Case, device: torch.device, seed: int):
         # Drawn on the device: a decode cache can be tens of GiB.
         g = torch.Generator(device=device).manual_seed(seed)
-        dtype = DTYPES[case.dtype]
+        dtype = ALL_DTYPES[case.dtype]
 
         def rand(*shape):
             return torch.randn(*shape, generator=g, device=device, dtype=dtype)
@@ -515,6 +590,7 @@ class Runner:
     to_common: Callable  # out in its layout → the layout of Inputs.q (with dv)
     context: Callable = contextlib.nullcontext
     note: str = ""
+    flops: Optional[Callable] = None  # direction → FLOPs done, when not the case's (the sgemm baseline)
 
     def grads_of(self):
         return [x for x in self.inputs if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -744,9 +820,94 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(before)
 
 
-def make_runner(name: str, case: Case, x: Inputs, device, args) -> Runner:
+def sdpa_cpu_runner(case: Case, x: Inputs, device) -> Runner:
+    """SDPA without a backend restriction on CPU tensors (b, h, s, d); the note says which backend
+    torch picked: its own choice function where it has one, and the autograd node it built."""
+    if device.type != "cpu":
+        raise Unsupported("the CPU competitor runs on CPU tensors")
+    q, k, v = (leaf(t.transpose(1, 2).contiguous(), True) for t in (x.q, x.k, x.v))
+    dout = x.dout.transpose(1, 2).contiguous()
+
+    def forward(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
+    picked = []
+    choose = getattr(torch, "_fused_sdp_choice", None)  # private: absent in some versions
+    if choose is not None:
+        with contextlib.suppress(Exception):
+            from torch.nn.attention import SDPBackend
+
+            picked.append(SDPBackend(int(choose(q, k, v, None, 0.0, case.causal))).name)
+    with torch.enable_grad():
+        node = forward(q, k, v).grad_fn
+    picked.append(f"autograd node {node.name() if node is not None else 'none'}")
+    return Runner(forward, (q, k, v), dout, lambda out: out.transpose(1, 2), note="torch picked " + ", ".join(picked))
+
+
+class SgemmRunner:
+    """The CPU baseline: fp32 torch.matmul on the attention's matmul shapes, over as many heads as
+    make the case's FLOP count (FlashAttention's convention; a causal case gets half the heads).
+    Forward S = Q·Kᵀ, O = S·V; backward S = Q·Kᵀ, dP = dO·Vᵀ, dV = Sᵀ·dO, dQ = dP·K, dK = dPᵀ·Q;
+    every product into a buffer allocated once, so that only the products are timed."""
+
+    dout = None
+    context = contextlib.nullcontext
+
+    def __init__(self, case: Case, device):
+        self.case = case
+        self.heads = {dn: max(1, round(case.flops(dn) / self.head_flops(dn))) for dn in case.directions}
+        n, sq, sk, d, dv = max(self.heads.values()), case.sq, case.sk, case.d, case.dv
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*shape):  # (heads, rows, cols)
+            return torch.randn(n, *shape, generator=g, device=device, dtype=torch.float32)
+
+        self.q, self.k, self.v, self.do = rand(sq, d), rand(sk, d), rand(sk, dv), rand(sq, dv)
+        self.s, self.dp = torch.empty(n, sq, sk, device=device), torch.empty(n, sq, sk, device=device)
+        self.o, self.dq = torch.empty(n, sq, dv, device=device), torch.empty(n, sq, d, device=device)
+        self.dk, self.dv = torch.empty(n, sk, d, device=device), torch.empty(n, sk, dv, device=device)
+        counts = ", ".join(f"{dn} {count}" for dn, count in self.heads.items())
+        self.note = f"heads of (sq, sk, d, dv) = ({sq}, {sk}, {d}, {dv}): {counts}"
+
+    def head_flops(self, direction: str) -> float:
+        c = self.case
+        fwd, bwd = 2.0 * c.sq * c.sk * (c.d + c.dv), 2.0 * c.sq * c.sk * (3 * c.d + 2 * c.dv)
+        return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[direction]
+
+    def flops(self, direction: str) -> float:
+        return self.heads[direction] * self.head_flops(direction)
+
+    def call(self, direction: str) -> Callable:
+        n = self.heads[direction]
+        q, k, v, do = self.q[:n], self.k[:n], self.v[:n], self.do[:n]
+        s, dp, o, dq, dk, dv = (t[:n] for t in (self.s, self.dp, self.o, self.dq, self.dk, self.dv))
+
+        def forward():
+            torch.matmul(q, k.transpose(1, 2), out=s)
+            torch.matmul(s, v, out=o)
+
+        def backward():
+            torch.matmul(q, k.transpose(1, 2), out=s)
+            torch.matmul(do, v.transpose(1, 2), out=dp)
+            torch.matmul(s.transpose(1, 2), do, out=dv)
+            torch.matmul(dp, k, out=dq)
+            torch.matmul(dp.transpose(1, 2), q, out=dk)
+
+        def both():
+            forward()
+            backward()
+        return {"fwd": forward, "bwd": backward, "fwdbwd": both}[direction]
+
+
+def make_runner(name: str, case: Case, x: Inputs, device, args):
     if name == "flashattn":
         return flashattn_runner(case, x, device)
+    if name == "sdpa_cpu":
+        return sdpa_cpu_runner(case, x, device)
+    if name == "sgemm":
+        if device.type != "cpu":
+            raise Unsupported("the sgemm baseline runs on the CPU")
+        return SgemmRunner(case, device)
     if name == "flex":
         return flex_runner(case, x, device, args.flex_decode)
     return sdpa_runner(name, case, x, device)
@@ -842,9 +1003,14 @@ def run_competitor(name: str, case: Case, x: Inputs, device, timer: Timer, args)
                         runner.call(direction)()  # the compile, kept out of the timing
                         result.setdefault("compile_s", {})[direction] = round(time.perf_counter() - t0, 2)
                     ms = timer(runner.call(direction))
-                entry = dict(ms=ms, tflops=case.flops(direction) / (ms * 1e-3) / 1e12)
+                work = runner.flops(direction) if runner.flops is not None else case.flops(direction)
+                entry = dict(ms=ms, tflops=work / (ms * 1e-3) / 1e12)
+                if runner.flops is not None:
+                    entry["flops"] = work
                 if case.decode:
                     entry["gbps"] = case.io_bytes() / (ms * 1e-3) / 1e9
+                if case.host:
+                    entry["gflops"] = work / (ms * 1e-3) / 1e9
                 result[direction] = entry
             except Exception as e:  # noqa: BLE001
                 result[direction] = {"unsupported": describe_error(e, caught)}
@@ -871,6 +1037,103 @@ def repeatable(runner: Runner) -> bool:
         first = torch.autograd.grad(out, runner.grads_of(), runner.dout, retain_graph=True)
         second = torch.autograd.grad(out, runner.grads_of(), runner.dout)
     return all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# --- the CPU side and flashattn-bench ----------------------------------------------------------------
+
+
+def cpu_info() -> dict:
+    """The host of the CPU cases: model, cores, the thread count torch and flashattn use, and
+    torch's CPU stack (vector capability, BLAS, parallel backend)."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    blas = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    parallel = re.search(r"ATen parallel backend: (.+)", torch.__config__.parallel_info())
+    return dict(model=model, logical_cpus=os.cpu_count(), threads=torch.get_num_threads(),
+                capability=torch.backends.cpu.get_cpu_capability(), blas=blas.group(1) if blas else None,
+                parallel=parallel.group(1).strip() if parallel else None)
+
+
+CPP_TIMING_NOTE = (
+    "Both report the median of timed runs after warm-up. GPU: compare.py times with its --timer "
+    "(triton.testing.do_bench or CUDA events), a 256 MB buffer zeroed before every run; flashattn-bench "
+    "runs with --timer events --l2-flush (CUDA events around the call on the default stream, a 256 MiB "
+    "memset before every run), as many warm-up runs as fill compare.py's warm-up time and --min-time of "
+    "its repeat time. CPU: both put the host clock around every call, one warm-up run, the same number "
+    "of repeats and threads. What still differs: compare.py calls flashattn through PyTorch (outputs and "
+    "workspace allocated on every call, by the caching allocator on the GPU and with fresh pages to fault in on "
+    "the CPU; the backward through torch.autograd.grad), the CLI calls the C++ API on buffers allocated once; "
+    "the inputs are different draws from the same normal distribution.")
+
+
+def cpp_bench_command(binary: str, case: Case, script_ms: dict, timer: Timer) -> list:
+    """flashattn-bench's flags for the case, timed the way this script timed it."""
+    cmd = [binary, "--b", str(case.b), "--s", str(case.sq), "--h", str(case.h), "--hk", str(case.hk),
+           "--d", str(case.d), "--dv", str(case.dv), "--dtype", case.dtype, "--direction", "both", "--json", "-"]
+    if case.causal:
+        cmd.append("--causal")
+    if case.host:
+        return cmd + ["--backend", "cpu", "--threads", str(torch.get_num_threads()), "--warmup", "1",
+                      "--repeats", str(timer.cpu_repeats)]
+    # do_bench warms up for warmup_ms and repeats for rep_ms: the CLI counts runs, so the count that
+    # fills warmup_ms at the faster direction's speed, and --min-time for the repeats.
+    fastest_ms = min(script_ms.values(), default=1.0)
+    return cmd + ["--backend", "cuda", "--timer", "events", "--l2-flush",
+                  "--warmup", str(max(1, math.ceil(timer.warmup_ms / fastest_ms))), "--repeats", "5",
+                  "--min-time", f"{timer.rep_ms / 1e3:g}"]
+
+
+def run_cpp_bench(binary: str, case: Case, script_result: dict, timer: Timer) -> dict:
+    """Runs flashattn-bench on the case and sets its medians beside this script's: per direction
+    both times, their ratio (CLI ÷ script) and whether they agree within AGREEMENT_TOLERANCE."""
+    script_ms = {dn: script_result[dn]["ms"] for dn in case.directions if "ms" in script_result.get(dn, {})}
+    cmd = cpp_bench_command(binary, case, script_ms, timer)
+    out = dict(command=" ".join(shlex.quote(part) for part in cmd), directions={})
+    cli_ms, reasons = {}, {}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CPP_BENCH_TIMEOUT_S)
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.startswith("flashattn-bench:")]
+            raise RuntimeError(f"exit {proc.returncode}: {' '.join(lines[-2:]) or proc.stderr[-200:]}")
+        report = json.loads(proc.stdout)
+        run = report["runs"][0]
+        config = run["config"]
+        out.update(build_info=report.get("build_info"), backend=run.get("backend"), tensors=run.get("tensors"),
+                   threads=report.get("threads"), gpu=report.get("gpu", {}).get("description"),
+                   timer=config.get("timer", "wall"), l2_flush=config.get("l2_flush", False),
+                   warmup=config.get("warmup"))
+        for entry in run["results"]:
+            if "median_ms" in entry:
+                cli_ms[entry["direction"]] = entry["median_ms"]
+                out.setdefault("runs", {})[entry["direction"]] = len(entry.get("times_ms", []))
+            else:
+                reasons[entry["direction"]] = entry.get("skipped", "not measured")
+    except (OSError, subprocess.SubprocessError, RuntimeError, ValueError, LookupError) as e:
+        out["error"] = describe_error(e)
+    for dn in case.directions:
+        ours, theirs = script_ms.get(dn), cli_ms.get(dn)
+        entry = dict(script_ms=ours, cli_ms=theirs)
+        if ours and theirs:
+            entry.update(ratio=theirs / ours, agree=abs(theirs / ours - 1.0) <= AGREEMENT_TOLERANCE)
+        elif not theirs:
+            entry["missing"] = reasons.get(dn) or out.get("error") or "flashattn-bench did not time it"
+        else:
+            entry["missing"] = script_result.get(dn, {}).get("unsupported", "compare.py did not time it")
+        out["directions"][dn] = entry
+    return out
+
+
+def cpp_progress_line(cpp: dict) -> str:
+    parts = []
+    for dn, e in cpp["directions"].items():
+        if "ratio" in e:
+            verdict = "agree" if e["agree"] else f"DIFFER by more than {AGREEMENT_TOLERANCE:.0%}"
+            parts.append(f"{dn} {e['cli_ms']:.3f} ms vs {e['script_ms']:.3f} ms ({e['ratio']:.3f}, {verdict})")
+        else:
+            parts.append(f"{dn} – ({str(e.get('missing'))[:100]})")
+    return "    cpp-bench  " + "; ".join(parts)
 
 
 # --- the correctness check -------------------------------------------------------------------------
@@ -905,6 +1168,13 @@ def check_flashattn(case: Case, x: Inputs, runner: Runner, device, with_grads: b
 
     errors, tolerances, partial = {}, {}, False
     uses_sdpa = case.softcap == 0 and case.dropout == 0
+    # An fp32 case needs a reference more precise than itself (fp64). Its naive fp32 attention sums
+    # more accurately than a kernel's sequential fp32 accumulation, so its rounding term also counts
+    # fp32 rounding over the longest reduction, as tests/python/reference.py's check_spec does.
+    ref_dtype = torch.float64 if case.dtype == "fp32" else torch.float32
+    rounding = UNIT_ROUNDOFF[case.dtype]
+    if case.dtype == "fp32":
+        rounding += max(case.sq, case.sk, case.d, case.dv) * UNIT_ROUNDOFF["fp32"]
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # an fp32 reference means fp32 products
     try:
@@ -932,7 +1202,7 @@ def check_flashattn(case: Case, x: Inputs, runner: Runner, device, with_grads: b
                     got.update(dk=pick(grads[1], kvh)[0], dv=pick(grads[2], kvh)[0])
             dout = pick(x.dout, qh)[:, row0:] if train else None
             q = q[:, row0:]
-            ref = reference(case, q, k, v, dout, bias, keep, torch.float32, uses_sdpa)
+            ref = reference(case, q, k, v, dout, bias, keep, ref_dtype, uses_sdpa)
             naive = reference(case, q, k, v, dout, bias, keep, q.dtype, False)
             factor = SPEC_SOFTCAP_FACTOR if case.softcap > 0 else SPEC_NAIVE_FACTOR
             if n_rows < sq:
@@ -942,7 +1212,7 @@ def check_flashattn(case: Case, x: Inputs, runner: Runner, device, with_grads: b
             for name, value in got.items():
                 err = (value.float() - ref[name]).abs().max().item()
                 naive_err = (naive[name].float() - ref[name]).abs().max().item()
-                tol = factor * naive_err + factor * UNIT_ROUNDOFF[case.dtype] * ref[name].abs().max().item()
+                tol = factor * naive_err + factor * rounding * ref[name].abs().max().item()
                 errors[name] = max(errors.get(name, 0.0), err)
                 tolerances[name] = max(tolerances.get(name, 0.0), tol)
     finally:
@@ -953,19 +1223,25 @@ def check_flashattn(case: Case, x: Inputs, runner: Runner, device, with_grads: b
         scope += f"; only the last query rows (at most {REFERENCE_MAX_SCORES} scores), so no dk/dv"
     if not train and runner.dout is not None:
         scope += "; forward only (the backward did not run)"
-    return dict(reference="sdpa-math-fp32" if uses_sdpa else "explicit-fp32", max_abs_error=errors,
+    if ref_dtype == torch.float64:
+        name = "explicit-fp64"
+    else:
+        name = "sdpa-math-fp32" if uses_sdpa else "explicit-fp32"
+    return dict(reference=name, max_abs_error=errors,
                 tolerance=tolerances, passed=passed, scope=scope)
 
 
 def reference(case, q, k, v, dout, bias, keep, dtype, use_sdpa):
-    """out (and dq, dk, dv when dout is given) of the sliced problem, computed in dtype."""
+    """out (and dq, dk, dv when dout is given) of the sliced problem, computed in dtype and returned
+    in fp32 (fp64 when computed in it)."""
     q, k, v = (t.to(dtype).detach().requires_grad_(dout is not None) for t in (q, k, v))
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
     with torch.enable_grad():
         out = attention(q, k, v, case, bias, keep, use_sdpa and dtype == torch.float32)
-        result = {"out": out.float().detach()}
+        result = {"out": out.to(wide).detach()}
         if dout is not None:
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
-            result.update(dq=dq.float(), dk=dk.float(), dv=dv.float())
+            result.update(dq=dq.to(wide), dk=dk.to(wide), dv=dv.to(wide))
     return result
 
 
@@ -1017,7 +1293,7 @@ def print_device_info(info: dict):
 
 
 def progress_line(case: Case, name: str, result: dict) -> str:
-    key = "gbps" if case.decode else "tflops"
+    key = "gbps" if case.decode else "gflops" if case.host else "tflops"
     if "unsupported" in result:
         return f"    {name:<10} – ({result['unsupported'][:100]})"
     parts = [f"{dn} {figure(result[dn][key]) if key in result.get(dn, {}) else '–'}" for dn in case.directions]
@@ -1031,7 +1307,8 @@ def progress_line(case: Case, name: str, result: dict) -> str:
 
 def run(args) -> dict:
     scale = DRY if args.dry_run else FULL
-    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
+    on_cuda = not args.dry_run and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     info = device_info(device)
     method = args.timer
     if method == "auto":
@@ -1042,12 +1319,18 @@ def run(args) -> dict:
         except ImportError:
             method = "events"
     warmup_ms, rep_ms = (10.0, 30.0) if args.quick else (25.0, 100.0)
-    timer = Timer(device, method, warmup_ms, rep_ms, cpu_repeats=3)
+    cpu_repeats = CPU_REPEATS["quick" if args.quick or args.dry_run else "full"]
+    timer = Timer(device, method, warmup_ms, rep_ms, cpu_repeats=cpu_repeats)
+    cpu = torch.device("cpu")
+    cpu_timer = Timer(cpu, method, warmup_ms, rep_ms, cpu_repeats=cpu_repeats)
     competitors = [c for c in (args.competitors.split(",") if args.competitors else COMPETITORS)]
     if args.dry_run:
         competitors = list(dict.fromkeys(competitors + ["math"]))
-    cases = build_cases(args, scale)
+    cases = build_cases(args, scale, on_cuda)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)  # flashattn's CPU backend follows it too
     unit = "GB/s" if all(c.decode for c in cases) else "TFLOP/s (GB/s for decode)"
+    unit += "; GFLOP/s for CPU cases" if any(c.host for c in cases) else ""
     print(f"compare.py: {len(cases)} case(s), competitors {', '.join(competitors)}; {unit}; "
           f"timer {timer.describe()['method']}; device {info.get('gpu') or 'cpu'}", flush=True)
 
@@ -1063,6 +1346,15 @@ def run(args) -> dict:
         competitors={n: LABELS[n] for n in competitors},
         cases=[],
     )
+    host_names = [n for c in cases if c.host for n in c.only_competitors]
+    data["competitors"].update({n: LABELS[n] for n in host_names})
+    if any(c.host for c in cases):
+        data["cpu"] = cpu_info()
+        data["cpu_timer"] = cpu_timer.describe()
+        print(f"cpu: {data['cpu']['model']}, {data['cpu']['threads']} thread(s) for torch and flashattn", flush=True)
+    if args.cpp_bench:
+        data["cpp_bench"] = dict(binary=os.path.abspath(args.cpp_bench), tolerance=AGREEMENT_TOLERANCE,
+                                 timing=CPP_TIMING_NOTE)
     if any(c.decode for c in cases):
         nbytes = COPY_BUFFER_BYTES if device.type == "cuda" else 16 * MIB
         data["copy_gbps"] = copy_bandwidth_gbps(timer, device, nbytes)
@@ -1078,22 +1370,24 @@ def run(args) -> dict:
                       flops={dn: case.flops(dn) for dn in case.directions}, results={})
         if case.decode:
             record["bytes"] = case.io_bytes()
+        where, case_timer = (cpu, cpu_timer) if case.host else (device, timer)
         try:
-            x = Inputs(case, device, seed=index)
+            x = Inputs(case, where, seed=index)
         except Exception as e:  # noqa: BLE001 — e.g. out of memory for the inputs themselves
             record["error"] = describe_error(e)
             print(f"    inputs: – ({record['error']})", flush=True)
             data["cases"].append(record)
-            release(device)
+            release(where)
             continue
-        for name in competitors + [n for n in case.extra_competitors if n not in competitors]:
-            result, runner = run_competitor(name, case, x, device, timer, args)
+        names = list(case.only_competitors) or competitors + [n for n in case.extra_competitors if n not in competitors]
+        for name in names:
+            result, runner = run_competitor(name, case, x, where, case_timer, args)
             record["results"][name] = result
             print(progress_line(case, name, result), flush=True)
             if name == "flashattn" and runner is not None and not all(
                     "unsupported" in result.get(dn, {}) for dn in case.directions):
                 try:
-                    record["check"] = check_flashattn(case, x, runner, device,
+                    record["check"] = check_flashattn(case, x, runner, where,
                                                       with_grads="ms" in result.get("bwd", {}))
                 except Exception as e:  # noqa: BLE001
                     record["check"] = dict(passed=False, error=describe_error(e))
@@ -1102,9 +1396,12 @@ def run(args) -> dict:
                 print(f"    check      {'ok' if chk['passed'] else 'FAILED'} vs {chk.get('reference', '?')}: "
                       f"{errs or chk.get('error')}", flush=True)
             del runner
-            release(device)
+            release(where)
         del x
-        release(device)
+        release(where)
+        if case.group == "cpp":
+            record["cpp_bench"] = run_cpp_bench(args.cpp_bench, case, record["results"]["flashattn"], case_timer)
+            print(cpp_progress_line(record["cpp_bench"]), flush=True)
         data["cases"].append(record)
         if out_path:  # after every case, so that an interrupted run keeps what it measured
             write_json(data, out_path)
@@ -1144,7 +1441,7 @@ def write_json(data: dict, path: str):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="grid,features,decode,memory", help="groups: grid,features,decode,memory")
+    p.add_argument("--cases", default=",".join(GROUPS), help=f"groups: {','.join(GROUPS)}")
     p.add_argument("--quick", action="store_true", help="a small subset (a few minutes) for routine checks")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU only, tiny shapes: flashattn's CPU backend and SDPA math; tests this script")
@@ -1159,7 +1456,17 @@ def parse_args(argv=None):
     p.add_argument("--timer", choices=("auto", "do_bench", "events"), default="auto",
                    help="do_bench (Triton) or CUDA events; both median, L2 flushed (default: do_bench if present)")
     p.add_argument("--flex-decode", action="store_true", help="also compile FlexAttention for every decode shape")
+    p.add_argument("--cpu-threads", type=int, help="threads of the CPU cases, torch's and flashattn's alike "
+                                                  "(default: torch.get_num_threads())")
+    p.add_argument("--cpp-bench", metavar="PATH",
+                   help="the built flashattn-bench: also time a few configurations with it and report both "
+                        "medians and whether they agree within 5%%")
     args = p.parse_args(argv)
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        p.error("--cpu-threads must be at least 1")
+    if args.cpp_bench and not (os.path.isfile(args.cpp_bench) and os.access(args.cpp_bench, os.X_OK)):
+        p.error(f"--cpp-bench {args.cpp_bench}: not an executable file (build it: cmake --build <dir> "
+                "--target flashattn-bench)")
     if args.competitors:
         unknown = set(args.competitors.split(",")) - set(COMPETITORS) - {"math"}
         if unknown:
@@ -1173,9 +1480,11 @@ def main(argv=None) -> int:
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         print_device_info(device_info(dev))
         return 0
-    if not args.dry_run and not torch.cuda.is_available():
-        print("compare.py: no CUDA device visible; use --dry-run to exercise the script on the CPU", file=sys.stderr)
+    if not args.dry_run and not torch.cuda.is_available() and args.cases != "cpu":
+        print("compare.py: no CUDA device visible; use --dry-run to exercise the script on the CPU "
+              "(--cases cpu alone runs without one)", file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
     try:
         data = run(args)
     except KeyboardInterrupt:
@@ -1184,6 +1493,8 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         return 1
+    finally:
+        torch.set_num_threads(threads)  # --cpu-threads changed it for this process
     failed = [c["id"] for c in data["cases"] if not c.get("check", {}).get("passed", True)]
     if failed:
         print(f"compare.py: the correctness check FAILED for {len(failed)} case(s): {', '.join(failed)}")

@@ -21,7 +21,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASH = "–"
-ORDER = ("flashattn", "cudnn", "fa2", "efficient", "flex", "math")
+ORDER = ("flashattn", "cudnn", "fa2", "efficient", "flex", "math", "sdpa_cpu", "sgemm")
 LABELS = {
     "flashattn": "flashattn",
     "cudnn": "cuDNN",
@@ -29,6 +29,8 @@ LABELS = {
     "efficient": "mem-eff",
     "flex": "Flex",
     "math": "math",
+    "sdpa_cpu": "SDPA (CPU)",
+    "sgemm": "sgemm fp32",
 }
 DIRECTION_LABELS = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
 
@@ -352,6 +354,83 @@ def memory_section(cases) -> list:
     return out + notes.lines() + [""]
 
 
+def cpu_ratio(case, other, direction):
+    ours, theirs = metric(case, "flashattn", direction, "gflops"), metric(case, other, direction, "gflops")
+    return ours / theirs if ours and theirs and not check_failed(case) else None
+
+
+def cpu_section(runs, cases) -> list:
+    rows = [c for c in cases if c["group"] == "cpu"]
+    if not rows:
+        return []
+    host = next((r["cpu"] for r in reversed(runs) if r.get("cpu")), {})
+    picked = sorted({c["results"].get("sdpa_cpu", {}).get("note", "") for c in rows} - {""})
+    notes = Notes()
+    out = ["## CPU", "",
+           f"CPU tensors on {host.get('model', '?')} ({host.get('logical_cpus', '?')} logical CPUs; torch's CPU "
+           f"capability {host.get('capability', '?')}, BLAS {host.get('blas', '?')}, parallel backend "
+           f"{host.get('parallel', '?')}), **{host.get('threads', '?')} threads** for every competitor "
+           "(`torch.set_num_threads`; flashattn's CPU backend follows `torch.get_num_threads()`). GFLOP/s as "
+           "forward / backward by FlashAttention's FLOP convention. SDPA (CPU) is "
+           "`torch.nn.functional.scaled_dot_product_attention` without a backend restriction: "
+           + ("; ".join(picked) if picked else "which backend torch picked was not recorded")
+           + ". sgemm fp32 is `torch.matmul` on the attention's matmul shapes, as many heads as make the same "
+           "FLOP count, into buffers allocated once: the speed of the products alone. The ratios are flashattn's "
+           "GFLOP/s divided by the other's (forward / backward).", ""]
+    header = ["dtype", "d", "causal", "seqlen", "flashattn", "SDPA (CPU)", "sgemm fp32", "÷ SDPA", "÷ sgemm",
+              "check"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in sorted(rows, key=lambda c: (c["params"]["dtype"], c["params"]["d"], c["params"]["causal"],
+                                         c["params"]["sq"])):
+        p = c["params"]
+        cells = [p["dtype"], str(p["d"]), "yes" if p["causal"] else "no", str(p["sq"])]
+        cells += [speeds(c, n, ("fwd", "bwd"), notes, key="gflops") for n in ("flashattn", "sdpa_cpu", "sgemm")]
+        for other in ("sdpa_cpu", "sgemm"):
+            cells.append(" / ".join(f"{r:.2f}" if r else DASH for r in (cpu_ratio(c, other, dn)
+                                                                          for dn in ("fwd", "bwd"))))
+        out.append("| " + " | ".join(cells + [check_cell(c)]) + " |")
+    return out + notes.lines() + [""]
+
+
+def cpp_section(runs, cases) -> list:
+    rows = [c for c in cases if c.get("cpp_bench")]
+    if not rows:
+        return []
+    setup = next((r["cpp_bench"] for r in reversed(runs) if r.get("cpp_bench")), {})
+    tolerance = setup.get("tolerance", 0.05)
+    entries = [e for c in rows for e in c["cpp_bench"]["directions"].values()]
+    agreed = sum(1 for e in entries if e.get("agree"))
+    out = ["## flashattn-bench (C++) beside compare.py", "",
+           "The same configurations timed by compare.py (flashattn through PyTorch) and by "
+           f"`{setup.get('binary', '?')}` (the C++ API), one right after the other. Ratio = flashattn-bench's "
+           f"median ÷ compare.py's; they agree when it is within 1 ± {tolerance:g}. "
+           f"**{agreed} of {len(entries)} agree.** {setup.get('timing', '')}", ""]
+    header = ["configuration", "direction", "compare.py ms", "flashattn-bench ms", "ratio",
+              f"agree within {tolerance:.0%}", "flashattn-bench timing"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in rows:
+        cpp = c["cpp_bench"]
+        p = c["params"]
+        name = c["id"].split("/", 1)[1]
+        config = f"{name} (b={p['b']} h={p['h']})"
+        timing = (f"{cpp.get('timer', '?')}{', L2 flush' if cpp.get('l2_flush') else ''}, {cpp.get('warmup', '?')} "
+                  f"warm-up, {cpp.get('threads', '?')} threads" if "error" not in cpp
+                  else f"error: {cpp['error'][:120].replace('|', '/')}")
+        for dn, e in cpp["directions"].items():
+            ms = [f"{e[k]:.3f}" if number(e.get(k)) else DASH for k in ("script_ms", "cli_ms")]
+            if "ratio" in e:
+                verdict, ratio_text = ("yes" if e["agree"] else "**no**"), f"{e['ratio']:.3f}"
+            else:
+                verdict, ratio_text = DASH, DASH
+            if not number(e.get("script_ms")) or not number(e.get("cli_ms")):
+                timing_cell = f"{timing}; – {str(e.get('missing'))[:120].replace('|', '/')}"
+            else:
+                timing_cell = timing
+            out.append("| " + " | ".join([config, DIRECTION_LABELS.get(dn, dn)] + ms + [ratio_text, verdict,
+                                                                                      timing_cell]) + " |")
+    return out + [""]
+
+
 def cudnn_version(v) -> str:
     """torch reports cuDNN 9.19.0 as 91900."""
     if not isinstance(v, int):
@@ -363,7 +442,7 @@ def timer_text(t: dict) -> str:
     if not t:
         return "?"
     if t.get("method") == "perf_counter":
-        return f"wall clock (CPU dry run), median of {t.get('repeats')} after {t.get('warmup_calls')} warm-up call"
+        return f"wall clock (CPU), median of {t.get('repeats')} after {t.get('warmup_calls')} warm-up call"
     return (f"{t.get('method')} ({'triton.testing.do_bench' if t.get('method') == 'do_bench' else 'CUDA events'}), "
             f"{t.get('statistic', 'median')} of the repeats within {t.get('rep_ms')} ms after {t.get('warmup_ms')} ms "
             f"of warm-up; L2 {t.get('l2')}")
@@ -408,6 +487,7 @@ def check_summary(cases) -> list:
 def report(runs, img_files, img_link) -> str:
     cases = merged_cases(runs)
     latest = runs[-1]
+    cpu_timer = next((r["cpu_timer"] for r in reversed(runs) if r.get("cpu_timer")), None)
     out = ["# flashattn beside PyTorch's attention backends", "",
            "Generated by `bench/make_report.py` from the JSON of `bench/compare.py`; do not edit by hand.", "",
            "Runs:", ""] + stamp(runs) + [
@@ -415,7 +495,9 @@ def report(runs, img_files, img_link) -> str:
         "Conventions:",
         "",
         f"- FLOPs: {latest.get('flop_convention')}.",
-        f"- Timing: {timer_text(latest.get('timer'))}; every competitor in the same process, on the same input "
+        f"- Timing: {timer_text(latest.get('timer'))}; "
+        + (f"CPU cases: {timer_text(cpu_timer)}; " if cpu_timer else "")
+        + "every competitor in the same process, on the same input "
         "values (each in its own layout, made outside the timing). The backward is "
         "`torch.autograd.grad` of the output with the graph retained; the forward runs with autograd on.",
         f"- Decode bandwidth: {latest.get('bandwidth_convention')}.",
@@ -433,6 +515,7 @@ def report(runs, img_files, img_link) -> str:
     elif img_files:
         out += ["## Plots", ""] + [f"![{name[:-4]}]({img_link}/{name})" for name in img_files] + [""]
     out += grid_section(cases) + features_section(cases) + decode_section(runs, cases) + memory_section(cases)
+    out += cpu_section(runs, cases) + cpp_section(runs, cases)
     return "\n".join(out).rstrip() + "\n"
 
 

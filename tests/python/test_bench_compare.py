@@ -1,13 +1,16 @@
 """bench/compare.py and bench/make_report.py on the CPU: the dry run generates every case group
-with tiny shapes, runs flashattn's CPU backend beside SDPA's math backend, reports the GPU-only
-competitors as "–" with their reasons, checks every flashattn result against the fp32 reference,
-and writes the JSON that make_report.py turns into the Markdown report."""
+with tiny shapes, runs flashattn's CPU backend beside SDPA's math backend (the cpu group: beside
+SDPA on CPU tensors and an sgemm), reports the GPU-only competitors as "–" with their reasons,
+checks every flashattn result against the fp32 (fp64) reference, and writes the JSON that
+make_report.py turns into the Markdown report. With the CPU build of flashattn-bench present, the
+--cpp-bench path runs it beside the script on tiny shapes."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -15,7 +18,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: bench/compare.py needs it")
 
-BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+BENCH = os.path.join(REPO, "bench")
+# The C++ CLI of the cpu preset (cmake --preset cpu && cmake --build --preset cpu --target flashattn-bench).
+CPP_BENCH = os.environ.get("FLASHATTN_BENCH_BIN", os.path.join(REPO, "build", "cpu", "flashattn-bench"))
+needs_cpp_bench = pytest.mark.skipif(not os.access(CPP_BENCH, os.X_OK),
+                                     reason=f"no flashattn-bench at {CPP_BENCH} (build the cpu preset's target)")
 
 
 def load(name):
@@ -36,9 +44,11 @@ def test_dry_run_writes_json_and_report(compare, tmp_path):
     (path,) = tmp_path.glob("compare-*.json")
     data = json.loads(path.read_text())
     assert data["dry_run"] and data["device"]["torch"] == torch.__version__
-    assert {c["group"] for c in data["cases"]} == {"grid", "features", "decode", "memory"}
+    assert {c["group"] for c in data["cases"]} == {"grid", "features", "decode", "memory", "cpu"}
     for case in data["cases"]:
         results = case["results"]
+        if case["group"] == "cpu":
+            continue  # below
         assert set(compare.COMPETITORS) <= set(results), case["id"]  # nobody is dropped
         ours = results["flashattn"]
         for direction in case["flops"]:
@@ -54,12 +64,34 @@ def test_dry_run_writes_json_and_report(compare, tmp_path):
     assert all(c["results"]["flashattn"]["fwd"]["gbps"] > 0 for c in decode)
     assert any("paged KV" in c["results"]["math"].get("unsupported", "") for c in decode)
 
+    cpu = [c for c in data["cases"] if c["group"] == "cpu"]
+    assert {(c["params"]["dtype"], c["params"]["causal"]) for c in cpu} == {
+        (t, causal) for t in ("bf16", "fp32") for causal in (False, True)}
+    assert data["cpu"]["threads"] == torch.get_num_threads() and data["cpu_timer"]["method"] == "perf_counter"
+    for case in cpu:
+        results = case["results"]
+        assert set(results) == {"flashattn", "sdpa_cpu", "sgemm"}, case["id"]
+        assert set(case["flops"]) == {"fwd", "bwd"}
+        for name in results:
+            for direction in ("fwd", "bwd"):
+                assert results[name][direction]["gflops"] > 0, (case["id"], name, direction)
+        assert results["sdpa_cpu"]["note"].startswith("torch picked")
+        # The sgemm does the attention's FLOPs (FlashAttention's count): all heads, or half when causal.
+        p = case["params"]
+        heads = p["b"] * p["h"] // (2 if p["causal"] else 1)
+        assert results["sgemm"]["fwd"]["flops"] == heads * 4 * p["sq"] * p["sk"] * p["d"]
+        assert results["sgemm"]["bwd"]["flops"] == 2.5 * results["sgemm"]["fwd"]["flops"]
+        assert case["check"]["passed"], (case["id"], case["check"])
+        assert case["check"]["reference"] == ("explicit-fp64" if p["dtype"] == "fp32" else "sdpa-math-fp32")
+
     report = load("make_report")
     out = tmp_path / "docs" / "benchmarks.md"
     assert report.main([str(path), "--out", str(out)]) == 0
     text = out.read_text()
-    for heading in ("## The FlashAttention grid", "## Features", "## Decoding", "## Peak memory", "## Correctness"):
+    for heading in ("## The FlashAttention grid", "## Features", "## Decoding", "## Peak memory", "## Correctness",
+                    "## CPU"):
         assert heading in text
+    assert f"**{torch.get_num_threads()} threads**" in text and "| fp32 | 32 | yes | 48 |" in text
     assert "needs a CUDA device" in text and "–<sup>" in text
     assert "0 failed" in text
     if importlib.util.find_spec("matplotlib") is not None:
@@ -67,6 +99,46 @@ def test_dry_run_writes_json_and_report(compare, tmp_path):
         assert "](img/grid-bf16-fwd.png)" in text
     else:
         assert "matplotlib was not importable" in text
+
+
+@needs_cpp_bench
+def test_dry_run_sets_flashattn_bench_beside_the_script(compare, tmp_path):
+    """--cpp-bench: the same tiny CPU configuration timed by the script and by the C++ CLI, with the
+    CLI's flags matching the script's timing; both medians, their ratio and the verdict reach the
+    JSON and the report (agreement itself is not asserted: tiny shapes on a shared CPU are noise)."""
+    threads = torch.get_num_threads()
+    assert compare.main(["--dry-run", "--cases", "cpu", "--cpu-threads", "1", "--cpp-bench", CPP_BENCH,
+                         "--out", str(tmp_path), "--no-plots"]) == 0
+    assert torch.get_num_threads() == threads  # restored after the run
+    data = json.loads((tmp_path / "compare-cpu.json").read_text())
+    (case,) = [c for c in data["cases"] if c["group"] == "cpp"]
+    assert data["cpu"]["threads"] == 1 and set(case["results"]) == {"flashattn"} and case["check"]["passed"]
+    cpp = case["cpp_bench"]
+    assert "error" not in cpp, cpp
+    assert "--backend cpu --threads 1 --warmup 1 --repeats 3" in cpp["command"]
+    assert cpp["tensors"] == "host" and cpp["threads"] == 1 and cpp["timer"] == "wall"
+    assert cpp["runs"] == {"fwd": 3, "bwd": 3}
+    for direction in ("fwd", "bwd"):
+        entry = cpp["directions"][direction]
+        assert entry["script_ms"] == case["results"]["flashattn"][direction]["ms"]
+        assert entry["cli_ms"] > 0 and entry["ratio"] == pytest.approx(entry["cli_ms"] / entry["script_ms"])
+        assert entry["agree"] == (abs(entry["ratio"] - 1) <= compare.AGREEMENT_TOLERANCE)
+
+    report = load("make_report")
+    out = tmp_path / "benchmarks.md"
+    assert report.main([str(tmp_path / "compare-cpu.json"), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## flashattn-bench (C++) beside compare.py" in text and "agree within 5%" in text
+    assert f"| {case['id'].split('/', 1)[1]} (b=1 h=2) | forward |" in text
+
+
+@needs_cpp_bench
+def test_flashattn_bench_timer_flags_need_gpu_tensors():
+    """--timer events and --l2-flush time GPU work: on host tensors the CLI says so and exits 2."""
+    for flag in (["--timer", "events"], ["--l2-flush"]):
+        proc = subprocess.run([CPP_BENCH, "--backend", "cpu", "--s", "8", "--h", "1", "--d", "8", *flag],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "needs GPU tensors" in proc.stderr, (flag, proc.stderr)
 
 
 def test_dropout_mask_matches_the_documented_layout(compare):
