@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/rotary.h"
+#include "cuda/kvcache_append.h"
 #include "cuda_test_util.h"
 #include "kvcache_test_util.h"
 
@@ -261,32 +262,35 @@ TEST(CudaKvcacheWorkspace, TooSmallThrowsAndWritesNothing) {
   }
 }
 
-// Shapes only (runs without a GPU): 0 for host tensors and for a call with neither append nor
-// rotary; otherwise a multiple of 256 that holds the lengths after the append and the rotated q.
+// Shapes only (runs without a GPU). The KV-cache region: 256-byte aligned parts for the lengths
+// after the append and the rotated q, nothing without append and rotary. The public size: 0 for
+// host tensors; for CUDA tensors at least the region more than the same call without append and
+// rotary (whatever the attention itself may use comes on top).
 TEST(CudaKvcacheWorkspace, SizeCoversTheRegion) {
   const KvcacheCall call({DType::f16, 128, 128, 8, 2, CacheKind::contiguous, 0, 5, 5, 64, false, MaskKind::none});
+  const std::size_t q_bytes = std::size_t(call.q.numel()) * 2, seqlens_bytes = call.batch() * sizeof(std::int32_t);
+  const auto region = flashattn::cuda::kvcache_workspace(call.batch(), call.q.numel(), 2, true, true);
+  for (std::size_t offset : {region.seqlens_after, region.q_rotated, region.bytes}) EXPECT_EQ(offset % 256, 0u);
+  EXPECT_GE(region.q_rotated, region.seqlens_after + seqlens_bytes);
+  EXPECT_GE(region.bytes, region.q_rotated + q_bytes);
+  EXPECT_EQ(flashattn::cuda::kvcache_workspace(call.batch(), call.q.numel(), 2, false, false).bytes, 0u);
+
   flashattn::KVCacheInputs in = call.host_inputs(call.cache);
   EXPECT_EQ(flashattn::forward_kvcache_workspace_size(in, call.opt), 0u);
   for (flashattn::TensorView* t : {&in.q, &in.k_cache, &in.v_cache, &in.k_new, &in.v_new, &in.cache_seqlens,
                                    &in.rotary_cos, &in.rotary_sin}) {
     t->device = {flashattn::DeviceType::cuda, 0};
   }
-  const std::size_t q_bytes = std::size_t(call.q.numel()) * 2;
-  const std::size_t both = flashattn::forward_kvcache_workspace_size(in, call.opt);
-  EXPECT_EQ(both % 256, 0u);
-  EXPECT_GE(both, q_bytes + call.batch() * sizeof(std::int32_t));
-  flashattn::KVCacheInputs rotary_only = in;
-  rotary_only.k_new = rotary_only.v_new = {};
-  const std::size_t rotary = flashattn::forward_kvcache_workspace_size(rotary_only, call.opt);
-  EXPECT_EQ(rotary % 256, 0u);
-  EXPECT_GE(rotary, q_bytes);
-  flashattn::KVCacheInputs append_only = in;
-  append_only.rotary_cos = append_only.rotary_sin = {};
-  const std::size_t append = flashattn::forward_kvcache_workspace_size(append_only, call.opt);
-  EXPECT_EQ(append % 256, 0u);
-  EXPECT_GE(append, call.batch() * sizeof(std::int32_t));
-  append_only.k_new = append_only.v_new = {};
-  EXPECT_EQ(flashattn::forward_kvcache_workspace_size(append_only, call.opt), 0u);
+  auto size_without = [&](bool append, bool rotary) {
+    flashattn::KVCacheInputs v = in;
+    if (!append) v.k_new = v.v_new = {};
+    if (!rotary) v.rotary_cos = v.rotary_sin = {};
+    return flashattn::forward_kvcache_workspace_size(v, call.opt);
+  };
+  const std::size_t plain = size_without(false, false);
+  EXPECT_GE(size_without(true, true), plain + q_bytes + seqlens_bytes);
+  EXPECT_GE(size_without(false, true), plain + q_bytes);
+  EXPECT_GE(size_without(true, false), plain + seqlens_bytes);
 }
 
 }  // namespace
