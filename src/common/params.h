@@ -66,6 +66,12 @@ struct AttentionParams {
   DropoutParams dropout = {};
   bool deterministic = false;
 
+  // Split-KV (forward on CUDA): each (row block, head, batch) spreads its key tiles over this many
+  // CTAs, whose partial results are merged by the combine kernel. 0: the backend's heuristic
+  // decides (it splits only when a workspace is given); 1: never split; n > 1: n splits when the
+  // workspace holds them (tests force splitting this way). Ignored by the CPU backends.
+  int num_splits = 0;
+
   // --- per-sequence accessors -------------------------------------------------------------------
   FA_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FA_HOST_DEVICE bool is_paged() const { return block_table != nullptr; }

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -41,6 +43,58 @@ cudaError_t run_sm80(const common::AttentionParams& p, int head_dim, const std::
   }
 }
 
+template <common::Storage kStorage>
+cudaError_t run_sm80_split(const common::AttentionParams& p, int head_dim, const sm80::SplitKvPartials& split,
+                           const std::uint64_t* rng_state, cudaStream_t stream) {
+  switch (head_dim) {
+    case 64: return sm80::run_fwd_split<kStorage, 64>(p, split, rng_state, stream);
+    case 128: return sm80::run_fwd_split<kStorage, 128>(p, split, rng_state, stream);
+    default: return sm80::run_fwd_split<kStorage, 256>(p, split, rng_state, stream);
+  }
+}
+
+// --- split-KV ----------------------------------------------------------------------------------
+
+constexpr std::size_t kWorkspaceAlign = 256;  // every workspace region starts on this boundary
+constexpr int kMaxCachedDevices = 64;
+// A forward CTA of 4 warps may hold up to 255 registers per thread: 128 · 255 ≈ half of the 64K
+// register file, so two fit an SM; the 8-warp tile (d 256) takes it all.
+constexpr int kRegisterFileSize = 65536;
+constexpr int kMaxRegistersPerThread = 256;
+
+std::size_t align_up(std::size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+
+// SMs of the current device, asked once per device (0 when it cannot be asked).
+int current_sm_count() {
+  static std::atomic<int> cached[kMaxCachedDevices];  // static storage: zero = not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();  // clear the error, so that the next launch does not report it
+    return 0;
+  }
+  if (device >= 0 && device < kMaxCachedDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (device >= 0 && device < kMaxCachedDevices) cached[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+// Bytes of the out and lse partials of `splits` splits, each region aligned.
+std::size_t out_partial_bytes(const common::AttentionParams& p, int splits) {
+  return align_up(std::size_t(splits) * std::size_t(p.batch) * std::size_t(p.max_seqlen_q) * std::size_t(p.heads) *
+                  std::size_t(p.head_dim_v) * sizeof(float));
+}
+std::size_t lse_partial_bytes(const common::AttentionParams& p, int splits) {
+  return align_up(std::size_t(splits) * std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(p.max_seqlen_q) *
+                  sizeof(float));
+}
+
 }  // namespace
 
 bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
@@ -70,18 +124,112 @@ bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
   return true;
 }
 
-void forward(const common::AttentionParams& p, void* stream, const std::uint64_t* rng_state) {
+int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits) {
+  // Efficiency: ≥ 80 % of one wave is busy already, or nothing to split.
+  constexpr double kFullEnough = 0.8;
+  // A split count whose efficiency is this close to the best is good enough.
+  constexpr double kNearBest = 0.85;
+  if (ctas <= 0 || slots <= 0 || n_blocks <= 1 || double(ctas) >= kFullEnough * slots) return 1;
+  const int most = std::min({max_splits, slots, n_blocks});
+  auto tiles_per_split = [&](int s) { return (n_blocks + s - 1) / s; };
+  auto eligible = [&](int s) { return s == 1 || tiles_per_split(s) != tiles_per_split(s - 1); };
+  auto efficiency = [&](int s) {
+    const double waves = double(ctas) * s / slots;
+    return waves / std::ceil(waves);
+  };
+  double best = 0.0;
+  for (int s = 1; s <= most; ++s) {
+    if (eligible(s)) best = std::max(best, efficiency(s));
+  }
+  for (int s = 1; s <= most; ++s) {
+    if (eligible(s) && efficiency(s) >= kNearBest * best) return s;
+  }
+  return 1;
+}
+
+int forward_num_splits(const common::AttentionParams& p) {
+  if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
+  const int head_dim = fwd_head_dim(p);
+  if (head_dim == 0 || p.batch <= 0 || p.heads <= 0 || p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return 1;
+  const sm80::FwdTile tile = sm80::fwd_tile(head_dim, sm80::needs_full_variant(p));
+  const int m_blocks = (p.max_seqlen_q + tile.block_m - 1) / tile.block_m;
+  // Key tiles of the widest row block: with a bottom-right aligned causal mask the last block
+  // sees the most keys; with a window (or sq > sk) the first can, so both ends are asked.
+  const common::Mask mask = common::make_mask(p.causal, p.window_left, p.window_right, p.max_seqlen_k,
+                                              p.max_seqlen_q, p.max_seqlen_k);
+  auto tiles_of_rows = [&](int row_begin, int row_end) {
+    const int lo = mask.block_col_begin(row_begin) / tile.block_n;
+    const int hi = (mask.block_col_end(row_end) + tile.block_n - 1) / tile.block_n;
+    return std::max(hi - lo, 0);
+  };
+  const int n_blocks = std::max(tiles_of_rows(0, std::min(tile.block_m, p.max_seqlen_q)),
+                                tiles_of_rows((m_blocks - 1) * tile.block_m, p.max_seqlen_q));
+  const int ctas_per_sm = std::max(1, kRegisterFileSize / (tile.warps * 32 * kMaxRegistersPerThread));
+  const std::int64_t ctas = std::int64_t(m_blocks) * p.heads * p.batch;
+  return num_splits_heuristic(ctas, n_blocks, current_sm_count() * ctas_per_sm, kMaxSplits);
+}
+
+std::size_t forward_workspace_size(const common::AttentionParams& p) {
+  const int splits = forward_num_splits(p);
+  if (splits <= 1) return 0;
+  return out_partial_bytes(p, splits) + lse_partial_bytes(p, splits);
+}
+
+void forward(const common::AttentionParams& p, void* stream, const std::uint64_t* rng_state, void* workspace,
+             std::size_t workspace_bytes) {
   std::string why;
   if (!can_serve_forward(p, &why)) throw Error("flashattn::forward (CUDA): " + why);
   if (p.batch == 0 || p.max_seqlen_q == 0) return;  // nothing to compute (SPEC §5 special cases)
   const int head_dim = fwd_head_dim(p);
   auto* s = static_cast<cudaStream_t>(stream);
-  const cudaError_t err = p.storage == common::Storage::f16
-                              ? run_sm80<common::Storage::f16>(p, head_dim, rng_state, s)
-                              : run_sm80<common::Storage::bf16>(p, head_dim, rng_state, s);
-  if (err != cudaSuccess) {
-    throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+  auto check = [](cudaError_t err) {
+    if (err != cudaSuccess) {
+      throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+    }
+  };
+
+  // Split only when asked for (or chosen) and the workspace holds the partials; a misaligned
+  // workspace is used from its first aligned byte on.
+  const int splits = workspace != nullptr && workspace_bytes > 0 ? forward_num_splits(p) : 1;
+  if (splits > 1) {
+    const auto base = reinterpret_cast<std::uintptr_t>(workspace);
+    const std::size_t skip = align_up(base) - base;
+    const std::size_t out_bytes = out_partial_bytes(p, splits);
+    if (workspace_bytes >= skip && workspace_bytes - skip >= out_bytes + lse_partial_bytes(p, splits)) {
+      sm80::SplitKvPartials partials;
+      partials.out_partial = reinterpret_cast<float*>(base + skip);
+      partials.lse_partial = reinterpret_cast<float*>(base + skip + out_bytes);
+      partials.num_splits = splits;
+      check(p.storage == common::Storage::f16
+                ? run_sm80_split<common::Storage::f16>(p, head_dim, partials, rng_state, s)
+                : run_sm80_split<common::Storage::bf16>(p, head_dim, partials, rng_state, s));
+      CombineParams c;
+      c.splits = splits;
+      c.batch = p.batch;
+      c.heads = p.heads;
+      c.max_seqlen_q = p.max_seqlen_q;
+      c.head_dim_v = p.head_dim_v;
+      c.out_partial = partials.out_partial;
+      c.out_partial_head_stride = p.head_dim_v;
+      c.out_partial_row_stride = std::int64_t(p.heads) * c.out_partial_head_stride;
+      c.out_partial_batch_stride = std::int64_t(p.max_seqlen_q) * c.out_partial_row_stride;
+      c.out_partial_split_stride = std::int64_t(p.batch) * c.out_partial_batch_stride;
+      c.lse_partial = partials.lse_partial;
+      c.lse_partial_head_stride = p.max_seqlen_q;
+      c.lse_partial_batch_stride = std::int64_t(p.heads) * c.lse_partial_head_stride;
+      c.lse_partial_split_stride = std::int64_t(p.batch) * c.lse_partial_batch_stride;
+      c.out = p.out;
+      c.out_storage = p.storage;
+      c.lse = p.lse;
+      c.lse_batch_stride = p.lse_batch_stride;
+      c.lse_head_stride = p.lse_head_stride;
+      c.cu_seqlens_q = p.cu_seqlens_q;
+      combine(c, stream);
+      return;
+    }
   }
+  check(p.storage == common::Storage::f16 ? run_sm80<common::Storage::f16>(p, head_dim, rng_state, s)
+                                          : run_sm80<common::Storage::bf16>(p, head_dim, rng_state, s));
 }
 
 std::string compiled_kernels() { return "sm80 fwd: f16/bf16 x head dim 64, 128, 256"; }

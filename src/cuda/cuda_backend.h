@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/params.h"
+#include "cuda/combine.h"
 
 namespace flashattn::cuda {
 
@@ -18,9 +19,43 @@ bool can_serve_forward(const common::AttentionParams& p, std::string* why_not);
 // Launches the forward kernel on `stream` (a cudaStream_t; nullptr = default stream). When
 // rng_state is given it points to device memory holding {seed, offset} for dropout, read by the
 // kernel at run time instead of p.dropout.seed / p.dropout.offset (CUDA-graph capture).
-// Throws flashattn::Error when no kernel serves p or the launch fails.
-void forward(const common::AttentionParams& p, void* stream,
-             const std::uint64_t* rng_state = nullptr);
+// workspace: optional device memory for split-KV (see forward_workspace_size); the call splits
+// only when the workspace holds the partials of the chosen number of splits, and otherwise runs
+// unsplit — it never fails for lack of workspace.
+// Throws flashattn::Error when no kernel serves p or a launch fails.
+void forward(const common::AttentionParams& p, void* stream, const std::uint64_t* rng_state = nullptr,
+             void* workspace = nullptr, std::size_t workspace_bytes = 0);
+
+// --- split-KV ----------------------------------------------------------------------------------
+// Decoding (few query rows, long contexts) gives one CTA per (row block, head, batch) too few CTAs
+// to fill the GPU; split-KV spreads each one's key tiles over several CTAs, which write fp32
+// partials into the workspace, and the combine kernel (cuda/combine.h) merges them.
+
+inline constexpr int kMaxSplits = 128;
+
+// The number of splits that fills `slots` concurrent CTA places best when `ctas` CTAs each walk
+// `n_blocks` key tiles (a pure function; 1 = do not split). Splitting pays only while the grid is
+// short of one wave: at ≥ 80 % of the slots it returns 1. Otherwise, with waves(s) = ctas · s /
+// slots and efficiency(s) = waves(s) / ⌈waves(s)⌉ (the busy fraction of the last wave), it
+// returns the smallest s ≤ min(max_splits, slots, n_blocks) whose efficiency is within 85 % of
+// the best — more splits only add partials to combine — skipping any s that leaves
+// ⌈n_blocks / s⌉, the tiles of the longest split, where s − 1 had it.
+// Example (H200: 132 SMs, 2 CTAs each = 264 slots): b = 2, h = 16, sq = 1 at 8192 keys of d 128
+// is 32 CTAs of 128 tiles. The best efficiency is 256/264 = 0.97 (s = 8, 16, 32, …; s = 33 would
+// fill the slots exactly but leaves 4 tiles per split, as s = 32 does, so it is skipped); s = 7
+// reaches 224/264 = 0.85 ≥ 0.85 · 0.97: 7 splits, 224 CTAs of at most 19 tiles, one wave.
+int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits);
+
+// The number of splits the forward of p uses on the current device when the workspace suffices:
+// p.num_splits when > 0 (at most kMaxSplits), else num_splits_heuristic over the SMs of the
+// device (queried once per device) and the key tiles the widest row block of p sees.
+int forward_num_splits(const common::AttentionParams& p);
+
+// Device workspace the forward of p can use, in bytes: fp32 out and lse partials for
+// forward_num_splits(p) splits (0 when that is 1), each region 256-byte aligned. Reads only
+// shapes and options (batch, heads, max_seqlen_q/k, head dims, mask, softcap / ALiBi / dropout,
+// num_splits).
+std::size_t forward_workspace_size(const common::AttentionParams& p);
 
 // --- backward --------------------------------------------------------------------------------
 

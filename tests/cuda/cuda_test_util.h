@@ -117,8 +117,10 @@ inline const std::uint64_t* mirror_batch_layout(const AttnProblem& p, flashattn:
 
 // Poisoned outputs, the call validated on the host views (the same params the CPU backends get),
 // every pointer swapped for its device mirror, flashattn::cuda::forward, results copied back.
+// with_workspace: pass a poisoned (all bits set: NaN) workspace of forward_workspace_size bytes,
+// sized after the hook ran, so split-KV may run (a hook setting num_splits forces it).
 inline ForwardResult run_cuda_forward(const AttnProblem& p, const ParamsHook& hook = {},
-                                      const std::uint64_t* host_rng_state = nullptr) {
+                                      const std::uint64_t* host_rng_state = nullptr, bool with_workspace = false) {
   ForwardResult r = make_forward_outputs(p);
   flashattn::ForwardOutputs outs{r.out.tv(), {}};
   if (p.opt.return_lse) outs.lse = r.lse.tv();
@@ -135,8 +137,14 @@ inline ForwardResult run_cuda_forward(const AttnProblem& p, const ParamsHook& ho
   dp.lse = d_lse;
   const std::uint64_t* d_rng = mirror_batch_layout(p, dp, dev, host_rng_state);
   if (hook) hook(dp, dev);
+  void* workspace = nullptr;
+  const std::size_t workspace_bytes = with_workspace ? flashattn::cuda::forward_workspace_size(dp) : 0;
+  if (workspace_bytes > 0) {
+    const std::vector<std::uint8_t> poison(workspace_bytes, 0xff);
+    workspace = dev.upload(poison.data(), workspace_bytes);
+  }
 
-  flashattn::cuda::forward(dp, nullptr, d_rng);
+  flashattn::cuda::forward(dp, nullptr, d_rng, workspace, workspace_bytes);
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceArena::download(r.out, d_out);
   if (d_lse) DeviceArena::download(r.lse, d_lse);

@@ -14,8 +14,56 @@ namespace flashattn::cuda::sm80 {
 // holds max(d, dv).
 inline constexpr int kFwdHeadDims[] = {64, 128, 256};
 
+// Tile of one forward CTA: kBlockM query rows × kBlockN keys per step, kNWarps warps. The host
+// needs it to count CTAs and key tiles (split-KV heuristic); sm80_fwd_launch.cuh builds the
+// kernels from it. full: softcap / ALiBi / dropout compiled in (half the key tile, for registers).
+struct FwdTile {
+  int block_m;
+  int block_n;
+  int warps;
+};
+constexpr FwdTile fwd_tile(int head_dim, bool full) {
+  // d 64:  128 × 128, 4 warps —  48 KB shared (Q 16 + K 16 + V 16)
+  // d 128: 128 × 64,  4 warps —  64 KB: 32 rows per warp keeps the 128 fp32 of O in registers
+  // d 256: 128 × 64,  8 warps — 128 KB: 16 rows per warp, as the O accumulator doubles
+  // All fit the 163 KB of an A100 and the 227 KB of an H100/H200.
+  return head_dim <= 64    ? FwdTile{128, full ? 64 : 128, 4}
+         : head_dim <= 128 ? FwdTile{128, full ? 32 : 64, 4}
+                           : FwdTile{128, full ? 32 : 64, 8};
+}
+
+// Whether p runs in the variant with softcap / ALiBi / dropout compiled in.
+inline bool needs_full_variant(const common::AttentionParams& p) {
+  return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+}
+
+// Where the CTAs of a split-KV launch leave their partial results (device memory, fp32), in the
+// layout flashattn::combine takes: out_partial (splits, b, max_seqlen_q, h, dv) and lse_partial
+// (splits, b, h, max_seqlen_q), both contiguous — also for varlen batches, whose sequence b uses
+// rows [0, seqlen_q(b)) of batch entry b. Rows a split saw no key of get lse = +∞ (weight 0).
+struct SplitKvPartials {
+  float* out_partial = nullptr;
+  float* lse_partial = nullptr;
+  int num_splits = 1;
+
+  // Offsets of (split, batch, row, head) in out_partial (then + column) and lse_partial.
+  FA_HOST_DEVICE std::int64_t out_offset(const common::AttentionParams& p, int split, int b, int i, int hh) const {
+    return (((std::int64_t(split) * p.batch + b) * p.max_seqlen_q + i) * p.heads + hh) * p.head_dim_v;
+  }
+  FA_HOST_DEVICE std::int64_t lse_offset(const common::AttentionParams& p, int split, int b, int hh, int i) const {
+    return ((std::int64_t(split) * p.batch + b) * p.heads + hh) * p.max_seqlen_q + i;
+  }
+};
+
 // Launches the forward kernel for p (device pointers) on stream. Returns the launch status.
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream);
+
+// The split-KV forward: split.num_splits CTAs per (row block, head, batch), each over an equal
+// share of the key tiles that block sees; writes only the partials (the combine kernel then
+// writes p.out and p.lse). Defined in inst/sm80_fwd_split_*.cu.
+template <common::Storage kStorage, int kHeadDim>
+cudaError_t run_fwd_split(const common::AttentionParams& p, const SplitKvPartials& split,
+                          const std::uint64_t* rng_state, cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm80

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "common/params.h"
+#include "cuda/sm80/sm80_fwd.h"
 
 namespace flashattn::cuda::sm80 {
 
@@ -203,17 +204,25 @@ __device__ __forceinline__ void load_tile(const typename Traits::Element* base, 
 // kScoreModAndDropout: whether softcap, ALiBi and dropout are compiled in. The plain variant
 // leaves them out so that their registers do not weigh on the common case (the flags are still
 // read at run time in the full variant).
-template <class Traits, bool kScoreModAndDropout>
+// kSplit: split-KV. Grid.x is ⌈max_seqlen_q / kBlockM⌉ · split.num_splits: CTA (m, s) walks the
+// s-th of num_splits equal shares of the key tiles that row block m sees and writes, instead of
+// out and lse, its normalised fp32 partial O and its lse into `split` (a share with no visible key
+// for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
+template <class Traits, bool kScoreModAndDropout, bool kSplit>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
-    fwd_kernel(const __grid_constant__ common::AttentionParams p, const std::uint64_t* rng_state) {
+    fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
+               const std::uint64_t* rng_state) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
 
   // Highest row blocks first: under a causal mask they see the most keys, and starting the long
-  // CTAs early shortens the tail of the grid.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
+  // CTAs early shortens the tail of the grid. The splits of one row block are neighbours in the
+  // grid, so they read its Q tile from L2 at about the same time.
+  const int m_block = kSplit ? gridDim.x / split.num_splits - 1 - blockIdx.x / split.num_splits
+                             : gridDim.x - 1 - blockIdx.x;
+  const int split_idx = kSplit ? blockIdx.x % split.num_splits : 0;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
@@ -226,9 +235,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int kv_head = head / p.group_size();
 
   const common::Mask mask = p.mask(batch);
-  // Key tiles that hold a key visible to some row of this block (the union of the row ranges).
-  const int n_block_min = mask.block_col_begin(m_start) / kBlockN;
-  const int n_block_max = (mask.block_col_end(m_start + rows_here) + kBlockN - 1) / kBlockN;
+  // Key tiles that hold a key visible to some row of this block (the union of the row ranges);
+  // split-KV: this CTA's share of them, ⌈tiles / num_splits⌉ each (the last ones may be short or
+  // empty).
+  const int n_block_visible_min = mask.block_col_begin(m_start) / kBlockN;
+  const int n_block_visible_max = (mask.block_col_end(m_start + rows_here) + kBlockN - 1) / kBlockN;
+  const int n_blocks_per_split =
+      kSplit ? (max(n_block_visible_max - n_block_visible_min, 0) + split.num_splits - 1) / split.num_splits : 0;
+  const int n_block_min = kSplit ? n_block_visible_min + split_idx * n_blocks_per_split : n_block_visible_min;
+  const int n_block_max = kSplit ? min(n_block_visible_max, n_block_min + n_blocks_per_split) : n_block_visible_max;
 
   extern __shared__ __align__(128) char smem[];
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (kBlockM, D)
@@ -462,6 +477,41 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     lse[mi] = empty ? kInf : (row_max[mi] * score_to_log2 + log2f(sum)) * kLn2;
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= inv;
+  }
+
+  if constexpr (kSplit) {
+    // Partials in fp32, straight from registers: a quad's float2 stores cover one 32-byte sector
+    // of a row, so no staging through shared memory is needed (which could not hold fp32 O of
+    // the halved-key-tile configurations anyway). The lse is always written: the combine needs it.
+    // The thread's first row and column, opaque: per-element bounds checks would otherwise be
+    // hoisted above the key loop as loop invariants and held (spilled) through it.
+    const int row0 = opaque(get<0>(cO_rc(0, 0)));
+    const int col0 = opaque(get<1>(cO_rc(0, 0)));
+    auto tile_row = [&](int mi) { return row0 + (get<0>(cO_rc(mi, 0)) - get<0>(cO_rc(0, 0))); };
+    auto tile_col = [&](int ni) { return col0 + (get<1>(cO_rc(0, ni)) - get<1>(cO_rc(0, 0))); };
+    if ((tid & 3) == 0) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = tile_row(mi);
+        if (row < rows_here) split.lse_partial[split.lse_offset(p, split_idx, batch, head, m_start + row)] = lse[mi];
+      }
+    }
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+      const int row = tile_row(mi);
+      if (row >= rows_here) continue;
+      float* dst_row = split.out_partial + split.out_offset(p, split_idx, batch, m_start + row, head);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(acc_o_rc); ni += 2) {
+        // Elements ni, ni+1 are columns c, c+1 of one row; dv is a multiple of 8, so c < dv
+        // implies c + 1 < dv, and the row starts 8-byte aligned.
+        const int col = tile_col(ni);
+        if (col < p.head_dim_v) {
+          *reinterpret_cast<float2*>(dst_row + col) = make_float2(acc_o_rc(mi, ni), acc_o_rc(mi, ni + 1));
+        }
+      }
+    }
+    return;
   }
 
   if (p.lse != nullptr && (tid & 3) == 0) {

@@ -1,0 +1,152 @@
+// src/cuda/combine.cu — the combine kernel: merges fp32 partial (out, lse) pairs over disjoint
+// key sets into out (f16 / bf16 / f32) and lse, row by row, with the operations of
+// src/cpu/combine.cpp in the same order.
+#include "cuda/combine.h"
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "common/numeric.h"
+#include "flashattn/error.h"
+
+namespace flashattn::cuda {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kCombineWarps = 4;  // one warp per output row (batch, row, head); 4 rows per CTA
+constexpr int kColsPerLane = 8;   // lane l holds columns l, l + 32, …: 256 columns per pass
+constexpr int kColsPerPass = kColsPerLane * kWarpSize;
+// Partial rows loaded before the first of them is accumulated: with few rows per launch (decoding)
+// each warp must keep many loads in flight to hide the memory latency.
+constexpr int kSplitsInFlight = 8;
+constexpr float kInf = __builtin_huge_valf();
+
+template <common::Storage kStorage>
+struct StorageType;
+template <>
+struct StorageType<common::Storage::f16> {
+  using type = common::f16_t;
+};
+template <>
+struct StorageType<common::Storage::bf16> {
+  using type = common::bf16_t;
+};
+template <>
+struct StorageType<common::Storage::f32> {
+  using type = float;
+};
+
+// Grid: ⌈b · max_seqlen_q · h / kCombineWarps⌉ CTAs of kCombineWarps warps.
+template <common::Storage kOutStorage>
+__global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(const __grid_constant__ CombineParams c) {
+  using OutElement = typename StorageType<kOutStorage>::type;
+  const int lane = threadIdx.x % kWarpSize;
+  // Heads fastest: the warps of a CTA write neighbouring heads of one output row.
+  const std::int64_t task = std::int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
+  const int head = int(task % c.heads);
+  const std::int64_t batch_row = task / c.heads;
+  const int row = int(batch_row % c.max_seqlen_q);
+  const int batch = int(batch_row / c.max_seqlen_q);
+  if (batch >= c.batch) return;
+  const bool varlen = c.cu_seqlens_q != nullptr;
+  if (varlen && row >= c.cu_seqlens_q[batch + 1] - c.cu_seqlens_q[batch]) return;
+
+  const float* lse_splits = c.lse_partial + std::int64_t(batch) * c.lse_partial_batch_stride +
+                            std::int64_t(head) * c.lse_partial_head_stride + row;
+  auto lse_of = [&](int s) { return lse_splits[std::int64_t(s) * c.lse_partial_split_stride]; };
+  const float* out_splits = c.out_partial + std::int64_t(batch) * c.out_partial_batch_stride +
+                            std::int64_t(row) * c.out_partial_row_stride +
+                            std::int64_t(head) * c.out_partial_head_stride;
+
+  // Every lane computes the row's lse (the loads are broadcasts). The arithmetic is the host's,
+  // step for step, with explicit rounding so that nothing is contracted into an FMA: a row with
+  // one contributing split is reproduced bit for bit (lse_s + log 1, weight exp 0 = 1); with
+  // more, expf / logf may differ from the host library's by an ulp.
+  float max_lse = -kInf;
+  for (int s = 0; s < c.splits; ++s) {
+    const float l = lse_of(s);
+    if (isfinite(l)) max_lse = fmaxf(max_lse, l);
+  }
+  // No split saw a key: out = 0, lse = +∞, as for a fully masked row (SPEC §2.5).
+  const bool empty = max_lse == -kInf;
+  float lse = kInf;
+  if (!empty) {
+    float sum = 0.0f;
+    for (int s = 0; s < c.splits; ++s) {
+      const float l = lse_of(s);
+      if (isfinite(l)) sum = __fadd_rn(sum, expf(__fsub_rn(l, max_lse)));
+    }
+    lse = __fadd_rn(max_lse, logf(sum));
+  }
+
+  const std::int64_t out_row0 = varlen ? c.cu_seqlens_q[batch] : 0;
+  OutElement* out_row = static_cast<OutElement*>(c.out.data) +
+                        (varlen ? 0 : std::int64_t(batch) * c.out.batch_stride) +
+                        (out_row0 + row) * c.out.row_stride + std::int64_t(head) * c.out.head_stride;
+  for (int col0 = 0; col0 < c.head_dim_v; col0 += kColsPerPass) {
+    float acc[kColsPerLane];
+#pragma unroll
+    for (int k = 0; k < kColsPerLane; ++k) acc[k] = 0.0f;
+    for (int s0 = 0; !empty && s0 < c.splits; s0 += kSplitsInFlight) {
+      // Weights and partial rows of kSplitsInFlight splits first, then the sums in split order.
+      bool contributes[kSplitsInFlight];
+      float weight[kSplitsInFlight];
+      float part[kSplitsInFlight][kColsPerLane];
+#pragma unroll
+      for (int j = 0; j < kSplitsInFlight; ++j) {
+        const int s = s0 + j;
+        const float l = s < c.splits ? lse_of(s) : -kInf;
+        // A split without a finite lse is skipped, whatever its out_partial holds.
+        contributes[j] = isfinite(l);
+        weight[j] = contributes[j] ? expf(__fsub_rn(l, lse)) : 0.0f;
+        const float* o = out_splits + std::int64_t(s) * c.out_partial_split_stride + col0 + lane;
+#pragma unroll
+        for (int k = 0; k < kColsPerLane; ++k) {
+          const bool in_row = col0 + lane + k * kWarpSize < c.head_dim_v;
+          part[j][k] = contributes[j] && in_row ? o[k * kWarpSize] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kSplitsInFlight; ++j) {
+        if (!contributes[j]) continue;
+#pragma unroll
+        for (int k = 0; k < kColsPerLane; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(weight[j], part[j][k]));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kColsPerLane; ++k) {
+      const int col = col0 + lane + k * kWarpSize;
+      if (col < c.head_dim_v) out_row[col] = common::from_float<OutElement>(acc[k]);
+    }
+  }
+  if (c.lse != nullptr && lane == 0) {
+    c.lse[(varlen ? 0 : std::int64_t(batch) * c.lse_batch_stride) + std::int64_t(head) * c.lse_head_stride +
+          out_row0 + row] = lse;
+  }
+}
+
+}  // namespace
+
+void combine(const CombineParams& c, void* stream) {
+  const std::int64_t rows = std::int64_t(c.batch) * c.max_seqlen_q * c.heads;
+  if (rows == 0 || c.head_dim_v == 0) return;
+  const std::int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+  if (blocks > INT_MAX) throw Error("flashattn::combine (CUDA): more than 2^31 · 4 rows (b · sq · h)");
+  auto* s = static_cast<cudaStream_t>(stream);
+  const dim3 grid(static_cast<unsigned>(blocks));
+  const dim3 block(kCombineWarps * kWarpSize);
+  switch (c.out_storage) {
+    case common::Storage::f16: combine_kernel<common::Storage::f16><<<grid, block, 0, s>>>(c); break;
+    case common::Storage::bf16: combine_kernel<common::Storage::bf16><<<grid, block, 0, s>>>(c); break;
+    case common::Storage::f32: combine_kernel<common::Storage::f32><<<grid, block, 0, s>>>(c); break;
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw Error(std::string("flashattn::combine (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+  }
+}
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,48 @@
+// src/cuda/combine.h — the combine kernel as the host sees it: merges partial attention results
+// (fp32 out and lse) over disjoint key sets, with the numerics of src/cpu/combine.cpp. Serves the
+// split-KV forward and flashattn::combine on CUDA tensors. Every pointer is device memory.
+#pragma once
+
+#include <cstdint>
+
+#include "common/params.h"
+
+namespace flashattn::cuda {
+
+struct CombineParams {
+  int splits = 0;
+  int batch = 0;
+  int heads = 0;
+  int max_seqlen_q = 0;  // rows per batch entry of the partials
+  int head_dim_v = 0;
+
+  // Partials, fp32: out_partial (splits, b, max_seqlen_q, h, dv) with dv contiguous, lse_partial
+  // (splits, b, h, max_seqlen_q) with the rows contiguous. Strides in elements.
+  const float* out_partial = nullptr;
+  std::int64_t out_partial_split_stride = 0;
+  std::int64_t out_partial_batch_stride = 0;
+  std::int64_t out_partial_row_stride = 0;
+  std::int64_t out_partial_head_stride = 0;
+  const float* lse_partial = nullptr;
+  std::int64_t lse_partial_split_stride = 0;
+  std::int64_t lse_partial_batch_stride = 0;
+  std::int64_t lse_partial_head_stride = 0;
+
+  // Results: out (b, sq, h, dv) in out_storage (f16, bf16 or f32), last dim contiguous; lse
+  // (b, h, sq) fp32, optional. With cu_seqlens_q (varlen) sequence b has cu_seqlens_q[b + 1] −
+  // cu_seqlens_q[b] rows, packed from row cu_seqlens_q[b] of out and lse; batch strides unused.
+  common::RowHeadTensor out;
+  common::Storage out_storage = common::Storage::f16;
+  float* lse = nullptr;
+  std::int64_t lse_batch_stride = 0;
+  std::int64_t lse_head_stride = 0;
+  const std::int32_t* cu_seqlens_q = nullptr;
+};
+
+// Launches the combine kernel on `stream` (a cudaStream_t; nullptr = default stream). Per row:
+// lse = log Σ_s exp(lse_s) over the splits with finite lse_s (+∞ marks a split that saw no key,
+// −∞ is skipped too), out = Σ_s exp(lse_s − lse) · out_s in split order; a row with no finite
+// split gets out = 0 and lse = +∞. Throws flashattn::Error when the launch fails.
+void combine(const CombineParams& c, void* stream);
+
+}  // namespace flashattn::cuda
