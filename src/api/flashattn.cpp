@@ -55,14 +55,17 @@ Support require_backend(const Problem& pr, const Options& opt, const char* api) 
   return s;
 }
 
-void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream stream) {
+// split_kv: device workspace the CUDA forward may use for split-KV (see split_kv_workspace_size);
+// too little or none runs unsplit.
+void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream stream, Workspace split_kv = {}) {
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
-    cuda::forward(pr.params, stream.handle, opt.dropout_rng_state);
+    cuda::forward(pr.params, stream.handle, opt.dropout_rng_state, split_kv.data, split_kv.bytes);
     return;
   }
 #else
   (void)stream;
+  (void)split_kv;
 #endif
   if (s.backend == Backend::cpu_reference) {
     cpu::reference_forward(pr.params);
@@ -91,6 +94,65 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   }
 }
 
+// --- split-KV workspace of the CUDA forward ---------------------------------------------------
+// The bytes the CUDA forward can use for split-KV partials (cuda::forward_workspace_size), from
+// shapes and options only, so that the size query and the call agree. It is optional: forward and
+// forward_kvcache run unsplit without it. In forward_kvcache's workspace it follows the KV-cache
+// region.
+[[maybe_unused]] std::size_t split_kv_workspace_size(DType dtype, const Device& device, std::int64_t batch,
+                                                     std::int64_t seqlen_q, std::int64_t seqlen_k, std::int64_t heads,
+                                                     std::int64_t heads_k, std::int64_t head_dim,
+                                                     std::int64_t head_dim_v, const Options& opt) {
+#ifdef FLASHATTN_WITH_CUDA
+  if (device.type != DeviceType::cuda || (dtype != DType::f16 && dtype != DType::bf16)) return 0;
+  common::AttentionParams p;
+  p.storage = dtype == DType::f16 ? common::Storage::f16 : common::Storage::bf16;
+  p.batch = int(batch);
+  p.max_seqlen_q = int(seqlen_q);
+  p.max_seqlen_k = int(seqlen_k);
+  p.heads = int(heads);
+  p.heads_k = int(heads_k);
+  p.head_dim = int(head_dim);
+  p.head_dim_v = int(head_dim_v);
+  // What decides the kernel variant and the visible key range, as validation would set it.
+  p.causal = opt.causal;
+  p.window_left = opt.window_left;
+  p.window_right = opt.window_right;
+  p.softcap = opt.softcap;
+  p.dropout_p = opt.dropout_p;
+  static const float kAnySlopes = 0.0f;  // only "given or not" matters here
+  p.alibi_slopes = opt.alibi_slopes.defined() ? &kAnySlopes : nullptr;
+  return cuda::forward_workspace_size(p);
+#else
+  (void)dtype, (void)device, (void)batch, (void)seqlen_q, (void)seqlen_k, (void)heads, (void)heads_k;
+  (void)head_dim, (void)head_dim_v, (void)opt;
+  return 0;
+#endif
+}
+
+// The split-KV part of forward_kvcache's workspace: the cache is (b_cache, sk_cache, hk, d), or
+// paged (pages, page_size, hk, d) with block_table (b, pages per sequence).
+[[maybe_unused]] std::size_t kvcache_split_kv_workspace_size(const KVCacheInputs& in, const Options& opt) {
+  if (in.q.ndim != 4 || in.k_cache.ndim != 4 || in.v_cache.ndim != 4) return 0;
+  const std::int64_t capacity =
+      in.block_table.defined() && in.block_table.ndim == 2 ? in.block_table.shape[1] * in.k_cache.shape[1]
+                                                           : in.k_cache.shape[1];
+  return split_kv_workspace_size(in.q.dtype, in.q.device, in.q.shape[0], in.q.shape[1], capacity, in.q.shape[2],
+                                 in.k_cache.shape[2], in.q.shape[3], in.v_cache.shape[3], opt);
+}
+
+// n rounded up to the 256-byte alignment of every workspace region.
+[[maybe_unused]] std::size_t workspace_align(std::size_t n) {
+  constexpr std::size_t kAlign = 256;
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
+
+// The part of `ws` from byte `offset` on (none when offset leaves nothing).
+[[maybe_unused]] Workspace workspace_from(const Workspace& ws, std::size_t offset) {
+  if (ws.data == nullptr || ws.bytes <= offset) return {};
+  return {static_cast<char*>(ws.data) + offset, ws.bytes - offset};
+}
+
 template <class Validate>
 Support support_of(Validate&& validate, const Options& opt) {
   try {
@@ -105,9 +167,10 @@ Support support_of(Validate&& validate, const Options& opt) {
 
 }  // namespace
 
-void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, Workspace, Stream stream) {
+void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, Workspace workspace,
+             Stream stream) {
   const Problem pr = detail::validate_forward(in, out, opt);
-  run_forward(pr, require_backend(pr, opt, "flashattn::forward"), opt, stream);
+  run_forward(pr, require_backend(pr, opt, "flashattn::forward"), opt, stream, workspace);
 }
 
 void backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, Workspace workspace,
@@ -165,9 +228,10 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     // the rotated q go to the workspace's KV-cache region, where the attention reads them.
     const cuda::KvcacheWorkspace region = cuda::kvcache_workspace(
         p.batch, in.q.numel(), dtype_size(in.q.dtype), in.k_new.defined(), in.rotary_cos.defined());
+    // Only the KV-cache region is required; the split-KV part after it is optional.
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
     cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle);
-    run_forward(pr, s, opt, stream);
+    run_forward(pr, s, opt, stream, workspace_from(workspace, region.bytes));
     return;
   }
 #else
@@ -192,10 +256,44 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
   run_forward(pr, s, opt, stream);
 }
 
-void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace, Stream) {
+void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace, Stream stream) {
   detail::validate_combine(in, out);
   if (in.out_partial.device.type != DeviceType::cpu) {
+#ifdef FLASHATTN_WITH_CUDA
+    const TensorView& op = in.out_partial;
+    cuda::CombineParams c;
+    c.splits = int(op.shape[0]);
+    c.batch = int(op.shape[1]);
+    c.max_seqlen_q = int(op.shape[2]);
+    c.heads = int(op.shape[3]);
+    c.head_dim_v = int(op.shape[4]);
+    c.out_partial = static_cast<const float*>(op.data);
+    c.out_partial_split_stride = op.stride[0];
+    c.out_partial_batch_stride = op.stride[1];
+    c.out_partial_row_stride = op.stride[2];
+    c.out_partial_head_stride = op.stride[3];
+    c.lse_partial = static_cast<const float*>(in.lse_partial.data);
+    c.lse_partial_split_stride = in.lse_partial.stride[0];
+    c.lse_partial_batch_stride = in.lse_partial.stride[1];
+    c.lse_partial_head_stride = in.lse_partial.stride[2];
+    c.out.data = out.out.data;
+    c.out.batch_stride = out.out.stride[0];
+    c.out.row_stride = out.out.stride[1];
+    c.out.head_stride = out.out.stride[2];
+    c.out_storage = out.out.dtype == DType::f16    ? common::Storage::f16
+                    : out.out.dtype == DType::bf16 ? common::Storage::bf16
+                                                   : common::Storage::f32;
+    if (out.lse.defined()) {
+      c.lse = static_cast<float*>(out.lse.data);
+      c.lse_batch_stride = out.lse.stride[0];
+      c.lse_head_stride = out.lse.stride[1];
+    }
+    cuda::combine(c, stream.handle);
+    return;
+#else
+    (void)stream;
     throw Error("flashattn::combine: no CUDA backend is compiled into this build (configure with -DFLASHATTN_CUDA=ON)");
+#endif
   }
   cpu::CombineArgs a;
   a.out_partial = static_cast<const float*>(in.out_partial.data);
@@ -216,10 +314,17 @@ void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace, Stre
 }
 
 std::size_t forward_workspace_size(const ForwardInputs& in, const Options& opt) {
-  // The CPU backends keep their scratch on the host heap; no device workspace is needed.
-  (void)in;
-  (void)opt;
-  return 0;
+  // The CPU backends keep their scratch on the host heap; no device workspace is needed. CUDA
+  // tensors: the optional split-KV partials (only shapes are read).
+  const TensorView& q = in.q;
+  if (q.ndim < 3 || in.k.ndim != q.ndim || in.v.ndim != q.ndim) return 0;
+  const int n = q.ndim;
+  const bool varlen = in.varlen.enabled();
+  const std::int64_t batch = varlen ? in.varlen.cu_seqlens_q.shape[0] - 1 : q.shape[0];
+  const std::int64_t seqlen_q = varlen ? in.varlen.max_seqlen_q : q.shape[1];
+  const std::int64_t seqlen_k = varlen ? in.varlen.max_seqlen_k : in.k.shape[1];
+  return split_kv_workspace_size(q.dtype, q.device, batch, seqlen_q, seqlen_k, q.shape[n - 2], in.k.shape[n - 2],
+                                 q.shape[n - 1], in.v.shape[n - 1], opt);
 }
 std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt) {
 #ifdef FLASHATTN_WITH_CUDA
@@ -251,9 +356,10 @@ std::size_t forward_kvcache_workspace_size(const KVCacheInputs& in, const Option
   // cuda::kvcache_workspace) first, then what the attention needs, each part 256-byte aligned.
   // Only shapes are read.
   if (in.q.device.type != DeviceType::cuda || in.q.ndim != 4) return 0;
-  return cuda::kvcache_workspace(in.q.shape[0], in.q.numel(), dtype_size(in.q.dtype), in.k_new.defined(),
-                                 in.rotary_cos.defined())
-      .bytes;
+  const std::size_t kvcache_bytes = cuda::kvcache_workspace(in.q.shape[0], in.q.numel(), dtype_size(in.q.dtype),
+                                                            in.k_new.defined(), in.rotary_cos.defined())
+                                        .bytes;
+  return workspace_align(kvcache_bytes) + kvcache_split_kv_workspace_size(in, opt);
 #else
   (void)in;
   return 0;
