@@ -97,6 +97,9 @@ void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace works
 // --- what a call needs --------------------------------------------------------------------------
 
 // Bytes of workspace a call needs (0 when none). Only shapes, dtypes and devices are read.
+// On CUDA tensors the forward's workspace holds split-KV partials (decoding: few query rows, long
+// contexts); it is optional — without it, or with less, the forward runs unsplit. In
+// forward_kvcache's workspace that part follows the required KV-cache region.
 std::size_t forward_workspace_size(const ForwardInputs& in, const Options& opt = {});
 std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt = {});
 std::size_t forward_kvcache_workspace_size(const KVCacheInputs& in, const Options& opt = {});
