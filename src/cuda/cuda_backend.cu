@@ -61,6 +61,7 @@ constexpr int kMaxCachedDevices = 64;
 // register file, so two fit an SM; the 8-warp tile (d 256) takes it all.
 constexpr int kRegisterFileSize = 65536;
 constexpr int kMaxRegistersPerThread = 256;
+constexpr int kWarpSize = 32;
 
 std::size_t align_up(std::size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
@@ -125,7 +126,8 @@ bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
 }
 
 int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits) {
-  // Efficiency: ≥ 80 % of one wave is busy already, or nothing to split.
+  // A grid that fills this share of the slots is not split: the last wave gains little, and the
+  // partials and the combine cost memory traffic.
   constexpr double kFullEnough = 0.8;
   // A split count whose efficiency is this close to the best is good enough.
   constexpr double kNearBest = 0.85;
@@ -164,7 +166,7 @@ int forward_num_splits(const common::AttentionParams& p) {
   };
   const int n_blocks = std::max(tiles_of_rows(0, std::min(tile.block_m, p.max_seqlen_q)),
                                 tiles_of_rows((m_blocks - 1) * tile.block_m, p.max_seqlen_q));
-  const int ctas_per_sm = std::max(1, kRegisterFileSize / (tile.warps * 32 * kMaxRegistersPerThread));
+  const int ctas_per_sm = std::max(1, kRegisterFileSize / (tile.warps * kWarpSize * kMaxRegistersPerThread));
   const std::int64_t ctas = std::int64_t(m_blocks) * p.heads * p.batch;
   return num_splits_heuristic(ctas, n_blocks, current_sm_count() * ctas_per_sm, kMaxSplits);
 }
