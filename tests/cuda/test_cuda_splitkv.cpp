@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -82,12 +83,13 @@ std::vector<DecodeCase> decode_cases() {
   return cases;
 }
 
-std::string decode_name(const testing::TestParamInfo<DecodeCase>& info) {
-  const DecodeCase& c = info.param;
+std::string decode_label(const DecodeCase& c) {
   const char* mask = c.mask == MaskKind::none ? "full" : c.mask == MaskKind::causal ? "causal" : "window";
   return std::string(dtype_tag(c.dtype)) + "_d" + std::to_string(c.d) + "_" + std::to_string(c.sq) + "x" +
          std::to_string(c.sk) + "_" + mask + "_splits" + std::to_string(c.splits);
 }
+std::string decode_name(const testing::TestParamInfo<DecodeCase>& info) { return decode_label(info.param); }
+void PrintTo(const DecodeCase& c, std::ostream* os) { *os << decode_label(c); }
 
 class CudaSplitKvDecode : public testing::TestWithParam<DecodeCase> {};
 
@@ -304,11 +306,12 @@ struct CombineCase {
   bool padded;  // gaps between heads / rows / batches of out_partial and out
 };
 
-std::string combine_name(const testing::TestParamInfo<CombineCase>& info) {
-  const CombineCase& cc = info.param;
+std::string combine_label(const CombineCase& cc) {
   return "splits" + std::to_string(cc.splits) + "_dv" + std::to_string(cc.dv) + "_" + dtype_tag(cc.out_dtype) +
          (cc.padded ? "_padded" : "");
 }
+std::string combine_name(const testing::TestParamInfo<CombineCase>& info) { return combine_label(info.param); }
+void PrintTo(const CombineCase& cc, std::ostream* os) { *os << combine_label(cc); }
 
 class CudaCombine : public testing::TestWithParam<CombineCase> {};
 
