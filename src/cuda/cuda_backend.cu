@@ -8,50 +8,17 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
+#include "cuda/cuda_common.h"
 #include "cuda/sm80/sm80_fwd.h"
+#include "cuda/sm80/sm80_registry.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
 namespace {
 
-// Global ↔ shared copies move 16 bytes per thread: 8 elements of fp16 / bf16.
-constexpr int kVectorBytes = 16;
-constexpr int kVectorElems = 8;
-constexpr int kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.z (heads, batch)
-
-bool aligned(const common::RowHeadTensor& t) {
-  return reinterpret_cast<std::uintptr_t>(t.data) % kVectorBytes == 0 && t.batch_stride % kVectorElems == 0 &&
-         t.row_stride % kVectorElems == 0 && t.head_stride % kVectorElems == 0;
-}
-
-int fwd_head_dim(const common::AttentionParams& p) {
-  const int need = std::max(p.head_dim, p.head_dim_v);
-  for (int d : sm80::kFwdHeadDims) {
-    if (need <= d) return d;
-  }
-  return 0;
-}
-
-template <common::Storage kStorage>
-cudaError_t run_sm80(const common::AttentionParams& p, int head_dim, const std::uint64_t* rng_state,
-                     cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return sm80::run_fwd<kStorage, 64>(p, rng_state, stream);
-    case 128: return sm80::run_fwd<kStorage, 128>(p, rng_state, stream);
-    default: return sm80::run_fwd<kStorage, 256>(p, rng_state, stream);
-  }
-}
-
-template <common::Storage kStorage>
-cudaError_t run_sm80_split(const common::AttentionParams& p, int head_dim, const sm80::SplitKvPartials& split,
-                           const std::uint64_t* rng_state, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return sm80::run_fwd_split<kStorage, 64>(p, split, rng_state, stream);
-    case 128: return sm80::run_fwd_split<kStorage, 128>(p, split, rng_state, stream);
-    default: return sm80::run_fwd_split<kStorage, 256>(p, split, rng_state, stream);
-  }
-}
+int fwd_head_dim(const common::AttentionParams& p) { return detail::head_dim_for(sm80::Family::fwd, p); }
 
 // --- split-KV ----------------------------------------------------------------------------------
 
@@ -99,30 +66,8 @@ std::size_t lse_partial_bytes(const common::AttentionParams& p, int splits) {
 }  // namespace
 
 bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
-  auto no = [&](const std::string& why) {
-    if (why_not) *why_not = why;
-    return false;
-  };
-  if (p.storage != common::Storage::f16 && p.storage != common::Storage::bf16) {
-    return no("the CUDA kernels take fp16 or bf16 only");
-  }
-  if (fwd_head_dim(p) == 0) {
-    return no("no sm80 forward kernel for head dim " + std::to_string(std::max(p.head_dim, p.head_dim_v)) +
-              " (compiled: 64, 128, 256)");
-  }
-  const struct {
-    const char* name;
-    const common::RowHeadTensor* t;
-  } tensors[] = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}};
-  for (const auto& [name, t] : tensors) {
-    if (!aligned(*t)) {
-      return no(std::string(name) +
-                ": the CUDA kernels need a 16-byte aligned data pointer and batch/row/head strides that are "
-                "multiples of 8 elements");
-    }
-  }
-  if (p.heads > kMaxGridYZ || p.batch > kMaxGridYZ) return no("more than 65535 heads or batch entries");
-  return true;
+  return detail::can_serve_common(p, sm80::Family::fwd, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}},
+                                  why_not);
 }
 
 int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits) {
@@ -192,7 +137,9 @@ void forward(const common::AttentionParams& p, void* stream, const std::uint64_t
 
   // Split only when asked for (or chosen) and the workspace holds the partials; a misaligned
   // workspace is used from its first aligned byte on.
-  const int splits = workspace != nullptr && workspace_bytes > 0 ? forward_num_splits(p) : 1;
+  // (The split kernels must be compiled for the same head dim.)
+  const bool split_compiled = detail::head_dim_for(sm80::Family::fwd_split, p) == head_dim;
+  const int splits = workspace != nullptr && workspace_bytes > 0 && split_compiled ? forward_num_splits(p) : 1;
   if (splits > 1) {
     const auto base = reinterpret_cast<std::uintptr_t>(workspace);
     const std::size_t skip = align_up(base) - base;
@@ -202,9 +149,7 @@ void forward(const common::AttentionParams& p, void* stream, const std::uint64_t
       partials.out_partial = reinterpret_cast<float*>(base + skip);
       partials.lse_partial = reinterpret_cast<float*>(base + skip + out_bytes);
       partials.num_splits = splits;
-      check(p.storage == common::Storage::f16
-                ? run_sm80_split<common::Storage::f16>(p, head_dim, partials, rng_state, s)
-                : run_sm80_split<common::Storage::bf16>(p, head_dim, partials, rng_state, s));
+      check(sm80::dispatch_fwd_split(p.storage, head_dim, p, partials, rng_state, s));
       CombineParams c;
       c.splits = splits;
       c.batch = p.batch;
@@ -230,10 +175,19 @@ void forward(const common::AttentionParams& p, void* stream, const std::uint64_t
       return;
     }
   }
-  check(p.storage == common::Storage::f16 ? run_sm80<common::Storage::f16>(p, head_dim, rng_state, s)
-                                          : run_sm80<common::Storage::bf16>(p, head_dim, rng_state, s));
+  check(sm80::dispatch_fwd(p.storage, head_dim, p, rng_state, s));
 }
 
-std::string compiled_kernels() { return "sm80 fwd: f16/bf16 x head dim 64, 128, 256"; }
+std::string compiled_kernels() {
+  std::string list;
+  const std::pair<sm80::Family, const char*> families[] = {
+      {sm80::Family::fwd, "fwd"}, {sm80::Family::fwd_split, "split-KV fwd"}, {sm80::Family::bwd, "bwd"}};
+  for (const auto& [family, name] : families) {
+    list += std::string(list.empty() ? "" : "; ") + "sm80 " + name + ": f16 d " +
+            sm80::compiled_head_dims(family, common::Storage::f16) + ", bf16 d " +
+            sm80::compiled_head_dims(family, common::Storage::bf16);
+  }
+  return list;
+}
 
 }  // namespace flashattn::cuda

@@ -8,6 +8,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_common.h"
 #include "cuda/sm80/sm80_bwd.h"
+#include "cuda/sm80/sm80_registry.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
@@ -15,7 +16,7 @@ namespace {
 
 constexpr std::size_t kWorkspaceAlign = 256;
 
-int bwd_head_dim(const common::AttentionParams& p) { return detail::instantiated_head_dim(p, sm80::kBwdHeadDims); }
+int bwd_head_dim(const common::AttentionParams& p) { return detail::head_dim_for(sm80::Family::bwd, p); }
 
 std::size_t round_up(std::size_t x, std::size_t to) { return (x + to - 1) / to * to; }
 
@@ -41,20 +42,10 @@ Layout layout_of(const common::AttentionParams& p, std::int64_t total_q_rows) {
   return l;
 }
 
-template <common::Storage kStorage>
-cudaError_t run_sm80(const common::AttentionParams& p, int head_dim, const sm80::BwdScratch& ws,
-                     const std::uint64_t* rng_state, cudaStream_t stream) {
-  switch (head_dim) {
-    case 64: return sm80::run_bwd<kStorage, 64>(p, ws, rng_state, stream);
-    case 128: return sm80::run_bwd<kStorage, 128>(p, ws, rng_state, stream);
-    default: return sm80::run_bwd<kStorage, 256>(p, ws, rng_state, stream);
-  }
-}
-
 }  // namespace
 
 bool can_serve_backward(const common::AttentionParams& p, std::string* why_not) {
-  return detail::can_serve_common(p, sm80::kBwdHeadDims, "sm80 backward",
+  return detail::can_serve_common(p, sm80::Family::bwd,
                                   {{"q", &p.q},
                                    {"k", &p.k},
                                    {"v", &p.v},
@@ -88,9 +79,7 @@ void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void*
   }
   const int head_dim = bwd_head_dim(p);
   auto* s = static_cast<cudaStream_t>(stream);
-  const cudaError_t err = p.storage == common::Storage::f16
-                              ? run_sm80<common::Storage::f16>(p, head_dim, ws, rng_state, s)
-                              : run_sm80<common::Storage::bf16>(p, head_dim, ws, rng_state, s);
+  const cudaError_t err = sm80::dispatch_bwd(p.storage, head_dim, p, ws, rng_state, s);
   if (err != cudaSuccess) {
     throw Error(std::string("flashattn::backward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
   }

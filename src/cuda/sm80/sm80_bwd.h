@@ -11,9 +11,6 @@
 
 namespace flashattn::cuda::sm80 {
 
-// The head dims the backward is instantiated for; a call runs in the smallest one that holds
-// max(d, dv).
-inline constexpr int kBwdHeadDims[] = {64, 128, 256};
 // Rows per preprocess block and the unit of the deterministic counters (per (batch, head, row block)).
 inline constexpr int kBwdRowBlock = 64;
 // Sequences start on a multiple of this many rows in the dQ accumulator (sm80_bwd_kernel.cuh).

@@ -10,10 +10,6 @@
 
 namespace flashattn::cuda::sm80 {
 
-// The head dims the forward kernel is instantiated for; a call runs in the smallest one that
-// holds max(d, dv).
-inline constexpr int kFwdHeadDims[] = {64, 128, 256};
-
 // Tile of one forward CTA: kBlockM query rows × kBlockN keys per step, kNWarps warps. The host
 // needs it to count CTAs and key tiles (split-KV heuristic); sm80_fwd_launch.cuh builds the
 // kernels from it. full: softcap / ALiBi / dropout compiled in (half the key tile, for registers).
