@@ -239,8 +239,10 @@ const AppendCase kCases[] = {
 
 INSTANTIATE_TEST_SUITE_P(Grid, CudaKvcacheAppend, testing::ValuesIn(kCases), case_name);
 
-// SPEC §4/§5: a workspace that is missing, one byte short or misaligned is refused before anything
-// is written: cache and outputs keep their bits.
+// SPEC §4/§5: a workspace that is missing, one byte short of the KV-cache region or misaligned is
+// refused before anything is written: cache and outputs keep their bits. (The split-KV part that
+// forward_kvcache_workspace_size adds after the region is optional: with less, the attention runs
+// unsplit.)
 TEST(CudaKvcacheWorkspace, TooSmallThrowsAndWritesNothing) {
   FA_SKIP_WITHOUT_GPU();
   const KvcacheCall call({DType::bf16, 64, 64, 4, 2, CacheKind::paged, 16, 4, 4, 32, false, MaskKind::causal});
@@ -251,7 +253,9 @@ TEST(CudaKvcacheWorkspace, TooSmallThrowsAndWritesNothing) {
   const std::size_t need = dc.workspace_bytes();
   ASSERT_GT(need, 0u);
   auto* ws = static_cast<std::uint8_t*>(dc.dev.alloc(need + 256));
-  const flashattn::Workspace bad[] = {{nullptr, 0}, {ws, need - 1}, {ws + 16, need}};
+  const std::size_t region = flashattn::cuda::kvcache_workspace(call.batch(), call.q.numel(), 2, true, true).bytes;
+  ASSERT_GE(need, region);
+  const flashattn::Workspace bad[] = {{nullptr, 0}, {ws, region - 1}, {ws + 16, need}};
   for (const flashattn::Workspace& w : bad) {
     SCOPED_TRACE("workspace bytes " + std::to_string(w.bytes));
     EXPECT_THROW(dc.run(w), flashattn::Error);
