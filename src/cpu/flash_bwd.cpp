@@ -373,6 +373,8 @@ struct QueryBlock {
 }  // namespace
 
 void flash_backward(const AttentionParams& p, int num_threads) {
+  // The backward does 2.5 × the forward's products.
+  num_threads = threads_for_work(2.5 * flash::attention_flops(p), num_threads);
   BackwardPlan plan;
   plan.row_begin.assign(std::size_t(p.batch) + 1, 0);
   std::vector<QueryBlock> query_blocks;

@@ -35,6 +35,16 @@ inline constexpr int round_up(int x, int multiple) {
 }
 inline constexpr int ceil_div(int x, int y) { return (x + y - 1) / y; }
 
+// The forward's matmul FLOPs without the mask: 2·h·sq·sk·(d + dv) summed over the batch (what
+// the thread count is sized by).
+inline double attention_flops(const common::AttentionParams& p) {
+  double flops = 0.0;
+  for (int b = 0; b < p.batch; ++b) {
+    flops += 2.0 * p.heads * double(p.seqlen_q(b)) * double(p.seqlen_k(b)) * double(p.head_dim + p.head_dim_v);
+  }
+  return flops;
+}
+
 // A cache-line aligned fp32 array, zero-filled at allocation unless asked not to be.
 class FloatBuffer {
  public:

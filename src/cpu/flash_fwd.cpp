@@ -234,6 +234,7 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
 }  // namespace
 
 void flash_forward(const AttentionParams& p, int num_threads) {
+  num_threads = threads_for_work(flash::attention_flops(p), num_threads);
   const int group = p.group_size();
   std::vector<ForwardTask> tasks;
   for (int b = 0; b < p.batch; ++b) {

@@ -15,6 +15,12 @@ int parallel_workers(std::int64_t num_tasks, int num_threads) {
   return int(std::max<std::int64_t>(1, std::min<std::int64_t>(num_threads, num_tasks)));
 }
 
+int threads_for_work(double flops, int num_threads) {
+  const double worth = flops / kMinFlopsPerThread;
+  if (!(worth >= 1.0)) return 1;  // also NaN
+  return worth >= double(num_threads) ? std::max(1, num_threads) : std::max(1, int(worth));
+}
+
 void parallel_for(std::int64_t num_tasks, int num_threads,
                   const std::function<void(std::int64_t task, int worker)>& fn) {
   if (num_tasks <= 0) return;

@@ -10,6 +10,12 @@ namespace flashattn::cpu {
 // at least 1. Callers size per-worker scratch with it.
 int parallel_workers(std::int64_t num_tasks, int num_threads);
 
+// Threads worth starting for `flops` of work: num_threads, but no more than one per
+// kMinFlopsPerThread (at least 1). Starting a thread costs tens of microseconds, and far more when
+// the machine's cores are busy; a small call (short sequences, decoding) runs faster on fewer.
+inline constexpr double kMinFlopsPerThread = 4e6;
+int threads_for_work(double flops, int num_threads);
+
 // Runs fn(task, worker) once for every task in [0, num_tasks), on parallel_workers(…) workers;
 // the calling thread is worker 0. Tasks are handed out one at a time in increasing index order
 // (dynamic scheduling), so a task may wait for a lower-numbered task to make progress: that task

@@ -126,6 +126,14 @@ TEST(ParallelFor, WorkerCount) {
   EXPECT_EQ(cpu::parallel_workers(100, 1), 1);
 }
 
+TEST(ParallelFor, ThreadsForWork) {
+  EXPECT_EQ(cpu::threads_for_work(0.0, 8), 1);
+  EXPECT_EQ(cpu::threads_for_work(0.5 * cpu::kMinFlopsPerThread, 8), 1);
+  EXPECT_EQ(cpu::threads_for_work(3.5 * cpu::kMinFlopsPerThread, 8), 3);
+  EXPECT_EQ(cpu::threads_for_work(1e12, 8), 8);
+  EXPECT_EQ(cpu::threads_for_work(1e12, 0), 1);
+}
+
 TEST(ParallelFor, RunsEveryTaskOnce) {
   for (int threads : {1, 2, 3, 8}) {
     for (std::int64_t tasks : {0, 1, 2, 5, 1000}) {
