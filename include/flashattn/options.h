@@ -46,6 +46,11 @@ struct Options {
   Backend backend = Backend::automatic;
   // CPU backends: worker threads; 0 = std::thread::hardware_concurrency().
   int num_threads = 0;
+  // CUDA forward (and forward_kvcache): split-KV, the key tiles of each row block spread over this
+  // many CTAs and merged by a combine kernel. 0 = a heuristic decides; 1 = never split; n ≥ 2 = n
+  // splits (at most 128). Splitting needs the workspace that *_workspace_size reports for the same
+  // options; without it the forward runs unsplit. Ignored by the CPU backends.
+  int num_splits = 0;
 };
 
 }  // namespace flashattn

@@ -162,8 +162,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the whole cache). cache_batch_idx: (batch,) int32 cache row of each sequence.
     rotary_cos/rotary_sin: (seqlen_ro, rotary_dim / 2); k is rotated at its cache positions, q at
     cache_seqlens + i when causal or windowed, else at cache_seqlens. rotary_interleaved pairs
-    dims (0, 1), (2, 3), ... instead of (i, i + rotary_dim / 2). num_splits is accepted and
-    ignored on the CPU. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
+    dims (0, 1), (2, 3), ... instead of (i, i + rotary_dim / 2). num_splits: split-KV on
+    CUDA (0: heuristic, 1: never split, n: n splits); ignored on the CPU. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
     """
     return _impl("q", q).flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

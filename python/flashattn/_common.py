@@ -47,6 +47,7 @@ def make_options(
     dropout_p: float = 0.0,
     deterministic: bool = False,
     num_threads: int = 0,
+    num_splits: int = 0,
 ) -> _C.Options:
     opt = _C.Options()
     opt.softmax_scale = float(softmax_scale)
@@ -57,6 +58,7 @@ def make_options(
     opt.dropout_p = float(dropout_p)
     opt.deterministic = bool(deterministic)
     opt.num_threads = int(num_threads)
+    opt.num_splits = int(num_splits)
     return opt
 
 

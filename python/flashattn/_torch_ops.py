@@ -110,7 +110,8 @@ def _require_rng_state(rng_state: Optional[Tensor], dropout_p: float) -> Optiona
     return rng_state.detach()
 
 
-def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False):
+def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
+             num_splits=0):
     return make_options(
         softmax_scale=softmax_scale,
         causal=causal,
@@ -120,6 +121,7 @@ def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropo
         dropout_p=dropout_p,
         deterministic=deterministic,
         num_threads=_num_threads(q.device),
+        num_splits=num_splits,
     )
 
 
@@ -368,13 +370,14 @@ def fwd_kvcache(
     """q (b, sq, h, d) against k_cache/v_cache (b_cache, sk_cache, hk, d/dv), or paged
     (num_blocks, page_size, hk, d/dv) with block_table (b, max_blocks) int32. k/v
     (b, sk_new, hk, d/dv) are written into the caches in place at cache_seqlens first.
-    -> out (b, sq, h, dv), softmax_lse (b, h, sq) fp32. num_splits is a hint the CPU backend
-    does not need."""
+    -> out (b, sq, h, dv), softmax_lse (b, h, sq) fp32. num_splits: split-KV of the CUDA forward
+    (0: heuristic, 1: never, n: n splits); the CPU backend ignores it."""
     b, sq, h, _ = q.shape
     out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     q, k_cache, v_cache = _plain(q), k_cache.detach(), v_cache.detach()
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0)
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
+                   num_splits=num_splits)
     extra = dict(
         k=_plain(k), v=_plain(v), cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         block_table=block_table, rotary_cos=_plain(rotary_cos), rotary_sin=_plain(rotary_sin),

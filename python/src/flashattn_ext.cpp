@@ -346,7 +346,8 @@ NB_MODULE(_C, m) {
       .def_rw("dropout_offset", &flashattn::Options::dropout_offset)
       .def_rw("deterministic", &flashattn::Options::deterministic)
       .def_rw("backend", &flashattn::Options::backend)
-      .def_rw("num_threads", &flashattn::Options::num_threads);
+      .def_rw("num_threads", &flashattn::Options::num_threads)
+      .def_rw("num_splits", &flashattn::Options::num_splits);
 
   m.def("forward", &forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(),
         nb::kw_only(), nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(),

@@ -120,6 +120,7 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   p.window_right = opt.window_right;
   p.softcap = opt.softcap;
   p.dropout_p = opt.dropout_p;
+  p.num_splits = opt.num_splits;
   static const float kAnySlopes = 0.0f;  // only "given or not" matters here
   p.alibi_slopes = opt.alibi_slopes.defined() ? &kAnySlopes : nullptr;
   return cuda::forward_workspace_size(p);

@@ -172,6 +172,10 @@ void check_options(const Checker& c, const Options& opt) {
   }
   if (opt.window_left < -1) c.fail("options.window_left", "window sizes must be ≥ −1 (−1: unbounded)", "≥ −1", std::to_string(opt.window_left));
   if (opt.window_right < -1) c.fail("options.window_right", "window sizes must be ≥ −1 (−1: unbounded)", "≥ −1", std::to_string(opt.window_right));
+  if (opt.num_splits < 0) {
+    c.fail("options.num_splits", "split count must be ≥ 0 (0: heuristic, 1: never split)", "≥ 0",
+           std::to_string(opt.num_splits));
+  }
   if (opt.num_threads < 0) c.fail("options.num_threads", "thread count must be ≥ 0 (0: all cores)", "≥ 0", std::to_string(opt.num_threads));
 }
 
@@ -200,6 +204,7 @@ void set_semantics(const Checker& c, const Options& opt, Device device, common::
   p.window_left = opt.window_left;
   p.window_right = opt.window_right;
   p.deterministic = opt.deterministic;
+  p.num_splits = opt.num_splits;
   p.dropout_p = opt.dropout_p;
   if (opt.dropout_p > 0.0f) {
     p.dropout.seed = opt.dropout_seed;

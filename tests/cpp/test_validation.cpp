@@ -1090,6 +1090,15 @@ TEST(ValidationOptions, NumThreadsNonNegative) {
   EXPECT_REJECTED(b, kBwd, "options.num_threads", {"thread count"}, {"0"}, "-3");
 }
 
+TEST(ValidationOptions, NumSplitsNonNegative) {
+  FwdCase c;
+  c.opt.num_splits = -2;
+  EXPECT_REJECTED(c, kFwd, "options.num_splits", {"split count"}, {"0"}, "-2");
+  KvCase kv;
+  kv.opt.num_splits = -1;
+  EXPECT_REJECTED(kv, kKv, "options.num_splits", {"split count"}, {"0"}, "-1");
+}
+
 // ================================================================================================
 // Varlen index tensors
 // ================================================================================================

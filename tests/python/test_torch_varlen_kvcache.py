@@ -210,3 +210,28 @@ def test_kvcache_leftpad_not_implemented():
     cache = torch.randn(1, 4, 1, 8, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="cache_leftpad"):
         flashattn.flash_attn_with_kvcache(q, cache, cache, cache_leftpad=torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_kvcache_num_splits(device):
+    """num_splits (split-KV on CUDA; the CPU ignores it): every count gives the reference's result,
+    a long context decoded in 1, 3 and 16 splits; a negative count is refused."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(33)
+    b, h, hk, d, cap = 2, 8, 2, 64, 1500
+    q = randn((b, 1, h, d), dtype, device, g)
+    k_cache = randn((b, cap, hk, d), dtype, device, g)
+    v_cache = randn((b, cap, hk, d), dtype, device, g)
+    name = dtype_name(dtype)
+    kw = dict(scale=d ** -0.5, max_seqlen_k=cap)
+    refs, naives = [], []
+    for i in range(b):
+        args = (to_np(q)[i], to_np(k_cache)[i], to_np(v_cache)[i])
+        refs.append(attend(*args, **kw)[0])
+        naives.append(attend(*args, lowprec=name, **kw)[0])
+    for splits in (0, 1, 3, 16):
+        out = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=splits)
+        check_spec(f"out (num_splits={splits})", to_np(out), np.stack(refs), np.stack(naives), name, factor=3.0,
+                   reduction=cap)
+    with pytest.raises(ValueError, match="num_splits"):
+        flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=-1)
