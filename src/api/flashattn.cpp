@@ -332,6 +332,8 @@ std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt
   // Only shapes are read: the params the kernels size their buffers by, without validation.
   if (in.q.device.type != DeviceType::cuda || in.q.ndim < 3) return 0;
   common::AttentionParams p;
+  // The dtype picks the compiled head dim (builds may compile different sets per dtype).
+  p.storage = in.q.dtype == DType::bf16 ? common::Storage::bf16 : common::Storage::f16;
   p.heads = int(in.q.shape[in.q.ndim - 2]);
   p.head_dim = int(in.q.shape[in.q.ndim - 1]);
   p.head_dim_v = in.v.ndim > 0 ? int(in.v.shape[in.v.ndim - 1]) : p.head_dim;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda_grid.h"
+#include "cuda/sm80/sm80_registry.h"
 #include "cuda_test_util.h"
 
 namespace fa_test::cuda {
@@ -292,6 +293,41 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   DeviceArena::download(r.dv, out.dv.data);
   DeviceArena::download(r.softmax_d, out.softmax_d.data);
   EXPECT_TRUE(check_backward(p, fwd, r));
+}
+
+// Host only: the public size (shapes, dtype and options of CUDA views) equals what the backend
+// asks of the validated call, for both dtypes, dense and varlen, with and without deterministic
+// counters — so a caller who allocates backward_workspace_size bytes is never refused.
+TEST(CudaBackwardWorkspace, PublicSizeMatchesTheBackend) {
+  for (DType dtype : {DType::f16, DType::bf16}) {
+    for (bool varlen : {false, true}) {
+      for (bool deterministic : {false, true}) {
+        AttnConfig cfg = feature_config(dtype, 48, 130, 70);
+        cfg.head_dim_v = 64;  // the instantiated head dim follows max(d, dv)
+        if (varlen) {
+          cfg.varlen_q = {130, 0, 77};
+          cfg.varlen_k = {70, 9, 1};
+        }
+        cfg.opt.deterministic = deterministic;
+        const AttnProblem p = make_problem(cfg);
+        SCOPED_TRACE(describe(p.cfg));
+        const ForwardResult fwd = make_forward_outputs(p);
+        const BackwardResult r = make_backward_outputs(p);
+        const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+        const flashattn::detail::Problem pr =
+            flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt);
+        const std::int64_t rows = p.is_varlen() ? p.total_q : std::int64_t(cfg.batch) * p.total_q;
+        const std::size_t expected = flashattn::cuda::backward_workspace_size(pr.params, rows);
+        flashattn::BackwardInputs in = p.backward_inputs(fwd);
+        in.q.device = {flashattn::DeviceType::cuda, 0};
+        EXPECT_EQ(flashattn::backward_workspace_size(in, p.opt), expected);
+        // (A build that compiles no backward kernel for the dtype refuses the call anyway.)
+        if (flashattn::cuda::sm80::compiled_head_dim(flashattn::cuda::sm80::Family::bwd, pr.params.storage, 64) != 0) {
+          EXPECT_GT(expected, 0u);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
