@@ -22,7 +22,6 @@ int fwd_head_dim(const common::AttentionParams& p) { return detail::head_dim_for
 
 // --- split-KV ----------------------------------------------------------------------------------
 
-constexpr std::size_t kWorkspaceAlign = 256;  // every workspace region starts on this boundary
 constexpr int kMaxCachedDevices = 64;
 // A forward CTA of 4 warps may hold up to 255 registers per thread: 128 · 255 ≈ half of the 64K
 // register file, so two fit an SM; the 8-warp tile (d 256) takes it all.
@@ -30,7 +29,6 @@ constexpr int kRegisterFileSize = 65536;
 constexpr int kMaxRegistersPerThread = 256;
 constexpr int kWarpSize = 32;
 
-std::size_t align_up(std::size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 // SMs of the current device, asked once per device (0 when it cannot be asked).
 int current_sm_count() {
@@ -55,12 +53,12 @@ int current_sm_count() {
 
 // Bytes of the out and lse partials of `splits` splits, each region aligned.
 std::size_t out_partial_bytes(const common::AttentionParams& p, int splits) {
-  return align_up(std::size_t(splits) * std::size_t(p.batch) * std::size_t(p.max_seqlen_q) * std::size_t(p.heads) *
-                  std::size_t(p.head_dim_v) * sizeof(float));
+  return detail::workspace_align_up(std::size_t(splits) * std::size_t(p.batch) * std::size_t(p.max_seqlen_q) *
+                                    std::size_t(p.heads) * std::size_t(p.head_dim_v) * sizeof(float));
 }
 std::size_t lse_partial_bytes(const common::AttentionParams& p, int splits) {
-  return align_up(std::size_t(splits) * std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(p.max_seqlen_q) *
-                  sizeof(float));
+  return detail::workspace_align_up(std::size_t(splits) * std::size_t(p.batch) * std::size_t(p.heads) *
+                                    std::size_t(p.max_seqlen_q) * sizeof(float));
 }
 
 }  // namespace
@@ -142,7 +140,7 @@ void forward(const common::AttentionParams& p, void* stream, const std::uint64_t
   const int splits = workspace != nullptr && workspace_bytes > 0 && split_compiled ? forward_num_splits(p) : 1;
   if (splits > 1) {
     const auto base = reinterpret_cast<std::uintptr_t>(workspace);
-    const std::size_t skip = align_up(base) - base;
+    const std::size_t skip = detail::workspace_align_up(base) - base;
     const std::size_t out_bytes = out_partial_bytes(p, splits);
     if (workspace_bytes >= skip && workspace_bytes - skip >= out_bytes + lse_partial_bytes(p, splits)) {
       sm80::SplitKvPartials partials;

@@ -14,11 +14,7 @@
 namespace flashattn::cuda {
 namespace {
 
-constexpr std::size_t kWorkspaceAlign = 256;
-
 int bwd_head_dim(const common::AttentionParams& p) { return detail::head_dim_for(sm80::Family::bwd, p); }
-
-std::size_t round_up(std::size_t x, std::size_t to) { return (x + to - 1) / to * to; }
 
 // The workspace layout: the fp32 dQ accumulator (rows rounded per sequence to kBwdTileRowsHost, see
 // sm80_bwd_kernel.cuh; the instantiated head dim wide), then (deterministic) the counters.
@@ -34,10 +30,11 @@ Layout layout_of(const common::AttentionParams& p, std::int64_t total_q_rows) {
   l.m_blocks = (p.max_seqlen_q + sm80::kBwdRowBlock - 1) / sm80::kBwdRowBlock;
   // Bounds both layouts (dense: b · ⌈sq⌉ ≤ total + b · kTile rows), so the size needs no cu_seqlens.
   const std::size_t rows = std::size_t(total_q_rows) + (std::size_t(p.batch) + 1) * kTile;
-  l.dq_accum_bytes = round_up(rows * std::size_t(p.heads) * std::size_t(bwd_head_dim(p)) * sizeof(float), kWorkspaceAlign);
+  l.dq_accum_bytes =
+      detail::workspace_align_up(rows * std::size_t(p.heads) * std::size_t(bwd_head_dim(p)) * sizeof(float));
   if (p.deterministic) {
     l.counter_bytes =
-        round_up(std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(l.m_blocks) * sizeof(int), kWorkspaceAlign);
+        detail::workspace_align_up(std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(l.m_blocks) * sizeof(int));
   }
   return l;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -18,6 +19,12 @@ namespace flashattn::cuda::detail {
 inline constexpr int kVectorBytes = 16;
 inline constexpr int kVectorElems = 8;
 inline constexpr int kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y and gridDim.z
+// Every region of a caller's workspace starts on this boundary (the API layer checks the base).
+inline constexpr std::size_t kWorkspaceAlign = 256;
+
+inline std::size_t workspace_align_up(std::size_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
 
 inline bool aligned(const common::RowHeadTensor& t) {
   return reinterpret_cast<std::uintptr_t>(t.data) % kVectorBytes == 0 && t.batch_stride % kVectorElems == 0 &&

@@ -9,19 +9,17 @@
 
 #include "common/numeric.h"
 #include "common/rotary.h"
+#include "cuda/cuda_common.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
 namespace {
 
-constexpr std::size_t kWorkspaceAlign = 256;  // the API's workspace alignment; every part keeps it
 constexpr int kWarpSize = 32;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
 // Enough blocks to fill any current GPU several times over; the grid-stride loop does the rest.
 constexpr std::int64_t kMaxBlocks = 4096;
-
-std::size_t align_up(std::size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
 // One head vector as common::rotate sees it: read from src, written to dst (distinct memory).
 template <class T>
@@ -111,11 +109,11 @@ KvcacheWorkspace kvcache_workspace(std::int64_t batch, std::int64_t q_elements, 
   w.rotary = rotary;
   if (appends) {
     w.seqlens_after = w.bytes;
-    w.bytes += align_up(std::size_t(batch) * sizeof(std::int32_t));
+    w.bytes += detail::workspace_align_up(std::size_t(batch) * sizeof(std::int32_t));
   }
   if (rotary) {
     w.q_rotated = w.bytes;
-    w.bytes += align_up(std::size_t(q_elements) * element_bytes);
+    w.bytes += detail::workspace_align_up(std::size_t(q_elements) * element_bytes);
   }
   return w;
 }
