@@ -72,4 +72,74 @@ inline AttnConfig feature_config(flashattn::DType dtype, int d, int sq, int sk) 
   return cfg;
 }
 
+// Feature configurations that the forward and backward tests both check, per dtype.
+
+// Windows over d 64/128/256: left + right, left only, and causal + left with sq > sk (the first
+// rows see no key: out 0, lse +∞, zero gradients).
+inline std::vector<AttnConfig> window_configs(flashattn::DType dtype) {
+  std::vector<AttnConfig> cfgs;
+  for (int d : {64, 128, 256}) {
+    AttnConfig cfg = feature_config(dtype, d, 239, 700);
+    cfg.opt.window_left = 64;
+    cfg.opt.window_right = 17;
+    cfgs.push_back(cfg);
+    cfg.opt.window_right = -1;
+    cfgs.push_back(cfg);
+    cfg.opt.causal = true;
+    cfg.opt.window_left = 100;
+    cfg.seqlen_q = 700;
+    cfg.seqlen_k = 239;
+    cfgs.push_back(cfg);
+  }
+  return cfgs;
+}
+
+// Dropout p = 0.17 over d 64/128/256, causal or not.
+inline std::vector<AttnConfig> dropout_configs(flashattn::DType dtype) {
+  std::vector<AttnConfig> cfgs;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(dtype, d, 150, 333);
+      cfg.opt.dropout_p = 0.17f;
+      cfg.opt.dropout_seed = 0x1234567890abcdefull;
+      cfg.opt.dropout_offset = 5;
+      cfg.opt.causal = causal;
+      cfgs.push_back(cfg);
+    }
+  }
+  return cfgs;
+}
+
+// Varlen batches with empty query and key sequences, with and without seqused_k.
+inline std::vector<AttnConfig> varlen_configs(flashattn::DType dtype) {
+  std::vector<AttnConfig> cfgs;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      for (bool used : {false, true}) {
+        AttnConfig cfg = feature_config(dtype, d, 0, 0);
+        cfg.varlen_q = {0, 113, 1, 239, 0, 64, 130};
+        cfg.varlen_k = {17, 203, 0, 239, 0, 1, 129};
+        if (used) cfg.seqused_k = {9, 150, 0, 200, 0, 1, 128};
+        cfg.opt.causal = causal;
+        cfgs.push_back(cfg);
+      }
+    }
+  }
+  return cfgs;
+}
+
+// Packed qkv, (b, h, s, d) and padded layouts (padded outputs too), causal.
+inline std::vector<AttnConfig> strided_configs(flashattn::DType dtype) {
+  std::vector<AttnConfig> cfgs;
+  for (Layout layout : {Layout::packed_qkv, Layout::bhsd, Layout::padded}) {
+    AttnConfig cfg = feature_config(dtype, 128, 200, 200);
+    cfg.heads_k = cfg.heads;
+    cfg.layout = layout;
+    cfg.padded_outputs = layout == Layout::padded;
+    cfg.opt.causal = true;
+    cfgs.push_back(cfg);
+  }
+  return cfgs;
+}
+
 }  // namespace fa_test::cuda

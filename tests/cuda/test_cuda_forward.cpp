@@ -53,19 +53,7 @@ class CudaForward : public testing::TestWithParam<DType> {
 
 TEST_P(CudaForward, SlidingWindow) {
   FA_SKIP_WITHOUT_GPU();
-  for (int d : {64, 128, 256}) {
-    AttnConfig cfg = base(d, 239, 700);
-    cfg.opt.window_left = 64;
-    cfg.opt.window_right = 17;
-    expect_matches(cfg);
-    cfg.opt.window_right = -1;  // left only
-    expect_matches(cfg);
-    cfg.opt.causal = true;  // causal + left window
-    cfg.opt.window_left = 100;
-    cfg.seqlen_q = 700;
-    cfg.seqlen_k = 239;  // sq > sk: the first rows see no key (out 0, lse +inf)
-    expect_matches(cfg);
-  }
+  for (const AttnConfig& cfg : window_configs(GetParam())) expect_matches(cfg);
 }
 
 TEST_P(CudaForward, Softcap) {
@@ -102,16 +90,7 @@ TEST_P(CudaForward, Alibi) {
 
 TEST_P(CudaForward, DropoutMatchesReference) {
   FA_SKIP_WITHOUT_GPU();
-  for (int d : {64, 128, 256}) {
-    for (bool causal : {false, true}) {
-      AttnConfig cfg = base(d, 150, 333);
-      cfg.opt.dropout_p = 0.17f;
-      cfg.opt.dropout_seed = 0x1234567890abcdefull;
-      cfg.opt.dropout_offset = 5;
-      cfg.opt.causal = causal;
-      expect_matches(cfg);
-    }
-  }
+  for (const AttnConfig& cfg : dropout_configs(GetParam())) expect_matches(cfg);
 }
 
 // With v the identity (sk == dv), out[i, j] = keep_ij · p_ij / (1 − p): the kept set is exactly
@@ -169,30 +148,12 @@ TEST_P(CudaForward, DropoutMaskIsBitExact) {
 
 TEST_P(CudaForward, VarlenWithEmptySequences) {
   FA_SKIP_WITHOUT_GPU();
-  for (int d : {64, 128, 256}) {
-    for (bool causal : {false, true}) {
-      for (bool used : {false, true}) {
-        AttnConfig cfg = base(d, 0, 0);
-        cfg.varlen_q = {0, 113, 1, 239, 0, 64, 130};
-        cfg.varlen_k = {17, 203, 0, 239, 0, 1, 129};
-        if (used) cfg.seqused_k = {9, 150, 0, 200, 0, 1, 128};
-        cfg.opt.causal = causal;
-        expect_matches(cfg);
-      }
-    }
-  }
+  for (const AttnConfig& cfg : varlen_configs(GetParam())) expect_matches(cfg);
 }
 
 TEST_P(CudaForward, StridedLayouts) {
   FA_SKIP_WITHOUT_GPU();
-  for (Layout layout : {Layout::packed_qkv, Layout::bhsd, Layout::padded}) {
-    AttnConfig cfg = base(128, 200, 200);
-    cfg.heads_k = cfg.heads;
-    cfg.layout = layout;
-    cfg.padded_outputs = layout == Layout::padded;
-    cfg.opt.causal = true;
-    expect_matches(cfg);
-  }
+  for (const AttnConfig& cfg : strided_configs(GetParam())) expect_matches(cfg);
   AttnConfig cfg = base(64, 0, 0);
   cfg.varlen_q = {31, 0, 77};
   cfg.varlen_k = {31, 0, 77};
