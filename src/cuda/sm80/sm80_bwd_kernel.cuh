@@ -317,10 +317,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const std::int64_t k0 = p.k_offset(p.k, batch, n_start, kv_head);
     const std::int64_t v0 = p.k_offset(p.v, batch, n_start, kv_head);
     const std::int64_t k_stride = p.k.row_stride, v_stride = p.v.row_stride;
-    load_tile<Traits, kBlockN>(static_cast<const Element*>(p.k.data) + k0, sK, keys_here, p.head_dim,
-                               [&](int r) { return std::int64_t(r) * k_stride; }, tid);
-    load_tile<Traits, kBlockN>(static_cast<const Element*>(p.v.data) + v0, sV, keys_here, p.head_dim_v,
-                               [&](int r) { return std::int64_t(r) * v_stride; }, tid);
+    load_strided_tile<Traits, kBlockN>(static_cast<const Element*>(p.k.data) + k0, k_stride, sK, keys_here, p.head_dim,
+                                       tid);
+    load_strided_tile<Traits, kBlockN>(static_cast<const Element*>(p.v.data) + v0, v_stride, sV, keys_here,
+                                       p.head_dim_v, tid);
     cp_async_fence();
   }
 
@@ -401,10 +401,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int rows_here = min(kBlockM, seqlen_q - m_start);
     Tensor sQ_s = make_tensor(sQ.data() + stage * kStageElems, typename Traits::SmemLayoutQ{});
     Tensor sdO_s = make_tensor(sdO.data() + stage * kStageElems, typename Traits::SmemLayoutQ{});
-    load_tile<Traits, kBlockM>(static_cast<const Element*>(p.q.data), sQ_s, rows_here, p.head_dim,
-                               [&](int r) { return p.q_offset(p.q, batch, m_start + r, head); }, tid);
-    load_tile<Traits, kBlockM>(static_cast<const Element*>(p.dout.data), sdO_s, rows_here, p.head_dim_v,
-                               [&](int r) { return p.q_offset(p.dout, batch, m_start + r, head); }, tid);
+    // Rows of one head are evenly spaced (dense and varlen): row r at row m_start + r · row_stride.
+    load_strided_tile<Traits, kBlockM>(static_cast<const Element*>(p.q.data) + p.q_offset(p.q, batch, m_start, head),
+                                       p.q.row_stride, sQ_s, rows_here, p.head_dim, tid);
+    load_strided_tile<Traits, kBlockM>(
+        static_cast<const Element*>(p.dout.data) + p.q_offset(p.dout, batch, m_start, head), p.dout.row_stride, sdO_s,
+        rows_here, p.head_dim_v, tid);
     cp_async_fence();
     for (int r = tid; r < kBlockM; r += Traits::kNThreads) {
       // Rows past the sequence: lse = +∞ makes P = 0 there (their Q and dO rows are zeros).

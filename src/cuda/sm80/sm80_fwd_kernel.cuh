@@ -198,17 +198,63 @@ __device__ __forceinline__ void load_tile(const typename Traits::Element* base, 
   }
 }
 
+// Loads a (kRows, D) tile whose rows are evenly spaced in global memory — row r at
+// tile + r · row_stride (dense and varlen K/V) — into swizzled shared memory with cp.async; rows
+// ≥ valid_rows and columns ≥ valid_cols are zero-filled. A whole tile (the common case: every
+// key tile but the last, at the instantiated head dim) takes a path without any predicate: one
+// address add per 16-byte access, instead of the row and column checks, the zero-fill selects
+// and the per-row 64-bit address arithmetic of load_tile.
+template <class Traits, int kRows, class SmemTensor>
+__device__ __forceinline__ void load_strided_tile(const typename Traits::Element* tile, std::int64_t row_stride,
+                                                  SmemTensor& s_tile, int valid_rows, int valid_cols, int tid) {
+  typename Traits::GmemTiledCopy tiled_copy;
+  auto thr_copy = tiled_copy.get_thread_slice(tid);
+  Tensor t_s = thr_copy.partition_D(s_tile);  // (CPY, CPY_ROWS, CPY_COLS)
+  Tensor t_c = thr_copy.partition_D(make_identity_tensor(make_shape(Int<kRows>{}, Int<Traits::kHeadDim>{})));
+  // The thread's first row and column, opaque: recomputed per tile rather than hoisted.
+  const int row0 = opaque(get<0>(t_c(0, 0, 0)));
+  const int col0 = get<1>(t_c(0, 0, 0));
+  constexpr int kRowStep = decltype(size<0>(typename Traits::GmemThreadLayout{}))::value;  // rows between passes
+  const auto* src0 = tile + std::int64_t(row0) * row_stride + col0;
+  const std::int64_t pass_stride = std::int64_t(kRowStep) * row_stride;
+  if (valid_rows >= kRows && valid_cols >= Traits::kHeadDim) {
+    const auto* src = src0;
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(t_s); ++m, src += pass_stride) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(t_s); ++k) {
+        const int dcol = get<1>(t_c(0, m, k)) - get<1>(t_c(0, 0, 0));  // compile-time
+        cp_async_16_zfill(&t_s(0, m, k), src + dcol, true);
+      }
+    }
+  } else {
+    const auto* src = src0;
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(t_s); ++m, src += pass_stride) {
+      const bool row_ok = row0 + m * kRowStep < valid_rows;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(t_s); ++k) {
+        const int dcol = get<1>(t_c(0, m, k)) - get<1>(t_c(0, 0, 0));
+        const bool ok = row_ok && col0 + dcol < valid_cols;
+        // Nothing is read when !ok; the address stays the tile's first (a valid row).
+        cp_async_16_zfill(&t_s(0, m, k), ok ? src + dcol : tile, ok);
+      }
+    }
+  }
+}
+
 // --- the kernel ---------------------------------------------------------------------------------
 //
 // Grid: (⌈max_seqlen_q / kBlockM⌉, heads, batch). rng_state: optional device {seed, offset}.
 // kScoreModAndDropout: whether softcap, ALiBi and dropout are compiled in. The plain variant
 // leaves them out so that their registers do not weigh on the common case (the flags are still
 // read at run time in the full variant).
+// kPaged: K/V through the page table (p.block_table); the dense kernel carries none of it.
 // kSplit: split-KV. Grid.x is ⌈max_seqlen_q / kBlockM⌉ · split.num_splits: CTA (m, s) walks the
 // s-th of num_splits equal shares of the key tiles that row block m sees and writes, instead of
 // out and lse, its normalised fp32 partial O and its lse into `split` (a share with no visible key
 // for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
-template <class Traits, bool kScoreModAndDropout, bool kSplit>
+template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
                const std::uint64_t* rng_state) {
@@ -257,23 +303,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const auto* k_base = static_cast<const Element*>(p.k.data);
   const auto* v_base = static_cast<const Element*>(p.v.data);
 
-  // K/V tile loads. Paged caches look every row up in the page table (a tile may span pages);
-  // dense and varlen rows are evenly spaced — row j at k_offset(row 0) + j · row_stride — so that
-  // path does one multiply-add per row instead of the accessor's batch-layout branches, which
-  // otherwise dominate the non-MMA instructions of the key loop.
-  const bool paged = p.is_paged();
-  const std::int64_t k_row0_offset = paged ? 0 : p.k_offset(p.k, batch, 0, kv_head);
-  const std::int64_t v_row0_offset = paged ? 0 : p.k_offset(p.v, batch, 0, kv_head);
+  // K/V tile loads. Paged caches (kPaged) look every row up in the page table (a tile may span
+  // pages); dense and varlen rows are evenly spaced — row j at k_offset(row 0) + j · row_stride —
+  // so that path is load_strided_tile. The two are separate kernels: with both in one, the
+  // compiler if-converts the paged path into predicated instructions that every tile executes.
+  const std::int64_t k_row0_offset = kPaged ? 0 : p.k_offset(p.k, batch, 0, kv_head);
+  const std::int64_t v_row0_offset = kPaged ? 0 : p.k_offset(p.v, batch, 0, kv_head);
   auto load_kv = [&](const Element* base, const common::RowHeadTensor& t, std::int64_t row0_offset, int valid_cols,
                      auto& s_tile, int n_block) {
     const int n_start = n_block * kBlockN;
-    if (paged) {
+    if constexpr (kPaged) {
       load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
                                  [&](int r) { return p.k_offset(t, batch, n_start + r, kv_head); }, tid);
     } else {
-      const std::int64_t row_stride = t.row_stride;
-      load_tile<Traits, kBlockN>(base + row0_offset + std::int64_t(n_start) * row_stride, s_tile, seqlen_k - n_start,
-                                 valid_cols, [&](int r) { return std::int64_t(r) * row_stride; }, tid);
+      load_strided_tile<Traits, kBlockN>(base + row0_offset + std::int64_t(n_start) * t.row_stride, t.row_stride,
+                                         s_tile, seqlen_k - n_start, valid_cols, tid);
     }
   };
 

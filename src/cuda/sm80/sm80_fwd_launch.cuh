@@ -29,11 +29,11 @@ struct FwdConfig {
 };
 
 // kSplit: the split-KV variant (grid.x = row blocks × splits, partials into `split`).
-template <class Traits, bool kFull, bool kSplit>
-cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
-                       cudaStream_t stream) {
+template <class Traits, bool kFull, bool kSplit, bool kPaged>
+cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPartials& split,
+                              const std::uint64_t* rng_state, cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;  // above this a kernel must opt in
-  auto* kernel = &fwd_kernel<Traits, kFull, kSplit>;
+  auto* kernel = &fwd_kernel<Traits, kFull, kSplit, kPaged>;
   if constexpr (Traits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
@@ -43,6 +43,14 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   const dim3 grid(kSplit ? m_blocks * split.num_splits : m_blocks, p.heads, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, split, rng_state);
   return cudaGetLastError();
+}
+
+// The paged (block_table) and the dense/varlen kernels are separate instantiations.
+template <class Traits, bool kFull, bool kSplit>
+cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
+                       cudaStream_t stream) {
+  return p.is_paged() ? launch_fwd_kernel<Traits, kFull, kSplit, true>(p, split, rng_state, stream)
+                      : launch_fwd_kernel<Traits, kFull, kSplit, false>(p, split, rng_state, stream);
 }
 
 template <common::Storage kStorage, int kHeadDim>
