@@ -97,7 +97,9 @@ int forward_num_splits(const common::AttentionParams& p) {
   const int head_dim = fwd_head_dim(p);
   if (head_dim == 0 || p.batch <= 0 || p.heads <= 0 || p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return 1;
   const sm80::FwdTile tile = sm80::fwd_tile(head_dim, sm80::needs_full_variant(p));
-  const int m_blocks = (p.max_seqlen_q + tile.block_m - 1) / tile.block_m;
+  // Packed GQA (sm80::fwd_pack): a row block holds (query row, head) pairs of one kv head.
+  const int pack = sm80::fwd_pack(p, tile.block_m);
+  const int m_blocks = (p.max_seqlen_q * pack + tile.block_m - 1) / tile.block_m;
   // Key tiles of the widest row block: with a bottom-right aligned causal mask the last block
   // sees the most keys; with a window (or sq > sk) the first can, so both ends are asked.
   const common::Mask mask = common::make_mask(p.causal, p.window_left, p.window_right, p.max_seqlen_k,
@@ -107,10 +109,11 @@ int forward_num_splits(const common::AttentionParams& p) {
     const int hi = (mask.block_col_end(row_end) + tile.block_n - 1) / tile.block_n;
     return std::max(hi - lo, 0);
   };
-  const int n_blocks = std::max(tiles_of_rows(0, std::min(tile.block_m, p.max_seqlen_q)),
-                                tiles_of_rows((m_blocks - 1) * tile.block_m, p.max_seqlen_q));
+  // (Packed row r is query row r / pack.)
+  const int n_blocks = std::max(tiles_of_rows(0, std::min((tile.block_m + pack - 1) / pack, p.max_seqlen_q)),
+                                tiles_of_rows((m_blocks - 1) * tile.block_m / pack, p.max_seqlen_q));
   const int ctas_per_sm = std::max(1, kRegisterFileSize / (tile.warps * kWarpSize * kMaxRegistersPerThread));
-  const std::int64_t ctas = std::int64_t(m_blocks) * p.heads * p.batch;
+  const std::int64_t ctas = std::int64_t(m_blocks) * (p.heads / pack) * p.batch;
   return num_splits_heuristic(ctas, n_blocks, current_sm_count() * ctas_per_sm, kMaxSplits);
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/philox.h"
+#include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_registry.h"
 #include "cuda_grid.h"
 #include "cuda_test_util.h"
@@ -190,15 +191,17 @@ TEST_P(CudaForward, SpecialCases) {
 
 // Paged K/V: pages of `page` rows, shuffled, a poisoned spare page; a key tile spans pages and
 // the last page of each sequence is partly filled (the rest poisoned, never to be read).
-void expect_paged_matches(DType dtype, int page, bool causal, int d) {
+// sq, heads, heads_k: the query shape (GQA packing runs for short queries); extra: a further hook.
+void expect_paged_matches(DType dtype, int page, bool causal, int d, int sq = 113, int heads = 4, int heads_k = 2,
+                          const ParamsHook& extra = {}) {
   AttnConfig cfg;
   cfg.dtype = dtype;
   cfg.head_dim = d;
   cfg.batch = 3;
-  cfg.seqlen_q = 113;
+  cfg.seqlen_q = sq;
   cfg.seqlen_k = 203;
-  cfg.heads = 4;
-  cfg.heads_k = 2;
+  cfg.heads = heads;
+  cfg.heads_k = heads_k;
   cfg.opt.causal = causal;
   const AttnProblem p = make_problem(cfg);
   SCOPED_TRACE(describe(p.cfg) + " page " + std::to_string(page));
@@ -234,6 +237,7 @@ void expect_paged_matches(DType dtype, int page, bool causal, int d) {
     dp.block_table = dev.upload_vector(table);
     dp.block_table_batch_stride = pages_per_seq;
     dp.page_size = page;
+    if (extra) extra(dp, dev);
   });
   EXPECT_TRUE(check_forward(p, r));
 }
@@ -273,6 +277,65 @@ TEST_P(CudaForward, CacheBatchIdx) {
     dp.cache_batch_idx = dev.upload_vector(idx);
   });
   EXPECT_TRUE(check_forward(p, r));
+}
+
+// GQA packing (sm80::fwd_pack): the heads of a group share a row block whose rows are (query row,
+// head) pairs when the query is short. Decoding shapes (sq = 1) and short queries whose rows see
+// different keys (causal, window), g = 8 and MQA, varlen, paged, and split-KV; the hook checks that
+// the packed kernel is what runs.
+TEST_P(CudaForward, PackedGqa) {
+  FA_SKIP_WITHOUT_GPU();
+  const ParamsHook packed = [](c::AttentionParams& dp, DeviceArena&) {
+    EXPECT_EQ(flashattn::cuda::sm80::fwd_pack(dp, 128), dp.heads / dp.heads_k);
+  };
+  for (int d : {64, 128, 256}) {
+    for (int sq : {1, 5, 40}) {
+      for (int masking = 0; masking < 3; ++masking) {  // none, causal, causal + left window
+        AttnConfig cfg = base(d, sq, 333);
+        cfg.heads = 16;
+        cfg.heads_k = 2;
+        cfg.opt.causal = masking >= 1;
+        if (masking == 2) cfg.opt.window_left = 50;
+        expect_matches(cfg, packed);
+      }
+    }
+  }
+  AttnConfig mqa = base(128, 3, 200);
+  mqa.heads = 8;
+  mqa.heads_k = 1;
+  mqa.opt.causal = true;
+  expect_matches(mqa, packed);
+
+  AttnConfig varlen = base(128, 0, 0);
+  varlen.heads = 8;
+  varlen.heads_k = 2;
+  varlen.varlen_q = {1, 0, 7, 33};
+  varlen.varlen_k = {100, 5, 0, 250};
+  varlen.opt.causal = true;
+  expect_matches(varlen, packed);
+  varlen.seqused_k = {60, 5, 0, 249};
+  expect_matches(varlen, packed);
+
+  expect_paged_matches(GetParam(), 16, false, 128, 1, 8, 2, packed);
+  expect_paged_matches(GetParam(), 64, true, 64, 4, 8, 2, packed);
+
+  // Split-KV: the partials of packed rows land at their (query row, head).
+  for (int splits : {2, 5}) {
+    AttnConfig cfg = base(128, 2, 1000);
+    cfg.heads = 8;
+    cfg.heads_k = 2;
+    cfg.opt.causal = true;
+    const AttnProblem p = make_problem(cfg);
+    SCOPED_TRACE(describe(p.cfg) + " splits " + std::to_string(splits));
+    const ForwardResult r = run_cuda_forward(
+        p,
+        [&](c::AttentionParams& dp, DeviceArena& dev) {
+          dp.num_splits = splits;
+          packed(dp, dev);
+        },
+        nullptr, /*with_workspace=*/true);
+    EXPECT_TRUE(check_forward(p, r));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, testing::Values(DType::f16, DType::bf16),

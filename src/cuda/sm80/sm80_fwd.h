@@ -33,6 +33,24 @@ inline bool needs_full_variant(const common::AttentionParams& p) {
   return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
 }
 
+// GQA packing of the forward (fwd_kernel's `pack`): 1, or the group size g when the g query heads
+// of one kv head are served by one CTA whose rows are (query row, head) pairs. Packing is chosen
+// when it needs fewer row blocks than g separate heads would — a short query (decoding, sq ≤ half
+// a row block) — so that each K/V tile is read once per group instead of g times. Only the plain
+// variant packs: softcap, ALiBi and dropout depend on the head of every element.
+// block_m: the row block of the kernel (FwdTile::block_m).
+inline int fwd_pack(const common::AttentionParams& p, int block_m) {
+  const int g = p.heads_k > 0 ? p.group_size() : 1;
+  // (The kernel's packed row index, max_seqlen_q · g, must stay below 2³² / g.)
+  if (g <= 1 || needs_full_variant(p) || p.max_seqlen_q <= 0 ||
+      std::int64_t(p.max_seqlen_q) * g * g >= (std::int64_t(1) << 31)) {
+    return 1;
+  }
+  const std::int64_t packed_blocks = (std::int64_t(p.max_seqlen_q) * g + block_m - 1) / block_m;
+  const std::int64_t separate_blocks = std::int64_t(g) * ((p.max_seqlen_q + block_m - 1) / block_m);
+  return packed_blocks < separate_blocks ? g : 1;
+}
+
 // Where the CTAs of a split-KV launch leave their partial results (device memory, fp32), in the
 // layout flashattn::combine takes: out_partial (splits, b, max_seqlen_q, h, dv) and lse_partial
 // (splits, b, h, max_seqlen_q), both contiguous — also for varlen batches, whose sequence b uses

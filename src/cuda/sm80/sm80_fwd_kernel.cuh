@@ -1,7 +1,8 @@
 // src/cuda/sm80/sm80_fwd_kernel.cuh — the portable forward kernel (FlashAttention-2 algorithm) on
 // CuTe: mma.sync m16n8k16, ldmatrix, cp.async. Runs on sm80 … sm90.
 //
-// One CTA computes a kBlockM × dv block of the output of one (batch, query head): it keeps its Q
+// One CTA computes a kBlockM × dv block of the output of one (batch, query head) — or, GQA-packed,
+// of the query heads of one kv head, its rows being (query row, head) pairs: it keeps its Q
 // tile in shared memory, streams K/V tiles of kBlockN keys through shared memory, and keeps the
 // running row max, row sum and output accumulator in registers (online softmax). The score
 // semantics (mask, softcap, ALiBi, dropout) come from src/common only; the batch layout (dense,
@@ -245,7 +246,13 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 
 // --- the kernel ---------------------------------------------------------------------------------
 //
-// Grid: (⌈max_seqlen_q / kBlockM⌉, heads, batch). rng_state: optional device {seed, offset}.
+// Grid: (⌈max_seqlen_q · pack / kBlockM⌉, heads / pack, batch). rng_state: optional device {seed,
+// offset}.
+// pack: GQA packing, 1 or p.group_size(). With pack = g a CTA serves one kv head and its rows are
+// (query row, head of the group) pairs — packed row r is query row r / g of query head
+// kv_head · g + r % g — so that g heads of a short query (decoding: sq = 1) fill one row block and
+// read their K/V tiles once instead of g times. Only the plain variant packs (softcap, ALiBi and
+// dropout depend on the head per element); the full variant takes pack = 1.
 // kScoreModAndDropout: whether softcap, ALiBi and dropout are compiled in. The plain variant
 // leaves them out so that their registers do not weigh on the common case (the flags are still
 // read at run time in the full variant).
@@ -257,7 +264,7 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
-               const std::uint64_t* rng_state) {
+               const std::uint64_t* rng_state, int pack_arg) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -269,23 +276,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int m_block = kSplit ? gridDim.x / split.num_splits - 1 - blockIdx.x / split.num_splits
                              : gridDim.x - 1 - blockIdx.x;
   const int split_idx = kSplit ? blockIdx.x % split.num_splits : 0;
-  const int head = blockIdx.y;
+  const int pack = kScoreModAndDropout ? 1 : pack_arg;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
+  // Unpacked: blockIdx.y is the query head. Packed: the kv head; row_head() gives each row's.
+  const int kv_head = pack > 1 ? blockIdx.y : blockIdx.y / p.group_size();
+  const int head = blockIdx.y;  // the query head when pack = 1 (the only case that reads it as one)
 
   const int seqlen_q = p.seqlen_q(batch);
   const int seqlen_k = p.seqlen_k(batch);
   const int m_start = m_block * kBlockM;
-  if (m_start >= seqlen_q) return;  // varlen: this sequence is shorter than the grid
-  const int rows_here = min(kBlockM, seqlen_q - m_start);
-  const int kv_head = head / p.group_size();
+  if (m_start >= seqlen_q * pack) return;  // varlen: this sequence is shorter than the grid
+  const int rows_here = min(kBlockM, seqlen_q * pack - m_start);
+  // Packed row r of the grid (r = m_start + tile row) as (query row, query head). r / pack as a
+  // multiply-high by ⌈2³² / pack⌉, exact for r < 2³² / pack (the host packs short queries only):
+  // the masked tiles divide once per row, and a hardware-less integer division costs ~20
+  // instructions there.
+  const std::uint32_t pack_magic = pack > 1 ? 0xffffffffu / std::uint32_t(pack) + 1u : 0u;
+  auto row_query = [&](int r) { return pack > 1 ? int(__umulhi(std::uint32_t(r), pack_magic)) : r; };
+  auto row_head = [&](int r) { return pack > 1 ? kv_head * pack + (r - row_query(r) * pack) : head; };
+  // The query rows this block touches: [q_begin, q_end).
+  const int q_begin = row_query(m_start);
+  const int q_end = row_query(m_start + rows_here - 1) + 1;
 
   const common::Mask mask = p.mask(batch);
   // Key tiles that hold a key visible to some row of this block (the union of the row ranges);
   // split-KV: this CTA's share of them, ⌈tiles / num_splits⌉ each (the last ones may be short or
   // empty).
-  const int n_block_visible_min = mask.block_col_begin(m_start) / kBlockN;
-  const int n_block_visible_max = (mask.block_col_end(m_start + rows_here) + kBlockN - 1) / kBlockN;
+  const int n_block_visible_min = mask.block_col_begin(q_begin) / kBlockN;
+  const int n_block_visible_max = (mask.block_col_end(q_end) + kBlockN - 1) / kBlockN;
   const int n_blocks_per_split =
       kSplit ? (max(n_block_visible_max - n_block_visible_min, 0) + split.num_splits - 1) / split.num_splits : 0;
   const int n_block_min = kSplit ? n_block_visible_min + split_idx * n_blocks_per_split : n_block_visible_min;
@@ -372,8 +391,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Q tile, once; its cp.async group completes together with the first K tile's. (A block
     // with no key to read loads nothing: sQ then only stages O.)
-    load_tile<Traits, kBlockM>(q_base, sQ, rows_here, p.head_dim,
-                               [&](int r) { return p.q_offset(p.q, batch, m_start + r, head); }, tid);
+    load_tile<Traits, kBlockM>(
+        q_base, sQ, rows_here, p.head_dim,
+        [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
     // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
     // rest need no per-element masking.
     load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block_max - 1);
@@ -416,7 +436,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if constexpr (decltype(kMasked)::value) {
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(s); ++mi) {
-          const int i = m_start + get<0>(cS_rc(mi, 0));
+          const int i = row_query(m_start + get<0>(cS_rc(mi, 0)));
           const int lo = mask.col_begin(i) - n_start;
           const int hi = mask.col_end(i) - n_start;
           CUTE_UNROLL
@@ -497,7 +517,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
       const int n_start = n_block * kBlockN;
-      if (mask.block_fully_visible(m_start, m_start + rows_here, n_start, n_start + kBlockN)) {
+      if (mask.block_fully_visible(q_begin, q_end, n_start, n_start + kBlockN)) {
         key_tile(n_block, std::false_type{});
       } else {
         key_tile(n_block, std::true_type{});
@@ -537,14 +557,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         const int row = tile_row(mi);
-        if (row < rows_here) split.lse_partial[split.lse_offset(p, split_idx, batch, head, m_start + row)] = lse[mi];
+        if (row < rows_here) {
+          const int r = m_start + row;
+          split.lse_partial[split.lse_offset(p, split_idx, batch, row_head(r), row_query(r))] = lse[mi];
+        }
       }
     }
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
       const int row = tile_row(mi);
       if (row >= rows_here) continue;
-      float* dst_row = split.out_partial + split.out_offset(p, split_idx, batch, m_start + row, head);
+      const int r = m_start + row;
+      float* dst_row = split.out_partial + split.out_offset(p, split_idx, batch, row_query(r), row_head(r));
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(acc_o_rc); ni += 2) {
         // Elements ni, ni+1 are columns c, c+1 of one row; dv is a multiple of 8, so c < dv
@@ -562,7 +586,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       const int row = get<0>(cO_rc(mi, 0));
-      if (row < rows_here) p.lse[p.lse_index(batch, head, m_start + row)] = lse[mi];
+      if (row < rows_here) p.lse[p.lse_index(batch, row_head(m_start + row), row_query(m_start + row))] = lse[mi];
     }
   }
 
@@ -591,7 +615,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   for (int m = 0; m < size<1>(tOsO); ++m) {
     const int row = get<0>(tOcO(0, m, 0));
     if (row >= rows_here) continue;  // rows past the sequence are not written
-    Element* dst_row = out_base + p.q_offset(p.out, batch, m_start + row, head);
+    Element* dst_row = out_base + p.q_offset(p.out, batch, row_query(m_start + row), row_head(m_start + row));
     CUTE_UNROLL
     for (int k = 0; k < size<2>(tOsO); ++k) {
       const int col = get<1>(tOcO(0, m, k));

@@ -39,9 +39,10 @@ cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPar
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
-  const int m_blocks = (p.max_seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const dim3 grid(kSplit ? m_blocks * split.num_splits : m_blocks, p.heads, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, split, rng_state);
+  const int pack = kFull ? 1 : fwd_pack(p, Traits::kBlockM);
+  const int m_blocks = (p.max_seqlen_q * pack + Traits::kBlockM - 1) / Traits::kBlockM;
+  const dim3 grid(kSplit ? m_blocks * split.num_splits : m_blocks, p.heads / pack, p.batch);
+  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, split, rng_state, pack);
   return cudaGetLastError();
 }
 
