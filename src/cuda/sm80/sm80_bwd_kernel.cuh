@@ -112,25 +112,39 @@ struct BwdTraits {
   static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesP = kBlockM * kBlockN * int(sizeof(Element));
-  static constexpr int kSmemBytesRowStats = 2 * kBlockM * int(sizeof(float));  // lse·log2e, softmax_d
+  static constexpr int kSmemBytesRowStats = 2 * kBlockM * int(sizeof(float));  // lse, softmax_d
   // Q and dO per stage, K, V, P, dS, row statistics per stage.
   static constexpr int kSmemBytes =
       kStages * (2 * kSmemBytesQ + kSmemBytesRowStats) + 2 * kSmemBytesKV + 2 * kSmemBytesP;
 };
 
+// 4-byte cp.async global → shared (.ca: the L2-only .cg form copies 16 bytes only).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
+}
+
 // Stores a fp32 accumulator fragment, rounded to Element, into a (rows, cols) shared tile: elements
 // (mi, ni) and (mi, ni + 1) of the row/column view are adjacent columns of one row, so each pair is
 // one 32-bit store (a swizzle never separates an even/odd column pair).
+// The thread's rows are its first one plus multiples of 8 (m16n8 fragments), and the tiles are
+// 8-row swizzle atoms stacked along the rows: a step of 8·j rows adds the same offset to every
+// element and leaves the swizzled bits (which come from the row within an atom) unchanged. So
+// only one address per column pair is computed, the row steps being constant offsets — instead of
+// one address per element, which the compiler would keep in registers across the loop.
 template <class Element, class AccRC, class CoordRC, class SmemTensor>
 __device__ __forceinline__ void store_pairs(const AccRC& acc_rc, const CoordRC& coord_rc, SmemTensor& s) {
+  const int row0 = get<0>(coord_rc(0, 0));
   CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
+  for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
+    Element* col_base = &s(row0, get<1>(coord_rc(0, ni)));
     CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
+    for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
+      const int row_step = get<0>(coord_rc(mi, ni)) - row0;  // a multiple of 8, known at compile time
       const Element pair[2] = {static_cast<Element>(acc_rc(mi, ni)), static_cast<Element>(acc_rc(mi, ni + 1))};
       std::uint32_t packed;
       std::memcpy(&packed, pair, sizeof packed);
-      *reinterpret_cast<std::uint32_t*>(&s(get<0>(coord_rc(mi, ni)), get<1>(coord_rc(mi, ni)))) = packed;
+      *reinterpret_cast<std::uint32_t*>(col_base + int(s.layout()(row_step, 0))) = packed;
     }
   }
 }
@@ -170,11 +184,12 @@ __device__ __forceinline__ std::int64_t dq_tile_row0(const common::AttentionPara
   return std::int64_t(b) * ((p.max_seqlen_q + kBwdTileRows - 1) / kBwdTileRows * kBwdTileRows);
 }
 
-// The first float of the accumulator tile of rows [m_start, m_start + kBlockM) of (b, head).
+// The first float of the accumulator tile of rows [m_start, m_start + kBlockM) of (b, head), where
+// tile_row0 = dq_tile_row0(p, b).
 template <int kBlockM, int kHeadDim>
-__device__ __forceinline__ float* dq_tile(const common::AttentionParams& p, float* dq_accum, int b, int head,
-                                          int m_start) {
-  const std::int64_t row = dq_tile_row0(p, b) + m_start;  // a multiple of kBlockM
+__device__ __forceinline__ float* dq_tile(const common::AttentionParams& p, float* dq_accum, std::int64_t tile_row0,
+                                          int head, int m_start) {
+  const std::int64_t row = tile_row0 + m_start;  // a multiple of kBlockM
   return dq_accum + (row * p.heads + std::int64_t(head) * kBlockM) * kHeadDim;
 }
 
@@ -227,7 +242,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cdQ_rc = make_tensor(cdQ.data(), rowcol_layout(cdQ.layout()));
   Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-  const float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, batch, head, m_start);
+  const float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_tile_row0(p, batch), head, m_start);
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) acc(e) = tile[e * Traits::kNThreads + tid];
   Tensor acc_rc = make_tensor(acc.data(), rowcol_layout(acc.layout()));
@@ -299,7 +314,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesKV))), typename Traits::SmemLayoutKV{});
   Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesP))), typename Traits::SmemLayoutP{});
   Tensor sdS = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(carve(Traits::kSmemBytesP))), typename Traits::SmemLayoutP{});
-  float* s_lse = reinterpret_cast<float*>(carve(Traits::kStages * kBlockM * int(sizeof(float))));  // lse·log2 e
+  float* s_lse = reinterpret_cast<float*>(carve(Traits::kStages * kBlockM * int(sizeof(float))));  // lse
   float* s_d = reinterpret_cast<float*>(carve(Traits::kStages * kBlockM * int(sizeof(float))));    // softmax_d
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
@@ -387,34 +402,61 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   const int group = p.group_size();
 
-  // The CTA's work: every (query head of the group, row block) pair, head-major. Iteration `it`
-  // uses buffer it % kStages.
-  const int m_blocks_here = m_block_max - m_block_min;
-  const int iterations = group * m_blocks_here;
-  auto head_of = [&](int it) { return kv_head * group + it / m_blocks_here; };
-  auto m_block_of = [&](int it) { return m_block_min + it % m_blocks_here; };
+  // The CTA's work: every (query head of the group, row block) pair, head-major; iteration `it`
+  // uses buffer it % kStages. The pair steps forward by one per iteration (advance).
+  const int iterations = group * (m_block_max - m_block_min);
+  auto advance = [&](int& head, int& m_block) {
+    if (++m_block == m_block_max) {
+      m_block = m_block_min;
+      ++head;
+    }
+  };
 
-  // Q, dO (cp.async, one group) and the row statistics of iteration `it` into buffer `stage`.
-  auto load_rows = [&](int it, int stage) {
-    const int head = head_of(it);
-    const int m_start = m_block_of(it) * kBlockM;
+  // Where the rows of this sequence start, read once: in varlen mode these come from cu_seqlens_q
+  // in global memory, which would otherwise be re-read on every iteration (the loop's stores and
+  // atomics may alias it as far as the compiler knows). The offsets below are exactly those of
+  // AttentionParams::q_offset, lse_index and dq_tile_row0.
+  const std::int64_t q_row0 = p.q_row0(batch);
+  const std::int64_t dq_row0 = dq_tile_row0(p, batch);
+  auto row0_of = [&](const common::RowHeadTensor& t) {
+    const std::int64_t batch_offset = p.is_varlen() ? 0 : std::int64_t(batch) * t.batch_stride;
+    return static_cast<const Element*>(t.data) + (batch_offset + q_row0 * t.row_stride);
+  };
+  const Element* q_row0_ptr = row0_of(p.q);
+  const Element* do_row0_ptr = row0_of(p.dout);
+  const std::int64_t lse_row0 = p.is_varlen() ? q_row0 : std::int64_t(batch) * p.lse_batch_stride;
+  const float* lse_row0_ptr = p.lse + lse_row0;
+  const float* d_row0_ptr = p.softmax_d + lse_row0;
+
+  // Q, dO and the row statistics of (head, m_block) into buffer `stage`: one cp.async group.
+  static_assert(2 * kBlockM <= Traits::kNThreads, "one thread per row statistic");
+  auto load_rows = [&](int head, int m_block, int stage) {
+    const int m_start = m_block * kBlockM;
     const int rows_here = min(kBlockM, seqlen_q - m_start);
     Tensor sQ_s = make_tensor(sQ.data() + stage * kStageElems, typename Traits::SmemLayoutQ{});
     Tensor sdO_s = make_tensor(sdO.data() + stage * kStageElems, typename Traits::SmemLayoutQ{});
     // Rows of one head are evenly spaced (dense and varlen): row r at row m_start + r · row_stride.
-    load_strided_tile<Traits, kBlockM>(static_cast<const Element*>(p.q.data) + p.q_offset(p.q, batch, m_start, head),
-                                       p.q.row_stride, sQ_s, rows_here, p.head_dim, tid);
     load_strided_tile<Traits, kBlockM>(
-        static_cast<const Element*>(p.dout.data) + p.q_offset(p.dout, batch, m_start, head), p.dout.row_stride, sdO_s,
-        rows_here, p.head_dim_v, tid);
-    cp_async_fence();
-    for (int r = tid; r < kBlockM; r += Traits::kNThreads) {
-      // Rows past the sequence: lse = +∞ makes P = 0 there (their Q and dO rows are zeros).
-      const bool valid = r < rows_here;
-      const std::int64_t at = valid ? p.lse_index(batch, head, m_start + r) : 0;
-      s_lse[stage * kBlockM + r] = valid ? p.lse[at] * kLog2e : kInf;
-      s_d[stage * kBlockM + r] = valid ? p.softmax_d[at] : 0.0f;
+        q_row0_ptr + (std::int64_t(m_start) * p.q.row_stride + std::int64_t(head) * p.q.head_stride), p.q.row_stride,
+        sQ_s, rows_here, p.head_dim, tid);
+    load_strided_tile<Traits, kBlockM>(
+        do_row0_ptr + (std::int64_t(m_start) * p.dout.row_stride + std::int64_t(head) * p.dout.head_stride),
+        p.dout.row_stride, sdO_s, rows_here, p.head_dim_v, tid);
+    // Threads [0, kBlockM) copy lse, threads [kBlockM, 2 · kBlockM) softmax_d (whole warps each).
+    // Rows past the sequence get lse = +∞, which makes P = 0 there (their Q and dO rows are
+    // zeros), and softmax_d = 0, by plain shared stores: the next barrier publishes them.
+    if (tid < 2 * kBlockM) {
+      const bool is_lse = tid < kBlockM;
+      const int r = is_lse ? tid : tid - kBlockM;
+      float* dst = (is_lse ? s_lse : s_d) + stage * kBlockM + r;
+      if (r < rows_here) {
+        const float* src = is_lse ? lse_row0_ptr : d_row0_ptr;
+        cp_async_4(dst, src + (std::int64_t(head) * p.lse_head_stride + (m_start + r)));
+      } else {
+        *dst = is_lse ? kInf : 0.0f;
+      }
     }
+    cp_async_fence();
   };
 
   // One (head, row block) from buffer `stage`. kMasked (std::bool_constant): whether per-element
@@ -451,7 +493,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       CUTE_UNROLL
       for (int a = 0; a < 2; ++a) {
         const int row = get<0>(cS_rc(2 * m + a, 0));
-        lse2[a] = lse_rows[row];
+        lse2[a] = __fmul_rn(lse_rows[row], kLog2e);  // not contracted into the FFMA below
         dsum[a] = d_rows[row];
         lo[a] = mask.col_begin(m_start + row) - n_start;
         hi[a] = mask.col_end(m_start + row) - n_start;
@@ -522,7 +564,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     // Rows past the sequence and columns past d hold zeros (zero dS rows, zero-filled K columns):
     // the whole fragment is added, each atomic instruction covering one 128-byte line.
-    float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, batch, head, m_start);
+    float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_row0, head, m_start);
     CUTE_UNROLL
     for (int e = 0; e < size(acc_dq); ++e) atomicAdd(tile + e * Traits::kNThreads + tid, acc_dq(e));
     if (counter != nullptr) {
@@ -532,24 +574,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
 
-  if (iterations > 0) load_rows(0, 0);
+  int head = kv_head * group, m_block = m_block_min;  // the pair of iteration `it`
+  if (iterations > 0) load_rows(head, m_block, 0);
   for (int it = 0; it < iterations; ++it) {
     const int stage = Traits::kStages == 2 ? (it & 1) : 0;
     if (Traits::kStages == 1 && it > 0) {
       __syncthreads();  // every warp is done with the buffer
-      load_rows(it, 0);
+      load_rows(head, m_block, 0);
     }
     cp_async_wait<0>();
     __syncthreads();  // this buffer has landed everywhere; every warp is done with the other one
-    if (Traits::kStages == 2 && it + 1 < iterations) load_rows(it + 1, stage ^ 1);
-    const int m_block = m_block_of(it);
+    if (Traits::kStages == 2 && it + 1 < iterations) {
+      int next_head = head, next_m_block = m_block;
+      advance(next_head, next_m_block);
+      load_rows(next_head, next_m_block, stage ^ 1);
+    }
     const int m_start = m_block * kBlockM;
     const int m_end = min(m_start + kBlockM, seqlen_q);
     if (mask.block_fully_visible(m_start, m_end, n_start, n_start + kBlockN)) {
-      row_block(head_of(it), m_block, stage, std::false_type{});
+      row_block(head, m_block, stage, std::false_type{});
     } else {
-      row_block(head_of(it), m_block, stage, std::true_type{});
+      row_block(head, m_block, stage, std::true_type{});
     }
+    advance(head, m_block);
   }
 
   // --- epilogue: dK and dV through shared memory (sK and sV are free now) -------------------------
