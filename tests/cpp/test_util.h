@@ -195,14 +195,18 @@ inline AttnConfig dense_config(DType dtype, int b, int sq, int sk, int h, int hk
 
 std::string describe(const AttnConfig& cfg);
 
+// not_run: the backend under test has no kernel for the problem (a restricted CUDA build); the
+// runner recorded a skip with the reason, the outputs are untouched, and check_* accept them.
 struct ForwardResult {
   Tensor out;  // (b, sq, h, dv) or varlen (total_q, h, dv)
   Tensor lse;  // (b, h, sq) or varlen (h, total_q), f32
+  bool not_run = false;
 };
 
 struct BackwardResult {
   Tensor dq, dk, dv;
   Tensor softmax_d;  // like lse
+  bool not_run = false;
 };
 
 struct AttnProblem {

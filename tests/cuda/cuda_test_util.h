@@ -16,6 +16,7 @@
 #include "api/validate.h"
 #include "common/params.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/sm80/sm80_registry.h"
 #include "test_util.h"
 
 namespace fa_test::cuda {
@@ -37,6 +38,25 @@ inline bool gpu_available(std::string* why) {
     if (!::fa_test::cuda::gpu_available(&fa_why_))                                    \
       GTEST_SKIP() << "NOT RUN: this test needs a CUDA GPU (" << fa_why_ << ")";      \
   } while (0)
+
+// Records a skip (GTEST_SKIP from a helper: the test is reported as skipped unless something else
+// fails) saying why a part of it did not run.
+inline void record_not_run(const std::string& why) { GTEST_SKIP() << "NOT RUN: " << why; }
+
+// Whether this build compiled a kernel of `family` for the dtype and head dims of p. A restricted
+// build (FLASHATTN_CUDA_DTYPES / FLASHATTN_CUDA_HEAD_DIMS, the `dev` preset) leaves some out: then
+// the reason, naming the build options, is recorded as a skip and false returned, so the test
+// reports what it could not run instead of failing on the refusal.
+inline bool kernel_built(flashattn::cuda::sm80::Family family, flashattn::common::Storage storage, int head_dim,
+                         int head_dim_v) {
+  const int need = head_dim > head_dim_v ? head_dim : head_dim_v;
+  if (flashattn::cuda::sm80::compiled_head_dim(family, storage, need) != 0) return true;
+  record_not_run(flashattn::cuda::sm80::missing_kernel_reason(family, storage, need));
+  return false;
+}
+inline bool kernel_built(flashattn::cuda::sm80::Family family, const flashattn::common::AttentionParams& p) {
+  return kernel_built(family, p.storage, p.head_dim, p.head_dim_v);
+}
 
 #define FA_CUDA_CHECK(expr)                                                                   \
   do {                                                                                        \
@@ -137,6 +157,10 @@ inline ForwardResult run_cuda_forward(const AttnProblem& p, const ParamsHook& ho
   dp.lse = d_lse;
   const std::uint64_t* d_rng = mirror_batch_layout(p, dp, dev, host_rng_state);
   if (hook) hook(dp, dev);
+  if (!kernel_built(flashattn::cuda::sm80::Family::fwd, dp)) {
+    r.not_run = true;
+    return r;
+  }
   void* workspace = nullptr;
   const std::size_t workspace_bytes = with_workspace ? flashattn::cuda::forward_workspace_size(dp) : 0;
   if (workspace_bytes > 0) {
@@ -160,6 +184,10 @@ inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResul
   const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
   const flashattn::detail::Problem pr = flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt);
   flashattn::common::AttentionParams dp = pr.params;
+  if (fwd.not_run || !kernel_built(flashattn::cuda::sm80::Family::bwd, dp)) {
+    r.not_run = true;
+    return r;
+  }
 
   DeviceArena dev;
   dp.q.data = dev.mirror(p.q);

@@ -97,6 +97,7 @@ TEST_P(CudaBackward, Dropout) {
   p2.opt.dropout_offset = 0;
   const std::uint64_t rng_state[2] = {77, 12};
   const BackwardResult b = run_cuda_backward(p2, fwd, rng_state);
+  if (a.not_run || b.not_run) return;  // a restricted build (skip recorded)
   EXPECT_TRUE(bitwise_equal(a.dq, b.dq));
   EXPECT_TRUE(bitwise_equal(a.dk, b.dk));
   EXPECT_TRUE(bitwise_equal(a.dv, b.dv));
@@ -176,6 +177,7 @@ TEST_P(CudaBackward, DeterministicIsBitwiseReproducible) {
       const ForwardResult fwd = run_forward(p, Backend::cpu);
       const BackwardResult a = run_cuda_backward(p, fwd);
       EXPECT_TRUE(check_backward(p, fwd, a));
+      if (a.not_run) continue;  // a restricted build (skip recorded)
       for (int run = 0; run < 3; ++run) {
         const BackwardResult b = run_cuda_backward(p, fwd);
         ASSERT_TRUE(bitwise_equal(a.dq, b.dq)) << "run " << run;

@@ -245,6 +245,7 @@ TEST_P(CudaSplitKv, OneShareIsBitExactAndManyAreNot) {
     const AttnProblem small = make_problem(decode_config(GetParam(), d, 4, 30));
     SCOPED_TRACE(describe(small.cfg));
     const ForwardResult plain = run_cuda_forward(small);
+    if (plain.not_run) continue;  // a restricted build (skip recorded)
     const ForwardResult split = run_cuda_forward(small, force_splits(4), nullptr, true);
     EXPECT_TRUE(bitwise_equal(plain.out, split.out));
     EXPECT_TRUE(bitwise_equal(plain.lse, split.lse));
@@ -265,6 +266,7 @@ TEST_P(CudaSplitKv, UnsplitPathsStillPass) {
     SCOPED_TRACE(describe(p.cfg));
     const ForwardResult plain = run_cuda_forward(p);
     EXPECT_TRUE(check_forward(p, plain));
+    if (plain.not_run) continue;  // a restricted build (skip recorded)
     const ForwardResult one = run_cuda_forward(p, force_splits(1), nullptr, true);
     EXPECT_TRUE(bitwise_equal(plain.out, one.out));
     EXPECT_TRUE(bitwise_equal(plain.lse, one.lse));
