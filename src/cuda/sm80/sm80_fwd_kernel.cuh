@@ -429,30 +429,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = score_mod(s(mi, ni), seq_row(mi, ni), seq_col(mi, ni));
         }
       }
-      // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
-      // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
-      // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
-      // and hoisting one per accumulator element out of the key loop spills registers.
-      if constexpr (decltype(kMasked)::value) {
-        CUTE_UNROLL
-        for (int mi = 0; mi < size<0>(s); ++mi) {
-          const int i = row_query(m_start + get<0>(cS_rc(mi, 0)));
-          const int lo = mask.col_begin(i) - n_start;
-          const int hi = mask.col_end(i) - n_start;
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(s); ++ni) {
-            const int col = get<1>(cS_rc(mi, ni));
-            if (col < lo || col >= hi) s(mi, ni) = -kInf;
-          }
-        }
-      }
-
       // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
       cp_async_wait<0>();
       __syncthreads();
       if (n_block > n_block_min) {
         load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1);
         cp_async_fence();
+      }
+
+      // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
+      // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
+      // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
+      // and hoisting one per accumulator element out of the key loop spills registers. A thread's
+      // columns in a row are its first column + (ni mod 2) + 8 · ⌊ni / 2⌋ (two per m16n8 tile,
+      // tiles side by side), so its visible ones are a contiguous run of ni: the row's bounds
+      // become one bit mask (columns below col_end, less those below col_begin) and each element
+      // reads its bit, 7 bits going into predicates per instruction (R2P) — instead of two
+      // comparisons against its own column, a loop-invariant register per column (32 at kBlockN =
+      // 128) that spilled scores. Masking after the K(n−1) load is issued keeps that load's
+      // address arithmetic and the masked scores from being live together across its branch.
+      if constexpr (decltype(kMasked)::value) {
+        static_assert(decltype(size<1>(s))::value <= 32, "one bit per column of a row");
+        const int col_shift = n_start + get<1>(cS_rc(0, 0));
+        // Columns of the thread's row below x (relative to its first column), for x clamped to
+        // the tile.
+        auto cols_below = [](int x) {
+          constexpr int kSpan = 8 * (decltype(size<1>(s))::value / 2);
+          x = min(max(x, 0), kSpan);
+          return 2 * (x >> 3) + min(x & 7, 2);
+        };
+        auto bits_below = [](int c) { return c >= 32 ? 0xffffffffu : (1u << c) - 1u; };
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(s); ++mi) {
+          const int i = row_query(m_start + get<0>(cS_rc(mi, 0)));
+          const std::uint32_t bits = bits_below(cols_below(mask.col_end(i) - col_shift)) &
+                                     ~bits_below(cols_below(mask.col_begin(i) - col_shift));
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            if (!((bits >> ni) & 1u)) s(mi, ni) = -kInf;
+          }
+        }
       }
 
       // Online softmax: new row max, rescale what was accumulated, exponentiate this tile.
