@@ -49,8 +49,15 @@ constexpr int kBwdThreads = 256;
 // kWarpsMSdP: warps along the rows of S/dP (the rest along its keys); kWarpsNdKV: warps along the
 // keys of dK/dV (the rest along D); kWarpsMdQ: warps along the rows of dQ (the rest along D).
 // kStages: buffers of Q / dO / row statistics (2: the next row block loads during this one).
+// kSpreadDq: dQ is computed right after the P/dS barrier and its atomics are issued in slices
+// between the k-steps of the dV and dK products, instead of in one burst at the end of the row
+// block. kLateLoad (with two stages): the next row block's Q/dO copies are issued after the S/dP
+// products instead of before them. Both move global-memory traffic out of the S/dP phase, whose
+// ldmatrix reads keep the shared-memory pipe busy, into the tensor-bound dK/dV phase (the
+// atomics and ldmatrix share the load/store unit's queue; the cp.async writes share the shared-memory
+// bandwidth). See BwdConfig for where they are on.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ,
-          int kStages_>
+          int kStages_, bool kSpreadDq_ = false, bool kLateLoad_ = false>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -59,6 +66,8 @@ struct BwdTraits {
   static constexpr int kNWarps = kBwdThreads / 32;
   static constexpr int kNThreads = kBwdThreads;
   static constexpr int kStages = kStages_;
+  static constexpr bool kSpreadDq = kSpreadDq_;
+  static constexpr bool kLateLoad = kLateLoad_ && kStages_ == 2;
   static_assert(kBlockM % kBwdBlockM == 0, "row blocks are whole counter units");
   static_assert(kStages == 1 || kStages == 2);
 
@@ -122,6 +131,29 @@ struct BwdTraits {
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
   const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
+}
+
+// gemm_ss (sm80_fwd_kernel.cuh) with after_step(k) called once the MMAs of k-slice k are issued:
+// work that uses neither operand (the dQ atomics) placed between the slices, so that it overlaps
+// the tensor-core work of this product instead of running alone.
+template <class TiledMma, class Acc, class FragA, class FragB, class SrcA, class SrcB, class CopyA, class CopyB,
+          class ThrCopyA, class ThrCopyB, class AfterStep>
+__device__ __forceinline__ void gemm_ss_steps(const TiledMma& mma, Acc& acc, FragA& rA, FragB& rB, const SrcA& sA,
+                                              const SrcB& sB, const CopyA& copy_a, const CopyB& copy_b,
+                                              const ThrCopyA& thr_a, const ThrCopyB& thr_b, AfterStep&& after_step) {
+  Tensor rA_view = thr_a.retile_D(rA);
+  Tensor rB_view = thr_b.retile_D(rB);
+  copy(copy_a, sA(_, _, _0{}), rA_view(_, _, _0{}));
+  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+    after_step(k);
+  }
 }
 
 // Stores a fp32 accumulator fragment, rounded to Element, into a (rows, cols) shared tile: elements
@@ -460,8 +492,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
 
   // One (head, row block) from buffer `stage`. kMasked (std::bool_constant): whether per-element
-  // masking is compiled in.
-  auto row_block = [&](int head, int m_block, int stage, auto kMasked) __attribute__((always_inline)) {
+  // masking is compiled in. after_sdp: called once the S and dP products are issued (kLateLoad:
+  // the next row block's copies).
+  auto row_block = [&](int head, int m_block, int stage, auto kMasked, auto&& after_sdp) __attribute__((always_inline)) {
     const int m_start = m_block * kBlockM;
     const common::ScoreMod<float> score_mod = p.score_mod<float>(batch, head);
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
@@ -479,6 +512,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     clear(acc_dp);
     gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ_s, tSsK, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
     gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO_s, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
+    after_sdp();
 
     Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));    // (rows, cols): scores, then Z
     Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));  // (rows, cols): dP, then dS
@@ -544,16 +578,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     store_pairs<Element>(dp, cS_rc, sdS);
     __syncthreads();
 
-    gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
-    gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a, thr_copy_dkv_b);
-
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(acc_dq);
-    gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
-
     int* counter = nullptr;
-    if (counters != nullptr) {
-      // Wait for the key blocks before this one (in key order) that meet this row block.
+    // Deterministic mode: wait for the key blocks before this one (in key order) that meet this
+    // row block.
+    auto wait_turn = [&]() {
+      if (counters == nullptr) return;
       counter = counters + (std::int64_t(batch) * p.heads + head) * m_blocks + m_block;
       const int rank = n_block - mask.block_col_begin(m_start) / kBlockN;
       if (tid == 0) {
@@ -561,16 +591,54 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       __syncthreads();
       __threadfence();
-    }
-    // Rows past the sequence and columns past d hold zeros (zero dS rows, zero-filled K columns):
-    // the whole fragment is added, each atomic instruction covering one 128-byte line.
-    float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_row0, head, m_start);
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc_dq); ++e) atomicAdd(tile + e * Traits::kNThreads + tid, acc_dq(e));
-    if (counter != nullptr) {
+    };
+    auto pass_turn = [&]() {
+      if (counter == nullptr) return;
       __threadfence();
       __syncthreads();
       if (tid == 0) atomicAdd(counter, 1);
+    };
+    // Rows past the sequence and columns past d hold zeros (zero dS rows, zero-filled K columns):
+    // the whole fragment is added, each atomic instruction covering one 128-byte line.
+    auto add_dq = [&](float* tile, int e_begin, int e_end) __attribute__((always_inline)) {
+      CUTE_UNROLL
+      for (int e = e_begin; e < e_end; ++e) atomicAdd(tile + e * Traits::kNThreads + tid, acc_dq(e));
+    };
+    constexpr int kDqElems = decltype(size(acc_dq))::value;
+
+    if constexpr (Traits::kSpreadDq) {
+      // dQ first; its atomics go out a slice after each k-step of the dV and dK products. The
+      // __syncwarp before a slice keeps it there: without it the atomics (global) and the
+      // ldmatrix reads (shared) do not alias, and all of them are scheduled in one burst right
+      // after the dQ product, which stalls every warp until the burst is accepted.
+      clear(acc_dq);
+      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
+      wait_turn();
+      float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_row0, head, m_start);
+      constexpr int kStepsV = decltype(size<2>(tdVrPt))::value;
+      constexpr int kSteps = kStepsV + decltype(size<2>(tdKrdSt))::value;
+      constexpr int kPerStep = (kDqElems + kSteps - 1) / kSteps;
+      gemm_ss_steps(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
+                    thr_copy_dkv_b, [&](int k) __attribute__((always_inline)) {
+                      __syncwarp();
+                      add_dq(tile, min(k * kPerStep, kDqElems), min((k + 1) * kPerStep, kDqElems));
+                    });
+      gemm_ss_steps(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
+                    thr_copy_dkv_b, [&](int k) __attribute__((always_inline)) {
+                      __syncwarp();
+                      add_dq(tile, min((kStepsV + k) * kPerStep, kDqElems), min((kStepsV + k + 1) * kPerStep, kDqElems));
+                    });
+      pass_turn();
+    } else {
+      gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
+              thr_copy_dkv_b);
+      gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
+              thr_copy_dkv_b);
+      clear(acc_dq);
+      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
+      wait_turn();
+      add_dq(dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_row0, head, m_start), 0, kDqElems);
+      pass_turn();
     }
   };
 
@@ -584,17 +652,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     cp_async_wait<0>();
     __syncthreads();  // this buffer has landed everywhere; every warp is done with the other one
-    if (Traits::kStages == 2 && it + 1 < iterations) {
-      int next_head = head, next_m_block = m_block;
-      advance(next_head, next_m_block);
-      load_rows(next_head, next_m_block, stage ^ 1);
-    }
+    auto load_next = [&]() __attribute__((always_inline)) {
+      if (Traits::kStages == 2 && it + 1 < iterations) {
+        int next_head = head, next_m_block = m_block;
+        advance(next_head, next_m_block);
+        load_rows(next_head, next_m_block, stage ^ 1);
+      }
+    };
+    if constexpr (!Traits::kLateLoad) load_next();
+    auto after_sdp = [&]() __attribute__((always_inline)) {
+      if constexpr (Traits::kLateLoad) load_next();
+    };
     const int m_start = m_block * kBlockM;
     const int m_end = min(m_start + kBlockM, seqlen_q);
     if (mask.block_fully_visible(m_start, m_end, n_start, n_start + kBlockN)) {
-      row_block(head, m_block, stage, std::false_type{});
+      row_block(head, m_block, stage, std::false_type{}, after_sdp);
     } else {
-      row_block(head, m_block, stage, std::true_type{});
+      row_block(head, m_block, stage, std::true_type{}, after_sdp);
     }
     advance(head, m_block);
   }

@@ -18,6 +18,11 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 //           has less shared memory per block (A100: 163 KB)
 // The arrangements keep each warp's ldmatrix traffic low for its MMAs: at d 256, dK/dV warps split
 // the keys in two and D in four, as the D-wide operands (Qᵀ, dOᵀ) dominate the shared reads.
+// At d 256 dQ (64 × 256 fp32, 64 atomics per thread and row block) is computed first and its
+// atomics are spread over the k-steps of dV and dK (kSpreadDq), and the next row block's copies are
+// issued after S/dP (kLateLoad): the S/dP phase is bound by ldmatrix traffic, dV/dK by the tensor
+// cores, so the global traffic goes where the shared-memory pipe has room. The smaller head dims
+// keep the plain order (their dQ tiles are a quarter to half as large).
 // With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
 // and the Philox state need registers): d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
 template <class Element, int kHeadDim, bool kFull, int kStages>
@@ -36,7 +41,7 @@ struct BwdConfig<Element, 128, kFull, kStages> {
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 256, kFull, kStages> {
-  using Traits = BwdTraits<Element, 256, 64, kFull ? 32 : 64, 4, 2, 2, kStages>;
+  using Traits = BwdTraits<Element, 256, 64, kFull ? 32 : 64, 4, 2, 2, kStages, true, true>;
 };
 
 // Shared memory a block of the current device may opt into.

@@ -205,9 +205,12 @@ __device__ __forceinline__ void load_tile(const typename Traits::Element* base, 
 // key tile but the last, at the instantiated head dim) takes a path without any predicate: one
 // address add per 16-byte access, instead of the row and column checks, the zero-fill selects
 // and the per-row 64-bit address arithmetic of load_tile. (The checked path is not load_tile with
-// a stride lambda: the compiler if-converts it into the key loop, and load_tile's per-row address
-// arithmetic made that loop ~200 SASS instructions longer.)
-template <class Traits, int kRows, class SmemTensor>
+// a stride lambda: its per-row address arithmetic made the key loop ~200 SASS instructions longer.)
+// kMayBeShort: whether valid_rows < kRows is possible here (false: the caller knows the tile is
+// whole in rows, and only the column count is checked). The checked path is a loop the compiler
+// does not unroll: unrolled, it was if-converted, so that every tile issued both paths'
+// instructions (predicated off, still one issue slot each).
+template <class Traits, int kRows, bool kMayBeShort = true, class SmemTensor>
 __device__ __forceinline__ void load_strided_tile(const typename Traits::Element* tile, std::int64_t row_stride,
                                                   SmemTensor& s_tile, int valid_rows, int valid_cols, int tid) {
   typename Traits::GmemTiledCopy tiled_copy;
@@ -220,7 +223,7 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
   constexpr int kRowStep = decltype(size<0>(typename Traits::GmemThreadLayout{}))::value;  // rows between passes
   const auto* src0 = tile + std::int64_t(row0) * row_stride + col0;
   const std::int64_t pass_stride = std::int64_t(kRowStep) * row_stride;
-  if (valid_rows >= kRows && valid_cols >= Traits::kHeadDim) {
+  if ((!kMayBeShort || valid_rows >= kRows) && valid_cols >= Traits::kHeadDim) {
     const auto* src = src0;
     CUTE_UNROLL
     for (int m = 0; m < size<1>(t_s); ++m, src += pass_stride) {
@@ -232,7 +235,7 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
     }
   } else {
     const auto* src = src0;
-    CUTE_UNROLL
+#pragma unroll 1
     for (int m = 0; m < size<1>(t_s); ++m, src += pass_stride) {
       const bool row_ok = row0 + m * kRowStep < valid_rows;
       CUTE_UNROLL
@@ -330,15 +333,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // compiler if-converts the paged path into predicated instructions that every tile executes.
   const std::int64_t k_row0_offset = kPaged ? 0 : p.k_offset(p.k, batch, 0, kv_head);
   const std::int64_t v_row0_offset = kPaged ? 0 : p.k_offset(p.v, batch, 0, kv_head);
+  // kMayBeShort (a std::bool_constant): whether the tile can end past seqlen_k — only the last
+  // tile can, and it is never wholly visible, so only the prologue's K load and the masked tile
+  // step's V load need the row check.
   auto load_kv = [&](const Element* base, const common::RowHeadTensor& t, std::int64_t row0_offset, int valid_cols,
-                     auto& s_tile, int n_block) {
+                     auto& s_tile, int n_block, auto kMayBeShort) {
     const int n_start = n_block * kBlockN;
     if constexpr (kPaged) {
       load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
                                  [&](int r) { return p.k_offset(t, batch, n_start + r, kv_head); }, tid);
     } else {
-      load_strided_tile<Traits, kBlockN>(base + row0_offset + std::int64_t(n_start) * t.row_stride, t.row_stride,
-                                         s_tile, seqlen_k - n_start, valid_cols, tid);
+      load_strided_tile<Traits, kBlockN, decltype(kMayBeShort)::value>(
+          base + row0_offset + std::int64_t(n_start) * t.row_stride, t.row_stride, s_tile, seqlen_k - n_start,
+          valid_cols, tid);
     }
   };
 
@@ -398,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
     // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
     // rest need no per-element masking.
-    load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block_max - 1);
+    load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block_max - 1, std::true_type{});
     cp_async_fence();
 
     // One key tile. kMasked (a std::bool_constant) compiles the per-element mask in or out: the
@@ -413,7 +420,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // K(n) has landed, and every warp has finished reading V(n+1): V(n) may overwrite it.
       cp_async_wait<0>();
       __syncthreads();
-      load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block);
+      load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block, kMasked);
       cp_async_fence();
 
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -431,30 +438,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = score_mod(s(mi, ni), seq_row(mi, ni), seq_col(mi, ni));
         }
       }
-      // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
-      // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
-      // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
-      // and hoisting one per accumulator element out of the key loop spills registers.
-      if constexpr (decltype(kMasked)::value) {
-        CUTE_UNROLL
-        for (int mi = 0; mi < size<0>(s); ++mi) {
-          const int i = row_query(m_start + get<0>(cS_rc(mi, 0)));
-          const int lo = mask.col_begin(i) - n_start;
-          const int hi = mask.col_end(i) - n_start;
-          CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(s); ++ni) {
-            const int col = get<1>(cS_rc(mi, ni));
-            if (col < lo || col >= hi) s(mi, ni) = -kInf;
-          }
-        }
-      }
-
       // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
       cp_async_wait<0>();
       __syncthreads();
       if (n_block > n_block_min) {
-        load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1);
+        load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1, std::false_type{});
         cp_async_fence();
+      }
+
+      // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
+      // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
+      // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
+      // and hoisting one per accumulator element out of the key loop spills registers. A thread's
+      // columns in a row are its first column + (ni mod 2) + 8 · ⌊ni / 2⌋ (two per m16n8 tile,
+      // tiles side by side), so its visible ones are a contiguous run of ni: the row's bounds
+      // become one bit mask (columns below col_end, less those below col_begin) and each element
+      // reads its bit, 7 bits going into predicates per instruction (R2P) — instead of two
+      // comparisons against its own column, a loop-invariant register per column (32 at kBlockN =
+      // 128) that spilled scores. Masking after the K(n−1) load is issued keeps that load's
+      // address arithmetic and the masked scores from being live together across its branch.
+      if constexpr (decltype(kMasked)::value) {
+        static_assert(decltype(size<1>(s))::value <= 32, "one bit per column of a row");
+        const int col_shift = n_start + get<1>(cS_rc(0, 0));
+        // Columns of the thread's row below x (relative to its first column), for x clamped to
+        // the tile.
+        auto cols_below = [](int x) {
+          constexpr int kSpan = 8 * (decltype(size<1>(s))::value / 2);
+          x = min(max(x, 0), kSpan);
+          return 2 * (x >> 3) + min(x & 7, 2);
+        };
+        auto bits_below = [](int c) { return c >= 32 ? 0xffffffffu : (1u << c) - 1u; };
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(s); ++mi) {
+          const int i = row_query(m_start + get<0>(cS_rc(mi, 0)));
+          const std::uint32_t bits = bits_below(cols_below(mask.col_end(i) - col_shift)) &
+                                     ~bits_below(cols_below(mask.col_begin(i) - col_shift));
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            if (!((bits >> ni) & 1u)) s(mi, ni) = -kInf;
+          }
+        }
       }
 
       // Online softmax: new row max, rescale what was accumulated, exponentiate this tile.
