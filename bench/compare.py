@@ -733,6 +733,63 @@ def sdpa_runner(name: str, case: Case, x: Inputs, device) -> Runner:
 _flex_compiled = None
 
 
+def flex_window_mod(left: int, right: int, offset: int):
+    """mask_mod of SPEC §2's window (left, right ≥ 0 bounded, −1 unbounded) with the diagonal at
+    q_idx + offset; None when nothing is masked."""
+    if left >= 0 and right >= 0:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= q_idx + offset - left) & (kv_idx <= q_idx + offset + right)
+    elif left >= 0:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx >= q_idx + offset - left
+    elif right >= 0:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + offset + right
+    else:
+        mask_mod = None
+    return mask_mod
+
+
+def flex_mods(case: Case, slopes: Optional[torch.Tensor], device):
+    """FlexAttention's (score_mod, mask_mod, q_len, kv_len) for the case; either mod None when the
+    case has none. The score that score_mod gets is already scaled (q·k/√d), as flashattn's softcap
+    and ALiBi take it. A varlen case is one packed sequence of all its documents: a key is visible
+    to a query of the same document, under the case's window counted inside the document (q and k
+    lengths are equal there, so the diagonal is q_idx = kv_idx).
+
+    The mods refer to Python numbers and to tensors made here (ALiBi's slopes, the varlen document
+    ids), which FlexAttention lifts into its compiled kernels as captured buffers; they must not
+    refer to a name that this function binds conditionally (an `import torch.x` in here would make
+    `torch` a local of this function and an empty closure cell in the mods)."""
+    offset = case.sk - case.sq
+    left, right = case.visible_window()
+    if case.softcap > 0 and slopes is not None:
+        raise Unsupported("softcap with ALiBi is not a case here")
+    score_mod = None
+    if case.softcap > 0:
+        cap = float(case.softcap)  # a Python constant in the graph, no tensor
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+    elif slopes is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + offset - kv_idx).abs()
+
+    if case.varlen:
+        lengths = torch.tensor(case.varlen, dtype=torch.int64, device=device)
+        doc = torch.repeat_interleave(torch.arange(len(case.varlen), device=device), lengths)
+        inside = flex_window_mod(left, right, 0)
+        if inside is None:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return doc[q_idx] == doc[kv_idx]
+        else:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (doc[q_idx] == doc[kv_idx]) & inside(b, h, q_idx, kv_idx)
+        total = sum(case.varlen)
+        return score_mod, mask_mod, total, total
+    return score_mod, flex_window_mod(left, right, offset), case.sq, case.sk
+
+
 def flex_runner(case: Case, x: Inputs, device, flex_decode: bool) -> Runner:
     global _flex_compiled
     if device.type != "cuda":
@@ -746,49 +803,18 @@ def flex_runner(case: Case, x: Inputs, device, flex_decode: bool) -> Runner:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _flex_compiled is None:
-        import torch._dynamo
+        # `from … import`, not `import torch._dynamo`: the latter binds `torch` as a local of this
+        # function, unbound on every call after the first.
+        from torch._dynamo import config as dynamo_config
 
         # One compiled graph per shape and mask: allow many before dynamo gives up.
         for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                      "accumulated_recompile_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, 4096)
+            if hasattr(dynamo_config, knob):
+                setattr(dynamo_config, knob, 4096)
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
 
-    offset = case.sk - case.sq
-    left, right = case.visible_window()
-    score_mod = None
-    slopes = x.slopes
-    if case.softcap > 0 and slopes is not None:
-        raise Unsupported("softcap with ALiBi is not a case here")
-    if case.softcap > 0:
-        cap = case.softcap
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return cap * torch.tanh(score / cap)
-    elif slopes is not None:
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx + offset - kv_idx).abs()
-
-    mask_mod = None
-    if case.varlen:
-        doc = torch.repeat_interleave(torch.arange(len(case.varlen), device=device),
-                                      torch.tensor(case.varlen, device=device))
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
-        q_len = kv_len = sum(case.varlen)
-    else:
-        q_len, kv_len = case.sq, case.sk
-        if left >= 0 and right >= 0:
-            def mask_mod(b, h, q_idx, kv_idx):
-                return (kv_idx >= q_idx + offset - left) & (kv_idx <= q_idx + offset + right)
-        elif left >= 0:
-            def mask_mod(b, h, q_idx, kv_idx):
-                return kv_idx >= q_idx + offset - left
-        elif right >= 0:
-            def mask_mod(b, h, q_idx, kv_idx):
-                return kv_idx <= q_idx + offset + right
+    score_mod, mask_mod, q_len, kv_len = flex_mods(case, x.slopes, device)
     block_mask = (create_block_mask(mask_mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=device)
                   if mask_mod is not None else None)
     gqa = case.h != case.hk

@@ -7,11 +7,13 @@ make_report.py turns into the Markdown report. With the CPU build of flashattn-b
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -156,3 +158,91 @@ def test_flop_convention(compare):
     assert case.flops("fwd") == 4 * 2 * 16 * 1024 * 1024 * 128 / 2
     assert case.flops("bwd") == 2.5 * case.flops("fwd")
     assert case.flops("fwdbwd") == 3.5 * case.flops("fwd")
+
+
+def test_flex_mods_match_plain_softmax(compare):
+    """FlexAttention's score_mod / mask_mod of the feature cases (softcap, ALiBi, window, varlen as a
+    document mask over the packed batch), run by eager flex_attention on CPU tensors (no compile)
+    against a plain fp64 softmax."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no FlexAttention")
+    cpu = torch.device("cpu")
+
+    def plain(q, k, v, case, slopes):  # one sequence: q (s, h, d), k and v (s, hk, ·)
+        g = case.h // case.hk
+        k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+        s = torch.einsum("ihd,jhd->hij", q.double(), k) * case.scale
+        if case.softcap > 0:
+            s = case.softcap * torch.tanh(s / case.softcap)
+        bias = compare.score_bias(case, slopes, q.shape[0], k.shape[0], cpu)
+        if bias is not None:
+            s = s + bias.double()
+        return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v)
+
+    lengths = compare.DRY.varlen_lengths
+    cases = [c for c in compare.feature_cases(compare.DRY, "bf16") if c.dropout == 0] + [
+        compare.Case("features", "varlen-full", "fp32", len(lengths), 30, 30, 4, 2, 32, 32, varlen=lengths),
+        compare.Case("features", "varlen-softcap-window", "fp32", len(lengths), 30, 30, 4, 4, 32, 32, causal=True,
+                     softcap=5.0, window=(5, 0), varlen=lengths),
+        compare.Case("features", "alibi-sq<sk", "fp32", 2, 20, 48, 4, 4, 32, 32, causal=True, alibi=True),
+        compare.Case("features", "window-sq<sk", "fp32", 2, 20, 48, 4, 2, 32, 32, window=(6, 3)),
+    ]
+    for case in cases:
+        case = dataclasses.replace(case, dtype="fp32")
+        x = compare.Inputs(case, cpu, 0)
+        x.q = x.q * 4  # scores of several units: the cap bites
+        score_mod, mask_mod, q_len, kv_len = compare.flex_mods(case, x.slopes, cpu)
+        assert (score_mod is not None) == (case.softcap > 0 or case.alibi), case.name
+        block_mask = (flex.create_block_mask(mask_mod, None, None, q_len, kv_len, device=cpu)
+                      if mask_mod is not None else None)
+        if case.varlen:
+            spans = list(zip(x.cu_seqlens.tolist()[:-1], x.cu_seqlens.tolist()[1:]))
+
+            def layout(t):
+                return t.transpose(0, 1).unsqueeze(0)
+
+            def back(out):
+                return out[0].transpose(0, 1)
+        else:
+            spans = range(case.b)
+
+            def layout(t):
+                return t.transpose(1, 2)
+
+            def back(out):
+                return out.transpose(1, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+            out = back(flex.flex_attention(layout(x.q), layout(x.k), layout(x.v), score_mod=score_mod,
+                                           block_mask=block_mask, enable_gqa=case.h != case.hk))
+        for span in spans:
+            sel = slice(*span) if case.varlen else span
+            want = plain(x.q[sel], x.k[sel], x.v[sel], case, x.slopes)
+            np.testing.assert_allclose(out[sel].double().numpy(), want.numpy(), atol=2e-5, err_msg=case.name)
+
+
+def test_no_function_binds_torch_locally(compare):
+    """`import torch.x` (or `torch = …`) inside a function makes `torch` a local of the whole
+    function: unbound where that line did not run, and an empty closure cell in the functions nested
+    in it. flex_runner once did so (import torch._dynamo on its first call only), which failed every
+    later Flex case that used torch (UnboundLocalError for varlen; softcap's score_mod broke torch.compile)."""
+    import types
+
+    def codes(code):
+        yield code
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                yield from codes(const)
+
+    functions = {}
+    for name, value in vars(compare).items():
+        if getattr(value, "__module__", None) != "compare":
+            continue
+        functions[name] = value
+        if isinstance(value, type):
+            functions.update((f"{name}.{k}", v) for k, v in vars(value).items())
+    for name, fn in functions.items():
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is None:
+            continue
+        for c in codes(code):
+            assert not {"torch", "F"} & set(c.co_varnames + c.co_cellvars), (name, c.co_name)
