@@ -79,6 +79,11 @@ TEST_P(CudaBackward, SoftcapAndAlibi) {
       expect_matches(cfg);
     }
   }
+  // A softmax scale too small to divide the slope by (TileScoreMod's unfolded path).
+  AttnConfig cfg = base(64, 100, 140);
+  cfg.alibi = Alibi::per_head;
+  cfg.opt.softmax_scale = 1e-30f;
+  expect_matches(cfg);
 }
 
 TEST_P(CudaBackward, Dropout) {

@@ -87,6 +87,12 @@ TEST_P(CudaForward, Alibi) {
   cfg.opt.softcap = 5.0f;
   cfg.opt.window_left = 40;
   expect_matches(cfg);
+  // A softmax scale too small to divide the slope by: the kernel keeps it on the dot product
+  // (TileScoreMod's unfolded path); the scores are then ALiBi's alone.
+  cfg = base(64, 100, 140);
+  cfg.alibi = Alibi::per_batch_head;
+  cfg.opt.softmax_scale = 1e-30f;
+  expect_matches(cfg);
 }
 
 TEST_P(CudaForward, DropoutMatchesReference) {

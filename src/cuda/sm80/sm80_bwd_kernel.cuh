@@ -21,7 +21,7 @@
 // transposed products can read them back through ldmatrix.trans (warp arrangements per head dim in
 // sm80_bwd_launch.cuh):
 //   S = Q Kᵀ, dP' = dO Vᵀ                    (kBlockM × kBlockN)
-//   P = exp(score − lse)                     (score from src/common's ScoreMod; masked: P = 0)
+//   P = exp(score − lse)                     (score: src/common's ScoreMod, as TileScoreMod; masked: P = 0)
 //   Z = P ∘ keep / (1 − p),  dP = dP' ∘ keep / (1 − p)       (dropout: the forward's mask)
 //   dS = P ∘ (dP − softmax_d) ∘ dscore/ddot  (dscore/ddot includes softmax_scale and the softcap)
 //   dV += Zᵀ dO,  dK += dSᵀ Q                (kBlockN × D)
@@ -424,9 +424,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor cS_rc = make_tensor(cS.data(), rowcol_layout(cS.layout()));
   Tensor cdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
-  const bool use_score_mod = kScoreModAndDropout && (p.softcap > 0.0f || p.alibi_slopes != nullptr);
   const bool use_dropout = kScoreModAndDropout && p.dropout_p > 0.0f;
-  const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
   common::DropoutParams dropout = p.dropout;
   if (use_dropout && rng_state != nullptr) {
     dropout.seed = rng_state[0];
@@ -496,7 +494,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // the next row block's copies).
   auto row_block = [&](int head, int m_block, int stage, auto kMasked, auto&& after_sdp) __attribute__((always_inline)) {
     const int m_start = m_block * kBlockM;
-    const common::ScoreMod<float> score_mod = p.score_mod<float>(batch, head);
+    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout);
+    const float score_to_log2 = mod.out_scale * kLog2e;
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
     const int q_shift = stage * kStageElems;
     const float* lse_rows = s_lse + stage * kBlockM;
@@ -518,15 +517,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));  // (rows, cols): dP, then dS
     constexpr int kMmaM = decltype(size<1>(acc_s))::value;
     constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    // Softcap (TileScoreMod): s becomes t = tanh(k · dot), a uniform branch around the whole tile;
+    // ALiBi is added per element below, and dscore/ddot = scale · (1 − t²).
+    if (mod.softcap) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(s); ++e) s(e) = TileScoreMod::tanh(s(e) * mod.k);
+    }
     // Element (mi, ni) of the row/column view is (2·m + a, 2·n + c) for MMA tile (m, n), row half
     // a and column c: the four elements of one m16n8 tile share a dropout lane.
     CUTE_UNROLL
     for (int m = 0; m < kMmaM; ++m) {
-      float lse2[2], dsum[2];
+      float lse2[2], dsum[2], alibi_base[2];
       int lo[2], hi[2];
       CUTE_UNROLL
       for (int a = 0; a < 2; ++a) {
         const int row = get<0>(cS_rc(2 * m + a, 0));
+        alibi_base[a] = mod.alibi_base(m_start + row, n_start + get<1>(cS_rc(0, 0)));
         lse2[a] = __fmul_rn(lse_rows[row], kLog2e);  // not contracted into the FFMA below
         dsum[a] = d_rows[row];
         lo[a] = mask.col_begin(m_start + row) - n_start;
@@ -548,16 +554,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const int mi = 2 * m + a, ni = 2 * n + c;
             const int row = get<0>(cS_rc(mi, ni)), col = get<1>(cS_rc(mi, ni));
             float x = s(mi, ni);
-            float dscore = p.softmax_scale;
-            float logit2;
-            if (use_score_mod) {
-              x = score_mod(x, m_start + row, n_start + col);
-              dscore = score_mod.dscore_ddot(x, m_start + row, n_start + col);
-              logit2 = x * kLog2e;
-            } else {
-              logit2 = x * score_to_log2;
-            }
-            float prob = exp2_ftz(logit2 - lse2[a]);
+            const float dscore = mod.softcap ? p.softmax_scale * (1.0f - x * x) : p.softmax_scale;
+            if (mod.alibi) x = mod.add_alibi(x, alibi_base[a], col - get<1>(cS_rc(0, 0)));
+            float prob = exp2_ftz(x * score_to_log2 - lse2[a]);
             if constexpr (decltype(kMasked)::value) {
               if (col < lo[a] || col >= hi[a]) prob = 0.0f;
             }

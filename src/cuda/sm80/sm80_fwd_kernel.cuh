@@ -5,7 +5,8 @@
 // of the query heads of one kv head, its rows being (query row, head) pairs: it keeps its Q
 // tile in shared memory, streams K/V tiles of kBlockN keys through shared memory, and keeps the
 // running row max, row sum and output accumulator in registers (online softmax). The score
-// semantics (mask, softcap, ALiBi, dropout) come from src/common only; the batch layout (dense,
+// semantics (mask, softcap, ALiBi, dropout) come from src/common (softcap and ALiBi evaluated per
+// tile by TileScoreMod, the same formula in fewer instructions); the batch layout (dense,
 // varlen, paged, cache_batch_idx) is read through AttentionParams' per-sequence accessors, one
 // row address at a time, so a K/V tile may span pages.
 #pragma once
@@ -99,6 +100,53 @@ __device__ __forceinline__ int opaque(int x) {
   asm volatile("" : "+r"(x));
   return x;
 }
+
+// common::ScoreMod (s = c·tanh(scale·dot / c) − slope·|i + sk − sq − j|) as the sm80 kernels
+// evaluate it on an accumulator tile, in "raw" units that the kernels' single exp2 multiplier
+// (score_to_log2 = out_scale · log2 e) turns into log2 units — raw · out_scale is the natural-log
+// score:
+//   softcap on:  raw = tanh(k · dot) − slope' · dist    out_scale = c, k = scale / c
+//   ALiBi only:  raw = mul · dot − slope' · dist        out_scale = scale, mul = 1 (scale folded
+//                                                        into the exp2 multiplier; out_scale = 1,
+//                                                        mul = scale for a scale too small to divide by)
+//   neither:     raw = dot                               out_scale = scale (the plain path)
+// with slope' = slope / out_scale. Per element: one MUFU.EX2, one reciprocal and three FP ops for
+// the softcap, three FP ops for ALiBi. (The generic ScoreMod took an IEEE division, a precise
+// tanhf and a 64-bit distance converted to float: a third of the plain forward's speed.)
+// tanh(y) = 1 − 2 / (1 + e^{2y}) with the approximate exp2 and reciprocal is within a few units of
+// 2^-23 of tanh, absolutely (|tanh| ≤ 1): far below the bf16/fp16 rounding of P. The distance is an
+// int32 per row (i + sk − sq − col0: every term below 2^31) less a compile-time column offset per
+// element, exact in float below 2^24.
+struct TileScoreMod {
+  bool softcap = false;
+  bool alibi = false;
+  float out_scale = 1.0f;
+  float k = 1.0f;          // softcap on: the tanh argument per unit of dot product
+  float mul = 1.0f;        // ALiBi without softcap: the factor on the dot product
+  float slope = 0.0f;      // slope'
+  int diag = 0;            // sk − sq
+
+  __device__ __forceinline__ TileScoreMod(const common::ScoreMod<float>& m, bool enabled) {
+    softcap = enabled && m.softcap > 0.0f;
+    alibi = enabled && m.alibi_slope != 0.0f;
+    const bool fold = fabsf(m.scale) >= 1e-20f;
+    out_scale = softcap ? m.softcap : (alibi && !fold ? 1.0f : m.scale);
+    k = softcap ? m.scale / m.softcap : 1.0f;
+    mul = alibi && !softcap && !fold ? m.scale : 1.0f;
+    slope = alibi ? m.alibi_slope / out_scale : 0.0f;
+    diag = int(m.diag_offset);
+  }
+  __device__ __forceinline__ static float tanh(float y) {
+    constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 · log2(e)
+    return 1.0f - __fdividef(2.0f, 1.0f + exp2_ftz(y * kTwoLog2e));
+  }
+  // ALiBi against columns col0 + Δ: base = i + diag − col0, in float once per row, and then
+  // raw = mul · x − slope' · |base − Δ| per element.
+  __device__ __forceinline__ float alibi_base(int i, int col0) const { return float(i + diag - col0); }
+  __device__ __forceinline__ float add_alibi(float x, float base, int delta) const {
+    return fmaf(x, mul, -slope * fabsf(base - float(delta)));
+  }
+};
 
 // 16-byte cp.async global → shared; when !valid nothing is read and the 16 bytes are zero-filled
 // (out-of-range rows and columns must be zeros: a stale NaN times P = 0 would still be NaN).
@@ -386,9 +434,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Scores reach exp2 through one multiplier: the plain path keeps raw q·k and folds
     // softmax_scale · log2(e) into it; with softcap or ALiBi the ScoreMod of src/common produces
     // natural-log scores first, and only log2(e) is left.
-    const bool use_score_mod = kScoreModAndDropout && (p.softcap > 0.0f || p.alibi_slopes != nullptr);
-    const common::ScoreMod<float> score_mod = p.score_mod<float>(batch, head);
-    const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
+    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout);
+    const float score_to_log2 = mod.out_scale * kLog2e;
 
     const bool use_dropout = kScoreModAndDropout && p.dropout_p > 0.0f;
     common::DropoutParams dropout = p.dropout;
@@ -431,11 +478,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int col0 = opaque(n_start + get<1>(cS_rc(0, 0)));
       auto seq_row = [&](int mi, int ni) { return row0 + (get<0>(cS_rc(mi, ni)) - get<0>(cS_rc(0, 0))); };
       auto seq_col = [&](int mi, int ni) { return col0 + (get<1>(cS_rc(mi, ni)) - get<1>(cS_rc(0, 0))); };
-      if (use_score_mod) {
+      // Softcap and ALiBi (TileScoreMod), each a uniform branch around a whole pass over the tile.
+      if (mod.softcap) {
+        CUTE_UNROLL
+        for (int e = 0; e < size(s); ++e) s(e) = TileScoreMod::tanh(s(e) * mod.k);
+      }
+      if (mod.alibi) {
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(s); ++mi) {
+          const float base = mod.alibi_base(seq_row(mi, 0), col0);
           CUTE_UNROLL
-          for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = score_mod(s(mi, ni), seq_row(mi, ni), seq_col(mi, ni));
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            s(mi, ni) = mod.add_alibi(s(mi, ni), base, get<1>(cS_rc(mi, ni)) - get<1>(cS_rc(0, 0)));
+          }
         }
       }
       // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
@@ -552,8 +607,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // --- epilogue: normalise, lse, O through shared memory -------------------------------------
   const float keep_scale = kScoreModAndDropout && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f;
-  const bool use_score_mod = kScoreModAndDropout && (p.softcap > 0.0f || p.alibi_slopes != nullptr);
-  const float score_to_log2 = use_score_mod ? kLog2e : p.softmax_scale * kLog2e;
+  const float score_to_log2 = TileScoreMod(p.score_mod<float>(batch, head), kScoreModAndDropout).out_scale * kLog2e;
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
   float lse[kRows];
