@@ -48,8 +48,8 @@ class _FlashAttnFunc(torch.autograd.Function):
         left, right = window_pair(window_size)
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
-        out_p, lse, rng_state = torch.ops.flashattn.fwd(
-            q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state
+        out_p, lse, rng_state = _torch_ops.call(
+            "fwd", q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state
         )
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes)
         ctx.args = (dropout_p, scale, causal, left, right, softcap, deterministic)
@@ -62,8 +62,8 @@ class _FlashAttnFunc(torch.autograd.Function):
         q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes = ctx.saved_tensors
         dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
-        dq, dk, dv, _ = torch.ops.flashattn.bwd(
-            _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, dropout_p, scale, causal, left, right,
+        dq, dk, dv, _ = _torch_ops.call(
+            "bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, dropout_p, scale, causal, left, right,
             softcap, alibi_slopes, deterministic, rng_state if dropout_p > 0.0 else None,
         )
         return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 7
@@ -80,8 +80,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         left, right = window_pair(window_size)
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
-        out_p, lse, rng_state = torch.ops.flashattn.varlen_fwd(
-            q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
+        out_p, lse, rng_state = _torch_ops.call(
+            "varlen_fwd", q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
         )
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
@@ -97,8 +97,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes = ctx.saved_tensors
         max_q, max_k, dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
-        dq, dk, dv, _ = torch.ops.flashattn.varlen_bwd(
-            _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, None, max_q, max_k,
+        dq, dk, dv, _ = _torch_ops.call(
+            "varlen_bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, None, max_q, max_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, deterministic,
             rng_state if dropout_p > 0.0 else None,
         )
@@ -195,8 +195,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
                                    device=k_cache.device)
-    out, lse = torch.ops.flashattn.fwd_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+    out, lse = _torch_ops.call(
+        "fwd_kvcache", q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
         block_table, alibi_slopes, scale, causal, left, right, softcap, rotary_interleaved,
         int(num_splits),
     )

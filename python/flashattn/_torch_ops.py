@@ -18,16 +18,20 @@ rng_state explicitly (the autograd functions of this package do), so that the op
 function of its inputs.
 
 Outputs are allocated here with torch.empty and written by the C++ core in place; inputs are
-read through DLPack with their strides, without copies. So is the workspace the core asks for
+read through DLPack (capsules, _dl) with their strides, without copies. So is the workspace the core asks for
 (_C.*_workspace_size: 0 for CPU tensors): a uint8 tensor from PyTorch's allocator, so that device
 scratch lives in the caching allocator and the library never allocates memory itself. The fake
 implementations need no workspace: it is internal to each op.
+
+`call(name, *args)` is how the flash_attn_* functions invoke these ops: the implementation runs
+directly when nothing needs the dispatcher (direct_call_allowed), else through torch.ops.flashattn.
 """
 
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack
 
 from flashattn import _C
 from flashattn._common import WORKSPACE_ALIGNMENT, make_options
@@ -35,9 +39,18 @@ from flashattn._common import WORKSPACE_ALIGNMENT, make_options
 _RNG_STATE_LEN = 2  # [seed, offset]
 
 
-def _plain(t: Optional[Tensor]) -> Optional[Tensor]:
-    # DLPack refuses tensors that require grad; the core only reads them.
-    return None if t is None else t.detach()
+def _dl(x):
+    """x for _C: a tensor as a DLPack capsule (consumed by the call that imports it), anything
+    else unchanged. torch.utils.dlpack.to_dlpack costs a fraction of a microsecond; handed the
+    tensor itself, the extension would call Tensor.__dlpack__, a Python method that costs about
+    ten times as much and, for a CUDA tensor used off the default stream, makes the default
+    stream wait on the current one (the kernels run on the current stream, passed explicitly)."""
+    return to_dlpack(x.detach()) if isinstance(x, Tensor) else x
+
+
+def _call(fn, *args, **kwargs):
+    """fn of _C with every tensor argument passed as a DLPack capsule."""
+    return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items()})
 
 
 def _stream(device: torch.device) -> int:
@@ -128,8 +141,7 @@ def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropo
 # --- batch mode ------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flashattn::fwd", mutates_args=())
-def fwd(
+def _fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -148,10 +160,10 @@ def fwd(
     out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    q, k, v, alibi_slopes = _plain(q), _plain(k), _plain(v), _plain(alibi_slopes)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
-    nbytes = _C.forward_workspace_size(q, k, v, options=opt, alibi_slopes=alibi_slopes)
-    _C.forward(
+    nbytes = _call(_C.forward_workspace_size, q, k, v, options=opt, alibi_slopes=alibi_slopes)
+    _call(
+        _C.forward,
         q, k, v, out, lse,
         options=opt,
         alibi_slopes=alibi_slopes,
@@ -160,6 +172,9 @@ def fwd(
         stream=_stream(q.device),
     )
     return out, lse, state
+
+
+fwd = torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 
 @fwd.register_fake
@@ -173,8 +188,7 @@ def _fwd_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, windo
     )
 
 
-@torch.library.custom_op("flashattn::bwd", mutates_args=())
-def bwd(
+def _bwd(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -197,12 +211,12 @@ def bwd(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((b, h, sq), q.device)
-    inputs = tuple(_plain(t) for t in (dout, q, k, v, out, softmax_lse))
+    inputs = (dout, q, k, v, out, softmax_lse)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic)
-    alibi_slopes = _plain(alibi_slopes)
-    nbytes = _C.backward_workspace_size(*inputs, options=opt, alibi_slopes=alibi_slopes)
-    _C.backward(
+    nbytes = _call(_C.backward_workspace_size, *inputs, options=opt, alibi_slopes=alibi_slopes)
+    _call(
+        _C.backward,
         *inputs, dq, dk, dv, softmax_d,
         options=opt,
         alibi_slopes=alibi_slopes,
@@ -211,6 +225,9 @@ def bwd(
         stream=_stream(q.device),
     )
     return dq, dk, dv, softmax_d
+
+
+bwd = torch.library.custom_op("flashattn::bwd", mutates_args=())(_bwd)
 
 
 @bwd.register_fake
@@ -228,8 +245,7 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p, softmax_scale, causal,
 # --- varlen mode -----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())
-def varlen_fwd(
+def _varlen_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -253,12 +269,12 @@ def varlen_fwd(
     out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((h, total_q), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    q, k, v, alibi_slopes = _plain(q), _plain(k), _plain(v), _plain(alibi_slopes)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    nbytes = _C.forward_workspace_size(q, k, v, options=opt, alibi_slopes=alibi_slopes, **varlen)
-    _C.forward(
+    nbytes = _call(_C.forward_workspace_size, q, k, v, options=opt, alibi_slopes=alibi_slopes, **varlen)
+    _call(
+        _C.forward,
         q, k, v, out, lse,
         options=opt,
         alibi_slopes=alibi_slopes,
@@ -268,6 +284,9 @@ def varlen_fwd(
         **varlen,
     )
     return out, lse, state
+
+
+varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())(_varlen_fwd)
 
 
 @varlen_fwd.register_fake
@@ -282,8 +301,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
     )
 
 
-@torch.library.custom_op("flashattn::varlen_bwd", mutates_args=())
-def varlen_bwd(
+def _varlen_bwd(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -311,14 +329,14 @@ def varlen_bwd(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((h, total_q), q.device)
-    inputs = tuple(_plain(t) for t in (dout, q, k, v, out, softmax_lse))
+    inputs = (dout, q, k, v, out, softmax_lse)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic)
-    alibi_slopes = _plain(alibi_slopes)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    nbytes = _C.backward_workspace_size(*inputs, options=opt, alibi_slopes=alibi_slopes, **varlen)
-    _C.backward(
+    nbytes = _call(_C.backward_workspace_size, *inputs, options=opt, alibi_slopes=alibi_slopes, **varlen)
+    _call(
+        _C.backward,
         *inputs, dq, dk, dv, softmax_d,
         options=opt,
         alibi_slopes=alibi_slopes,
@@ -328,6 +346,9 @@ def varlen_bwd(
         **varlen,
     )
     return dq, dk, dv, softmax_d
+
+
+varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", mutates_args=())(_varlen_bwd)
 
 
 @varlen_bwd.register_fake
@@ -346,8 +367,7 @@ def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
 # --- KV cache --------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flashattn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
-def fwd_kvcache(
+def _fwd_kvcache(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -375,16 +395,16 @@ def fwd_kvcache(
     b, sq, h, _ = q.shape
     out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
-    q, k_cache, v_cache = _plain(q), k_cache.detach(), v_cache.detach()
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
                    num_splits=num_splits)
     extra = dict(
-        k=_plain(k), v=_plain(v), cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-        block_table=block_table, rotary_cos=_plain(rotary_cos), rotary_sin=_plain(rotary_sin),
-        rotary_interleaved=rotary_interleaved, alibi_slopes=_plain(alibi_slopes),
+        k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+        block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
     )
-    nbytes = _C.forward_kvcache_workspace_size(q, k_cache, v_cache, options=opt, **extra)
-    _C.forward_kvcache(
+    nbytes = _call(_C.forward_kvcache_workspace_size, q, k_cache, v_cache, options=opt, **extra)
+    _call(
+        _C.forward_kvcache,
         q, k_cache, v_cache, out, lse,
         options=opt,
         workspace=_workspace(nbytes, q.device),
@@ -392,6 +412,11 @@ def fwd_kvcache(
         **extra,
     )
     return out, lse
+
+
+fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))(
+    _fwd_kvcache
+)
 
 
 @fwd_kvcache.register_fake
@@ -403,3 +428,44 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
         q.new_empty((b, sq, h, v_cache.shape[-1])),
         q.new_empty((b, h, sq), dtype=torch.float32),
     )
+
+
+# --- direct calls ------------------------------------------------------------------------------
+
+_IMPLS = {"fwd": _fwd, "bwd": _bwd, "varlen_fwd": _varlen_fwd, "varlen_bwd": _varlen_bwd,
+          "fwd_kvcache": _fwd_kvcache}
+_MUTATED = {"fwd_kvcache": (1, 2)}  # argument positions of k_cache and v_cache
+_CHECKS = ("_len_torch_dispatch_stack", "_is_torch_function_mode_enabled", "_are_functorch_transforms_active")
+_DIRECT = all(hasattr(torch._C, name) for name in _CHECKS) and hasattr(torch.autograd, "_profiler_enabled")
+
+
+def direct_call_allowed(args) -> bool:
+    """Whether an op call with these arguments may run its implementation directly instead of
+    through the torch.library dispatcher, which adds tens of microseconds per call — as much as a
+    whole decoding step's kernels. Only for plain CPU/CUDA tensors in eager mode: torch.compile,
+    dispatch and function modes (FakeTensor, FlopCounterMode, a torch.device context), functorch
+    transforms (vmap, grad), the profiler (which records the op by name), tensor subclasses,
+    other devices and inputs that autograd would track all take the registered op, which serves
+    them (or refuses them, as for autograd: the differentiable entry points are the autograd
+    functions of _torch_api, which call the ops with gradients off)."""
+    if not _DIRECT or torch.compiler.is_compiling() or torch.autograd._profiler_enabled():
+        return False
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(type(a) is Tensor and a.device.type in ("cpu", "cuda") and not (grad and a.requires_grad)
+               for a in args if isinstance(a, Tensor))
+
+
+def call(name: str, *args):
+    """torch.ops.flashattn.<name>(*args), run directly when direct_call_allowed (the same
+    implementation, the same results; the version counters of the tensors the op mutates are
+    bumped as the dispatcher would)."""
+    if direct_call_allowed(args):
+        result = _IMPLS[name](*args)
+        for i in _MUTATED.get(name, ()):
+            torch.autograd.graph.increment_version(args[i])
+        return result
+    return getattr(torch.ops.flashattn, name)(*args)
+

@@ -142,6 +142,8 @@ def test_packed_qkv_is_read_in_place(monkeypatch):
     real_forward = _torch_ops._C.forward
 
     def recording_forward(q, k, v, *args, **kwargs):
+        # The ops hand _C DLPack capsules; import them here instead (a capsule is used once).
+        q, k, v = (torch.utils.dlpack.from_dlpack(x) for x in (q, k, v))
         seen["ptrs"] = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         return real_forward(q, k, v, *args, **kwargs)
 
@@ -205,3 +207,70 @@ def test_cuda_graph_capture_with_dropout():
             assert torch.equal(first, second)
         else:
             assert not torch.equal(first, second), "replays reused one dropout mask"
+
+
+# --- direct calls (the ops' implementations without the dispatcher, in plain eager mode) -------
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """Records which op implementations run directly (not through torch.ops.flashattn)."""
+    calls = []
+    for name, impl in list(_torch_ops._IMPLS.items()):
+        def recording(*args, _name=name, _impl=impl):
+            calls.append(_name)
+            return _impl(*args)
+        monkeypatch.setitem(_torch_ops._IMPLS, name, recording)
+    return calls
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_direct_call_matches_the_op(device, direct_calls):
+    q, k, v = qkv(device)
+    args = (q, k, v, 0.3, 0.2, True, -1, -1, 0.0, None, rng_state(device))
+    direct = _torch_ops.call("fwd", *args)
+    assert direct_calls == ["fwd"]
+    via_op = torch.ops.flashattn.fwd(*args)
+    for a, b in zip(direct, via_op):
+        assert torch.equal(a, b)
+    # Forward and backward of the autograd function run directly, with the op's gradients.
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    flashattn.flash_attn_func(qg, kg, vg, causal=True).float().sum().backward()
+    assert direct_calls == ["fwd", "fwd", "bwd"]
+    out, lse, _ = torch.ops.flashattn.fwd(q, k, v, 0.0, q.shape[-1] ** -0.5, True, -1, -1, 0.0, None, None)
+    dq, dk, dv, _ = torch.ops.flashattn.bwd(torch.ones_like(out), q, k, v, out, lse, 0.0, q.shape[-1] ** -0.5,
+                                            True, -1, -1, 0.0, None, False, None)
+    for got, want in ((qg.grad, dq), (kg.grad, dk), (vg.grad, dv)):
+        assert torch.equal(got, want)
+
+
+def test_direct_call_bumps_the_versions_of_mutated_caches(direct_calls):
+    q, k, v = qkv("cpu", sq=1, sk=2)
+    k_cache, v_cache = torch.zeros(2, 16, 2, 32, dtype=q.dtype), torch.zeros(2, 16, 2, 32, dtype=q.dtype)
+    versions = (k_cache._version, v_cache._version)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens)
+    assert direct_calls == ["fwd_kvcache"]
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    assert torch.equal(k_cache[0, 3:5], k[0]) and torch.equal(v_cache[1, 5:7], v[1])
+
+
+def test_the_op_serves_everything_else(direct_calls):
+    """Tensors autograd tracks (with gradients on), FakeTensor, the profiler and torch.compile go
+    through torch.ops.flashattn, never the direct path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = qkv("cpu")
+    args = (0.0, 0.2, False, -1, -1, 0.0, None, None)
+    with pytest.raises(RuntimeError):  # no autograd formula on the raw op: refused, not run untracked
+        _torch_ops.call("fwd", q.clone().requires_grad_(), k, v, *args)[0].sum().backward()
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        out, _, _ = _torch_ops.call("fwd", fq, fk, fv, *args)
+        assert out.shape == (2, 19, 4, 32)
+    with torch.profiler.profile() as prof:
+        flashattn.flash_attn_func(q, k, v)
+    assert any(e.name.startswith("flashattn::fwd") for e in prof.events())
+    compiled = torch.compile(lambda q, k, v: flashattn.flash_attn_func(q, k, v), backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q, k, v), flashattn.flash_attn_func(q, k, v))
+    assert direct_calls == ["fwd"]  # only the last, eager call
