@@ -310,11 +310,13 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 // leaves them out so that their registers do not weigh on the common case (the flags are still
 // read at run time in the full variant).
 // kPaged: K/V through the page table (p.block_table); the dense kernel carries none of it.
+// kPacked: the kernel of pack > 1 (pack_arg); the unpacked kernel (pack = 1) carries none of the
+// per-row (query row, head) arithmetic, and loads Q and stores out and lse as evenly spaced rows.
 // kSplit: split-KV. Grid.x is ⌈max_seqlen_q / kBlockM⌉ · split.num_splits: CTA (m, s) walks the
 // s-th of num_splits equal shares of the key tiles that row block m sees and writes, instead of
 // out and lse, its normalised fp32 partial O and its lse into `split` (a share with no visible key
 // for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
-template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged>
+template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged, bool kPacked>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
                const std::uint64_t* rng_state, int pack_arg) {
@@ -329,7 +331,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int m_block = kSplit ? gridDim.x / split.num_splits - 1 - blockIdx.x / split.num_splits
                              : gridDim.x - 1 - blockIdx.x;
   const int split_idx = kSplit ? blockIdx.x % split.num_splits : 0;
-  const int pack = kScoreModAndDropout ? 1 : pack_arg;
+  static_assert(!(kPacked && kScoreModAndDropout), "only the plain variant packs");
+  const int pack = kPacked ? pack_arg : 1;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
   // Unpacked: blockIdx.y is the query head. Packed: the kv head; row_head() gives each row's.
@@ -447,9 +450,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Q tile, once; its cp.async group completes together with the first K tile's. (A block
     // with no key to read loads nothing: sQ then only stages O.)
-    load_tile<Traits, kBlockM>(
-        q_base, sQ, rows_here, p.head_dim,
-        [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
+    // Unpacked, the block's rows are evenly spaced (dense and varlen): one offset for the tile;
+    // packed rows each take their (query row, head) offset.
+    if constexpr (!kPacked) {
+      load_strided_tile<Traits, kBlockM>(q_base + p.q_offset(p.q, batch, m_start, head), p.q.row_stride, sQ,
+                                         rows_here, p.head_dim, tid);
+    } else {
+      load_tile<Traits, kBlockM>(
+          q_base, sQ, rows_here, p.head_dim,
+          [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
+    }
     // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
     // rest need no per-element masking.
     load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block_max - 1, std::true_type{});
@@ -661,11 +671,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return;
   }
 
+  // Unpacked, the rows of out and lse are evenly spaced: offsets from the block's first row, once,
+  // instead of the per-row offset arithmetic (which in varlen mode also re-reads cu_seqlens_q per
+  // row: the stores may alias it as far as the compiler knows).
   if (p.lse != nullptr && (tid & 3) == 0) {
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      const int row = get<0>(cO_rc(mi, 0));
-      if (row < rows_here) p.lse[p.lse_index(batch, row_head(m_start + row), row_query(m_start + row))] = lse[mi];
+    if constexpr (!kPacked) {
+      float* const lse_rows = p.lse + p.lse_index(batch, head, m_start);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<0>(cO_rc(mi, 0));
+        if (row < rows_here) lse_rows[row] = lse[mi];
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<0>(cO_rc(mi, 0));
+        if (row < rows_here) p.lse[p.lse_index(batch, row_head(m_start + row), row_query(m_start + row))] = lse[mi];
+      }
     }
   }
 
@@ -690,18 +712,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tOsO = thr_gmem.partition_S(sO);  // (CPY, CPY_ROWS, CPY_COLS)
   Tensor tOcO = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   auto* out_base = static_cast<Element*>(p.out.data);
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOsO); ++m) {
-    const int row = get<0>(tOcO(0, m, 0));
-    if (row >= rows_here) continue;  // rows past the sequence are not written
-    Element* dst_row = out_base + p.q_offset(p.out, batch, row_query(m_start + row), row_head(m_start + row));
+  auto store_rows = [&](auto&& row_ptr) {
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOsO); ++k) {
-      const int col = get<1>(tOcO(0, m, k));
-      if (col < p.head_dim_v) {
-        *reinterpret_cast<uint4*>(dst_row + col) = *reinterpret_cast<const uint4*>(&tOsO(0, m, k));
+    for (int m = 0; m < size<1>(tOsO); ++m) {
+      const int row = get<0>(tOcO(0, m, 0));
+      if (row >= rows_here) continue;  // rows past the sequence are not written
+      Element* dst_row = row_ptr(row);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tOsO); ++k) {
+        const int col = get<1>(tOcO(0, m, k));
+        if (col < p.head_dim_v) {
+          *reinterpret_cast<uint4*>(dst_row + col) = *reinterpret_cast<const uint4*>(&tOsO(0, m, k));
+        }
       }
     }
+  };
+  if constexpr (!kPacked) {
+    Element* const out_rows = out_base + p.q_offset(p.out, batch, m_start, head);
+    const std::int64_t row_stride = p.out.row_stride;
+    store_rows([&](int row) { return out_rows + row * row_stride; });
+  } else {
+    store_rows([&](int row) {
+      return out_base + p.q_offset(p.out, batch, row_query(m_start + row), row_head(m_start + row));
+    });
   }
 }
 

@@ -29,17 +29,21 @@ struct FwdConfig {
 };
 
 // kSplit: the split-KV variant (grid.x = row blocks × splits, partials into `split`).
+// GQA-packed launches (pack > 1, plain variant only) take the kPacked kernel.
 template <class Traits, bool kFull, bool kSplit, bool kPaged>
 cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPartials& split,
                               const std::uint64_t* rng_state, cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;  // above this a kernel must opt in
-  auto* kernel = &fwd_kernel<Traits, kFull, kSplit, kPaged>;
+  const int pack = kFull ? 1 : fwd_pack(p, Traits::kBlockM);
+  auto* kernel = &fwd_kernel<Traits, kFull, kSplit, kPaged, false>;
+  if constexpr (!kFull) {
+    if (pack > 1) kernel = &fwd_kernel<Traits, false, kSplit, kPaged, true>;
+  }
   if constexpr (Traits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
-  const int pack = kFull ? 1 : fwd_pack(p, Traits::kBlockM);
   const int m_blocks = (p.max_seqlen_q * pack + Traits::kBlockM - 1) / Traits::kBlockM;
   const dim3 grid(kSplit ? m_blocks * split.num_splits : m_blocks, p.heads / pack, p.batch);
   kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, split, rng_state, pack);
