@@ -21,8 +21,12 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 // At d 256 dQ (64 × 256 fp32, 64 atomics per thread and row block) is computed first and its
 // atomics are spread over the k-steps of dV and dK (kSpreadDq), and the next row block's copies are
 // issued after S/dP (kLateLoad): the S/dP phase is bound by ldmatrix traffic, dV/dK by the tensor
-// cores, so the global traffic goes where the shared-memory pipe has room. The smaller head dims
-// keep the plain order (their dQ tiles are a quarter to half as large).
+// cores, so the global traffic goes where the shared-memory pipe has room. d 128 (plain variant)
+// spreads its dQ atomics too: in the plain order its main loop reloaded 12 spilled values per
+// iteration (6 spread; 5 with kLateLoad as well, but a 9% longer loop), and Nsight Compute showed
+// its warps stalled on the load/store queue (lg_throttle 0.34 per instruction against FA2's 0.01)
+// behind the burst of 32 atomics per thread. d 64 keeps the plain order (spreading does not
+// lower its spills).
 // With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
 // and the Philox state need registers): d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
 template <class Element, int kHeadDim, bool kFull, int kStages>
@@ -37,7 +41,7 @@ struct BwdConfig<Element, 64, true, kStages> {
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 128, kFull, kStages> {
-  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, 4, 2, kStages>;
+  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, 4, 2, kStages, !kFull>;
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 256, kFull, kStages> {
