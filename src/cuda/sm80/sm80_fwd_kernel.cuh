@@ -488,7 +488,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int col0 = opaque(n_start + get<1>(cS_rc(0, 0)));
       auto seq_row = [&](int mi, int ni) { return row0 + (get<0>(cS_rc(mi, ni)) - get<0>(cS_rc(0, 0))); };
       auto seq_col = [&](int mi, int ni) { return col0 + (get<1>(cS_rc(mi, ni)) - get<1>(cS_rc(0, 0))); };
-      // Softcap and ALiBi (TileScoreMod), each a uniform branch around a whole pass over the tile.
+      // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (n_block > n_block_min) {
+        load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1, std::false_type{});
+        cp_async_fence();
+      }
+
+      // Softcap and ALiBi (TileScoreMod), each a uniform branch around a whole pass over the tile,
+      // after the K(n−1) load is issued (as the mask below, for the same reason).
       if (mod.softcap) {
         CUTE_UNROLL
         for (int e = 0; e < size(s); ++e) s(e) = TileScoreMod::tanh(s(e) * mod.k);
@@ -503,14 +512,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
       }
-      // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
-      cp_async_wait<0>();
-      __syncthreads();
-      if (n_block > n_block_min) {
-        load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1, std::false_type{});
-        cp_async_fence();
-      }
-
       // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
       // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
       // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
