@@ -29,11 +29,28 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 // lower its spills).
 // With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
 // and the Philox state need registers): d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
+//
+// Tuning knobs of the plain variant's schedule (kSpreadDq, kLateLoad per head dim), compile
+// definitions with the defaults below, so that scripts/gpu-variants can time alternatives side by
+// side in one GPU session; the defaults are what was measured best.
+#ifndef FLASHATTN_SM80_BWD64_SPREAD_DQ
+#define FLASHATTN_SM80_BWD64_SPREAD_DQ 0
+#endif
+#ifndef FLASHATTN_SM80_BWD64_LATE_LOAD
+#define FLASHATTN_SM80_BWD64_LATE_LOAD 0
+#endif
+#ifndef FLASHATTN_SM80_BWD128_SPREAD_DQ
+#define FLASHATTN_SM80_BWD128_SPREAD_DQ 1
+#endif
+#ifndef FLASHATTN_SM80_BWD128_LATE_LOAD
+#define FLASHATTN_SM80_BWD128_LATE_LOAD 0
+#endif
 template <class Element, int kHeadDim, bool kFull, int kStages>
 struct BwdConfig;
 template <class Element, int kStages>
 struct BwdConfig<Element, 64, false, kStages> {
-  using Traits = BwdTraits<Element, 64, 128, 128, 4, 4, 4, kStages>;
+  using Traits = BwdTraits<Element, 64, 128, 128, 4, 4, 4, kStages, FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
+                           FLASHATTN_SM80_BWD64_LATE_LOAD != 0>;
 };
 template <class Element, int kStages>
 struct BwdConfig<Element, 64, true, kStages> {
@@ -41,7 +58,8 @@ struct BwdConfig<Element, 64, true, kStages> {
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 128, kFull, kStages> {
-  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, 4, 2, kStages, !kFull>;
+  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, 4, 2, kStages,
+                           !kFull && FLASHATTN_SM80_BWD128_SPREAD_DQ != 0, !kFull && FLASHATTN_SM80_BWD128_LATE_LOAD != 0>;
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 256, kFull, kStages> {

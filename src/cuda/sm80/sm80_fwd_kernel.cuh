@@ -84,6 +84,13 @@ struct FwdTraits {
 
 // --- small device helpers -----------------------------------------------------------------------
 
+// Tuning knob (a compile definition; scripts/gpu-variants times alternatives): the number of
+// interleaved partial chains of the forward's per-row max and sum over a key tile. 1 is the plain
+// left-to-right order.
+#ifndef FLASHATTN_SM80_FWD_ROW_CHAINS
+#define FLASHATTN_SM80_FWD_ROW_CHAINS 1
+#endif
+
 // 2^x on the MUFU unit, flushing results below 2^-126 to zero. exp2f would add a range check
 // and two multiplies around every MUFU.EX2 to keep denormal results — probabilities that small
 // are below fp16/bf16 resolution of any row sum, so the plain instruction is exact enough.
@@ -546,12 +553,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
 
-      // Online softmax: new row max, rescale what was accumulated, exponentiate this tile.
+      // Online softmax: new row max, rescale what was accumulated, exponentiate this tile. The
+      // row's max and sum run as kRowChains interleaved partial chains (a shorter dependency
+      // chain; the max is exact in any order, the sum differs in its last bits).
+      constexpr int kRowChains = FLASHATTN_SM80_FWD_ROW_CHAINS;
+      static_assert(kRowChains >= 1 && decltype(size<1>(s))::value % kRowChains == 0, "chains divide the row");
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
-        float tile_max = row_max[mi];
+        float max_part[kRowChains];
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) tile_max = fmaxf(tile_max, s(mi, ni));
+        for (int c = 0; c < kRowChains; ++c) max_part[c] = row_max[mi];
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) max_part[ni % kRowChains] = fmaxf(max_part[ni % kRowChains], s(mi, ni));
+        float tile_max = max_part[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kRowChains; ++c) tile_max = fmaxf(tile_max, max_part[c]);
         tile_max = quad_max(tile_max);
         // A row that has seen no visible key keeps max −∞; subtracting 0 instead keeps
         // exp2(−∞ − (−∞)) = NaN out and gives p = 0.
@@ -562,13 +578,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         row_sum[mi] *= correction;
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= correction;
-        float sum = 0.0f;
+        float sum_part[kRowChains];
+        CUTE_UNROLL
+        for (int c = 0; c < kRowChains; ++c) sum_part[c] = 0.0f;
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(s); ++ni) {
           // One FFMA per element: x · (scale · log2 e) − max · (scale · log2 e).
           s(mi, ni) = exp2_ftz(fmaf(s(mi, ni), score_to_log2, -max_scaled));
-          sum += s(mi, ni);
+          sum_part[ni % kRowChains] += s(mi, ni);
         }
+        float sum = sum_part[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kRowChains; ++c) sum += sum_part[c];
         row_sum[mi] += sum;
       }
 
