@@ -39,6 +39,9 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 #ifndef FLASHATTN_SM80_BWD64_LATE_LOAD
 #define FLASHATTN_SM80_BWD64_LATE_LOAD 0
 #endif
+#ifndef FLASHATTN_SM80_BWD64_SDP_WARPS_M  // warps of the S/dP products along rows (4 × 2 or 2 × 4)
+#define FLASHATTN_SM80_BWD64_SDP_WARPS_M 4
+#endif
 #ifndef FLASHATTN_SM80_BWD128_SPREAD_DQ
 #define FLASHATTN_SM80_BWD128_SPREAD_DQ 1
 #endif
@@ -49,7 +52,8 @@ template <class Element, int kHeadDim, bool kFull, int kStages>
 struct BwdConfig;
 template <class Element, int kStages>
 struct BwdConfig<Element, 64, false, kStages> {
-  using Traits = BwdTraits<Element, 64, 128, 128, 4, 4, 4, kStages, FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
+  using Traits = BwdTraits<Element, 64, 128, 128, FLASHATTN_SM80_BWD64_SDP_WARPS_M, 4, 4, kStages,
+                           FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
                            FLASHATTN_SM80_BWD64_LATE_LOAD != 0>;
 };
 template <class Element, int kStages>
