@@ -28,9 +28,23 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
                            : FwdTile{128, full ? 32 : 64, 8};
 }
 
-// Whether p runs in the variant with softcap / ALiBi / dropout compiled in.
-inline bool needs_full_variant(const common::AttentionParams& p) {
+// Tuning knob (a compile definition; scripts/gpu-variants times it): 1 compiles softcap and ALiBi
+// into the plain (unpacked) forward kernel, so that only dropout takes the full variant and its
+// halved key tile; 0 sends all three to the full variant.
+#ifndef FLASHATTN_SM80_FWD_PLAIN_SCOREMOD
+#define FLASHATTN_SM80_FWD_PLAIN_SCOREMOD 0
+#endif
+constexpr bool kPlainScoreMod = FLASHATTN_SM80_FWD_PLAIN_SCOREMOD != 0;
+
+// Whether p uses softcap, ALiBi or dropout (each depends on the head of every element).
+inline bool has_score_mod_or_dropout(const common::AttentionParams& p) {
   return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+}
+
+// Whether p runs in the forward's full variant (dropout compiled in; softcap and ALiBi too, which
+// the plain variant has as well when kPlainScoreMod).
+inline bool needs_full_variant(const common::AttentionParams& p) {
+  return kPlainScoreMod ? p.dropout_p > 0.0f : has_score_mod_or_dropout(p);
 }
 
 // GQA packing of the forward (fwd_kernel's `pack`): 1, or the group size g when the g query heads
@@ -42,7 +56,7 @@ inline bool needs_full_variant(const common::AttentionParams& p) {
 inline int fwd_pack(const common::AttentionParams& p, int block_m) {
   const int g = p.heads_k > 0 ? p.group_size() : 1;
   // (The kernel's packed row index, max_seqlen_q · g, must stay below 2³² / g.)
-  if (g <= 1 || needs_full_variant(p) || p.max_seqlen_q <= 0 ||
+  if (g <= 1 || has_score_mod_or_dropout(p) || p.max_seqlen_q <= 0 ||
       std::int64_t(p.max_seqlen_q) * g * g >= (std::int64_t(1) << 31)) {
     return 1;
   }

@@ -317,13 +317,14 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 // leaves them out so that their registers do not weigh on the common case (the flags are still
 // read at run time in the full variant).
 // kPaged: K/V through the page table (p.block_table); the dense kernel carries none of it.
+// kScoreMod: softcap and ALiBi compiled into the plain variant (kPlainScoreMod, sm80_fwd.h).
 // kPacked: the kernel of pack > 1 (pack_arg); the unpacked kernel (pack = 1) carries none of the
 // per-row (query row, head) arithmetic, and loads Q and stores out and lse as evenly spaced rows.
 // kSplit: split-KV. Grid.x is ⌈max_seqlen_q / kBlockM⌉ · split.num_splits: CTA (m, s) walks the
 // s-th of num_splits equal shares of the key tiles that row block m sees and writes, instead of
 // out and lse, its normalised fp32 partial O and its lse into `split` (a share with no visible key
 // for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
-template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged, bool kPacked>
+template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged, bool kPacked, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
                const std::uint64_t* rng_state, int pack_arg) {
@@ -338,7 +339,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int m_block = kSplit ? gridDim.x / split.num_splits - 1 - blockIdx.x / split.num_splits
                              : gridDim.x - 1 - blockIdx.x;
   const int split_idx = kSplit ? blockIdx.x % split.num_splits : 0;
-  static_assert(!(kPacked && kScoreModAndDropout), "only the plain variant packs");
+  static_assert(!(kPacked && (kScoreModAndDropout || kScoreMod)), "only the plain variant packs, without score mods");
   const int pack = kPacked ? pack_arg : 1;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
@@ -444,7 +445,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Scores reach exp2 through one multiplier: the plain path keeps raw q·k and folds
     // softmax_scale · log2(e) into it; with softcap or ALiBi the ScoreMod of src/common produces
     // natural-log scores first, and only log2(e) is left.
-    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout);
+    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod);
     const float score_to_log2 = mod.out_scale * kLog2e;
 
     const bool use_dropout = kScoreModAndDropout && p.dropout_p > 0.0f;
@@ -639,7 +640,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // --- epilogue: normalise, lse, O through shared memory -------------------------------------
   const float keep_scale = kScoreModAndDropout && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f;
-  const float score_to_log2 = TileScoreMod(p.score_mod<float>(batch, head), kScoreModAndDropout).out_scale * kLog2e;
+  const float score_to_log2 = TileScoreMod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod).out_scale * kLog2e;
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
   float lse[kRows];

@@ -35,7 +35,7 @@ cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPar
                               const std::uint64_t* rng_state, cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;  // above this a kernel must opt in
   const int pack = kFull ? 1 : fwd_pack(p, Traits::kBlockM);
-  auto* kernel = &fwd_kernel<Traits, kFull, kSplit, kPaged, false>;
+  auto* kernel = &fwd_kernel<Traits, kFull, kSplit, kPaged, false, !kFull && kPlainScoreMod>;
   if constexpr (!kFull) {
     if (pack > 1) kernel = &fwd_kernel<Traits, false, kSplit, kPaged, true>;
   }
