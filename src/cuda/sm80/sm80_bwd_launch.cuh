@@ -42,6 +42,12 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 #ifndef FLASHATTN_SM80_BWD64_SDP_WARPS_M  // warps of the S/dP products along rows (4 × 2 or 2 × 4)
 #define FLASHATTN_SM80_BWD64_SDP_WARPS_M 4
 #endif
+#ifndef FLASHATTN_SM80_BWD128_DKV_WARPS_N  // warps of the dK/dV products along keys (4 × 2 or 2 × 4)
+#define FLASHATTN_SM80_BWD128_DKV_WARPS_N 4
+#endif
+#ifndef FLASHATTN_SM80_BWD128_DQ_WARPS_M  // warps of the dQ product along rows (2 × 4 or 4 × 2)
+#define FLASHATTN_SM80_BWD128_DQ_WARPS_M 2
+#endif
 #ifndef FLASHATTN_SM80_BWD128_SPREAD_DQ
 #define FLASHATTN_SM80_BWD128_SPREAD_DQ 1
 #endif
@@ -62,7 +68,8 @@ struct BwdConfig<Element, 64, true, kStages> {
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 128, kFull, kStages> {
-  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, 4, 2, kStages,
+  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, kFull ? 4 : FLASHATTN_SM80_BWD128_DKV_WARPS_N,
+                           kFull ? 2 : FLASHATTN_SM80_BWD128_DQ_WARPS_M, kStages,
                            !kFull && FLASHATTN_SM80_BWD128_SPREAD_DQ != 0, !kFull && FLASHATTN_SM80_BWD128_LATE_LOAD != 0>;
 };
 template <class Element, bool kFull, int kStages>
