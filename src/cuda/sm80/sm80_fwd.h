@@ -18,12 +18,21 @@ struct FwdTile {
   int block_n;
   int warps;
 };
+// Tuning knobs of the d 64 tile (compile definitions; scripts/gpu-variants times them): the key
+// tile and the warps of the plain variant.
+#ifndef FLASHATTN_SM80_FWD64_BLOCK_N
+#define FLASHATTN_SM80_FWD64_BLOCK_N 128
+#endif
+#ifndef FLASHATTN_SM80_FWD64_WARPS
+#define FLASHATTN_SM80_FWD64_WARPS 4
+#endif
 constexpr FwdTile fwd_tile(int head_dim, bool full) {
   // d 64:  128 × 128, 4 warps —  48 KB shared (Q 16 + K 16 + V 16)
   // d 128: 128 × 64,  4 warps —  64 KB: 32 rows per warp keeps the 128 fp32 of O in registers
   // d 256: 128 × 64,  8 warps — 128 KB: 16 rows per warp, as the O accumulator doubles
   // All fit the 163 KB of an A100 and the 227 KB of an H100/H200.
-  return head_dim <= 64    ? FwdTile{128, full ? 64 : 128, 4}
+  return head_dim <= 64    ? (full ? FwdTile{128, 64, 4}
+                                   : FwdTile{128, FLASHATTN_SM80_FWD64_BLOCK_N, FLASHATTN_SM80_FWD64_WARPS})
          : head_dim <= 128 ? FwdTile{128, full ? 32 : 64, 4}
                            : FwdTile{128, full ? 32 : 64, 8};
 }
