@@ -300,8 +300,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 //
 // Grid (⌈max_seqlen_k / kBlockN⌉, heads_k, batch), key block fastest (deterministic ordering, see
 // the top of the file). counters: nullptr unless deterministic. rng_state: optional device
-// {seed, offset}. kScoreModAndDropout as in the forward.
-template <class Traits, bool kScoreModAndDropout>
+// {seed, offset}. kScoreModAndDropout as in the forward; kScoreMod: softcap and ALiBi compiled into
+// the plain variant (FLASHATTN_SM80_BWD_PLAIN_SCOREMOD).
+template <class Traits, bool kScoreModAndDropout, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int* counters, int m_blocks,
                const std::uint64_t* rng_state) {
@@ -494,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // the next row block's copies).
   auto row_block = [&](int head, int m_block, int stage, auto kMasked, auto&& after_sdp) __attribute__((always_inline)) {
     const int m_start = m_block * kBlockM;
-    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout);
+    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod);
     const float score_to_log2 = mod.out_scale * kLog2e;
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
     const int q_shift = stage * kStageElems;

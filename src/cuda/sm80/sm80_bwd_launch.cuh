@@ -54,6 +54,9 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 #ifndef FLASHATTN_SM80_BWD128_LATE_LOAD
 #define FLASHATTN_SM80_BWD128_LATE_LOAD 0
 #endif
+#ifndef FLASHATTN_SM80_BWD_PLAIN_SCOREMOD  // softcap and ALiBi in the plain variant; dropout alone takes the full one
+#define FLASHATTN_SM80_BWD_PLAIN_SCOREMOD 0
+#endif
 template <class Element, int kHeadDim, bool kFull, int kStages>
 struct BwdConfig;
 template <class Element, int kStages>
@@ -91,7 +94,7 @@ template <class Traits, bool kFull>
 cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                             cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;
-  auto* kernel = &bwd_kernel<Traits, kFull>;
+  auto* kernel = &bwd_kernel<Traits, kFull, !kFull && FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0>;
   if constexpr (Traits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
@@ -111,7 +114,9 @@ cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& 
 template <class Element, int kHeadDim>
 cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                                cudaStream_t stream) {
-  const bool full = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+  const bool full = FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0 ? p.dropout_p > 0.0f
+                                                           : p.softcap > 0.0f || p.alibi_slopes != nullptr ||
+                                                                 p.dropout_p > 0.0f;
   if constexpr (kHeadDim == 256) {
     using Plain2 = typename BwdConfig<Element, 256, false, 2>::Traits;
     using Full2 = typename BwdConfig<Element, 256, true, 2>::Traits;
