@@ -64,6 +64,11 @@ std::size_t lse_partial_bytes(const common::AttentionParams& p, int splits) {
 }  // namespace
 
 bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
+  // A key tile's page-table entries are staged in shared memory, kBlockN / 16 + 1 of them.
+  if (p.is_paged() && p.page_size % 16 != 0) {
+    if (why_not) *why_not = "paged K/V: the CUDA kernels take page sizes that are multiples of 16 rows";
+    return false;
+  }
   return detail::can_serve_common(p, sm80::Family::fwd, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}},
                                   why_not);
 }

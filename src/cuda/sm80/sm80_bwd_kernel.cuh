@@ -127,12 +127,6 @@ struct BwdTraits {
       kStages * (2 * kSmemBytesQ + kSmemBytesRowStats) + 2 * kSmemBytesKV + 2 * kSmemBytesP;
 };
 
-// 4-byte cp.async global → shared (.ca: the L2-only .cg form copies 16 bytes only).
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
-  const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
-}
-
 // gemm_ss (sm80_fwd_kernel.cuh) with after_step(k) called once the MMAs of k-slice k are issued:
 // work that uses neither operand (the dQ atomics) placed between the slices, so that it overlaps
 // the tensor-core work of this product instead of running alone.

@@ -79,7 +79,11 @@ struct FwdTraits {
 
   static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemBytes = kSmemBytesQ + 2 * kSmemBytesKV;  // Q (reused for O), K, V
+  // Page-table entries of two key tiles (paged kernels): a tile of kBlockN rows spans at most
+  // kBlockN / 16 + 1 pages (pages are multiples of 16 rows).
+  static constexpr int kPageSlots = kBlockN / 16 + 1;
+  static constexpr int kSmemBytesPages = 2 * kPageSlots * int(sizeof(std::int32_t));
+  static constexpr int kSmemBytes = kSmemBytesQ + 2 * kSmemBytesKV + kSmemBytesPages;  // Q (reused for O), K, V
 };
 
 // --- small device helpers -----------------------------------------------------------------------
@@ -154,6 +158,12 @@ struct TileScoreMod {
     return fmaf(x, mul, -slope * fabsf(base - float(delta)));
   }
 };
+
+// 4-byte cp.async global → shared (.ca: the L2-only .cg form copies 16 bytes only).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
+}
 
 // 16-byte cp.async global → shared; when !valid nothing is read and the 16 bytes are zero-filled
 // (out-of-range rows and columns must be zeros: a stale NaN times P = 0 would still be NaN).
@@ -390,6 +400,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // pages); dense and varlen rows are evenly spaced — row j at k_offset(row 0) + j · row_stride —
   // so that path is load_strided_tile. The two are separate kernels: with both in one, the
   // compiler if-converts the paged path into predicated instructions that every tile executes.
+  //
+  // Paged: the page-table entries of a key tile are copied into shared memory (s_pages, one
+  // buffer per tile parity) by cp.async one step ahead — together with the V load of the tile
+  // before it, so they have landed at the barrier that precedes the tile's K load — and each row
+  // then reads its page there: no global load and no integer division on the path to the K/V
+  // copies (a power-of-two page size, the common case, divides by a shift).
+  auto* s_pages = reinterpret_cast<std::int32_t*>(smem + Traits::kSmemBytesQ + 2 * Traits::kSmemBytesKV);
+  const int page_size = kPaged ? p.page_size : 1;
+  const int page_shift = kPaged && (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+  auto page_of = [&](int j) { return page_shift >= 0 ? j >> page_shift : j / page_size; };
+  // The entries of tile n_block into buffer n_block & 1 (pages holding no row below seqlen_k are
+  // not read: the table need not have them).
+  auto prefetch_pages = [&](int n_block) {
+    if constexpr (kPaged) {
+      const int first = page_of(n_block * kBlockN);
+      const int last = page_of(min((n_block + 1) * kBlockN, seqlen_k) - 1);
+      if (tid <= last - first) {
+        cp_async_4(s_pages + (n_block & 1) * Traits::kPageSlots + tid,
+                   p.block_table + (std::int64_t(batch) * p.block_table_batch_stride + first + tid));
+      }
+    }
+  };
   const std::int64_t k_row0_offset = kPaged ? 0 : p.k_offset(p.k, batch, 0, kv_head);
   const std::int64_t v_row0_offset = kPaged ? 0 : p.k_offset(p.v, batch, 0, kv_head);
   // kMayBeShort (a std::bool_constant): whether the tile can end past seqlen_k — only the last
@@ -399,8 +431,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                      auto& s_tile, int n_block, auto kMayBeShort) {
     const int n_start = n_block * kBlockN;
     if constexpr (kPaged) {
+      const std::int32_t* pages = s_pages + (n_block & 1) * Traits::kPageSlots;
+      const int first = page_of(n_start);
+      const std::int64_t head_offset = std::int64_t(kv_head) * t.head_stride;
       load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
-                                 [&](int r) { return p.k_offset(t, batch, n_start + r, kv_head); }, tid);
+                                 [&](int r) {
+                                   const int j = n_start + r;
+                                   const int page = page_of(j);
+                                   return std::int64_t(pages[page - first]) * t.batch_stride +
+                                          std::int64_t(j - page * page_size) * t.row_stride + head_offset;
+                                 }, tid);
     } else {
       load_strided_tile<Traits, kBlockN, decltype(kMayBeShort)::value>(
           base + row0_offset + std::int64_t(n_start) * t.row_stride, t.row_stride, s_tile, seqlen_k - n_start,
@@ -456,6 +496,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
 
+    // Paged: the first tile's page-table entries, in a group of their own that the wait below
+    // completes without waiting for Q.
+    if constexpr (kPaged) {
+      prefetch_pages(n_block_max - 1);
+      cp_async_fence();
+    }
     // Q tile, once; its cp.async group completes together with the first K tile's. (A block
     // with no key to read loads nothing: sQ then only stages O.)
     // Unpacked, the block's rows are evenly spaced (dense and varlen): one offset for the tile;
@@ -467,6 +513,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       load_tile<Traits, kBlockM>(
           q_base, sQ, rows_here, p.head_dim,
           [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
+    }
+    if constexpr (kPaged) {
+      cp_async_wait<0>();  // the page entries' group (the Q copies are not committed yet)
+      __syncthreads();
     }
     // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
     // rest need no per-element masking.
@@ -486,6 +536,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cp_async_wait<0>();
       __syncthreads();
       load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block, kMasked);
+      // The next tile's page entries land with V(n), before the barrier that precedes K(n−1).
+      if (n_block > n_block_min) prefetch_pages(n_block - 1);
       cp_async_fence();
 
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, thr_copy_q, thr_copy_k);
