@@ -166,6 +166,10 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
   const common::Mask mask = p.mask(b);
   const common::ScoreMod<float> mod = p.score_mod<float>(b, hh);
   const bool plain = flash::is_plain_scale(mod);
+  const flash::VecScoreMod vmod(mod, mod.alibi_slope != 0);
+  const VecF slope = splat(mod.alibi_slope);
+  VecF lane{};  // 0, 1, …, kVecWidth − 1: key offsets within a vector
+  for (int l = 0; l < kVecWidth; ++l) lane[l] = float(l);
   const float value_log2 = plain ? mod.scale * flash::kLog2e : flash::kLog2e;
   const bool dropout = p.dropout_p > 0.0f;
   const auto* q = static_cast<const T*>(p.q.data);
@@ -188,9 +192,15 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
   tile_gemm<ALayout::row_major, false>(rows, kBlockN, d, qt, ldq, w.k_t.get(), kBlockN, s, kBlockN);
   tile_gemm<ALayout::row_major, false>(rows, kBlockN, dv, dot, ldo, w.v_t.get(), kBlockN, ds,
                                        kBlockN);
+  // Softcap and ALiBi in vector form (VecScoreMod), along the keys of each row.
+  auto key_index = [&](int cv) { return lane + float(j0 + cv * kVecWidth); };
   if (!plain) {
     for (int r = 0; r < rows; ++r) {
-      for (int c = 0; c < keys; ++c) s[r * kBlockN + c] = mod(s[r * kBlockN + c], i0 + r, j0 + c);
+      const VecF base = splat(float(i0 + r + mod.diag_offset));
+      for (int cv = 0; cv < kKeyVecs; ++cv) {
+        float* x = s + r * kBlockN + cv * kVecWidth;
+        store_vec(x, vmod.apply(load_vec(x), slope, base, key_index(cv)));
+      }
     }
   }
   float* keep = w.keep.get();
@@ -217,10 +227,24 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
       store_vec(ds + e, grad);
     }
   }
+  // d s / d dot: the scale, times 1 − t² under a softcap (t = (s + ALiBi term) / c, as in
+  // ScoreMod::dscore_ddot).
   if (!plain) {
     for (int r = 0; r < rows; ++r) {
-      for (int c = 0; c < keys; ++c) {
-        ds[r * kBlockN + c] *= mod.dscore_ddot(s[r * kBlockN + c], i0 + r, j0 + c);
+      const VecF base = splat(float(i0 + r + mod.diag_offset));
+      for (int cv = 0; cv < kKeyVecs; ++cv) {
+        float* g = ds + r * kBlockN + cv * kVecWidth;
+        VecF dscore = splat(mod.scale);
+        if (vmod.softcap > 0) {
+          VecF capped = load_vec(s + r * kBlockN + cv * kVecWidth);
+          if (vmod.alibi) {
+            const VecF dist = base - key_index(cv);
+            capped += slope * (dist < 0.0f ? -dist : dist);
+          }
+          const VecF t = capped * vmod.inv_softcap;
+          dscore = mod.scale * (1.0f - t * t);
+        }
+        store_vec(g, load_vec(g) * dscore);
       }
     }
   }

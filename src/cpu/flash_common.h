@@ -155,11 +155,15 @@ inline VecF rounded(VecF x) {
   return x;
 }
 
-// 2^x, elementwise, with relative error ≈ 1 ulp. Results below 2^-126 (the normal range) flush to
-// 0, including x = −∞, which is how masked scores become probability 0. The callers' arguments
-// are ≤ 0 up to rounding (score − row max, or score − lse), so the upper clamp never bites.
+// 2^x, elementwise, with relative error ≈ 1 ulp. Results below 2^-64 flush to 0, including
+// x = −∞, which is how masked scores become probability 0. The attention callers' arguments are
+// ≤ 0 up to rounding (score − row max, or score − lse): a probability below 2^-64 of the row's
+// largest (or of its sum) is below fp32 resolution of any sum it joins, and flushing it keeps the
+// backward's products (P · dP, dS · K, dSᵀ · Q) out of the subnormal range, where x86 FMAs take
+// microcode assists — with ALiBi's distant keys the backward ran 35% slower. Arguments above 127
+// clamp to 2^127 (tanh_vec relies on that).
 inline VecF exp2_vec(VecF x) {
-  constexpr float kMinExponent = -126.0f;
+  constexpr float kMinExponent = -64.0f;
   constexpr float kMaxExponent = 127.0f;
   // Adding 1.5 · 2^23 pushes the fraction bits out of the mantissa: (x + magic) − magic is x
   // rounded to the nearest integer, for |x| < 2^22.
@@ -187,6 +191,55 @@ inline VecF exp2_vec(VecF x) {
   const VecF result = VecF(scaled);
   return x < kMinExponent ? VecF{} : result;
 }
+
+// tanh(x), elementwise, within ~2 ulp: below |x| = 0.625 the odd polynomial x + x·z·P(z), z = x²
+// (P of degree 4, fitted here to tanh(x)/x on [0, 0.625]: 0.83 ulp in fp32 Horner form); above,
+// 1 − 2 / (1 + 2^(2|x| log2 e)) with the sign of x, where no cancellation is left (tanh ≥ 0.55).
+// Large |x| saturate to ±1 (exp2_vec clamps its argument); NaN stays NaN.
+inline VecF tanh_vec(VecF x) {
+  constexpr float kSmall = 0.625f;
+  constexpr float kP0 = -0.33333292603492737f, kP1 = 0.13331712782382965f, kP2 = -0.053762901574373245f;
+  constexpr float kP3 = 0.020716270431876183f, kP4 = -0.005792558658868074f;
+  constexpr float kTwoLog2e = 2.8853900817779268f;
+  const VecF ax = x < 0.0f ? -x : x;
+  const VecF z = x * x;
+  VecF poly = splat(kP4);
+  poly = poly * z + kP3;
+  poly = poly * z + kP2;
+  poly = poly * z + kP1;
+  poly = poly * z + kP0;
+  const VecF small = x + x * z * poly;
+  const VecF large_abs = 1.0f - 2.0f / (1.0f + exp2_vec(ax * kTwoLog2e));
+  const VecF large = x < 0.0f ? -large_abs : large_abs;
+  return ax < kSmall ? small : (x != x ? x : large);
+}
+
+// common::ScoreMod over one vector of scores, in vector form: s = c·tanh(scale·dot / c) −
+// slope·|i + sk − sq − j|, the division by c as a product with 1/c. The distance is taken in fp32
+// from `base` = i + sk − sq and the key index j (exact below 2^24, as the scalar form's conversion
+// of the distance to fp32 is). slope and base are per lane: the forward's lanes are queries of
+// different heads and rows, the backward's are keys of one row.
+struct VecScoreMod {
+  float scale = 1.0f, softcap = 0.0f, inv_softcap = 0.0f;
+  bool alibi = false;
+  explicit VecScoreMod(const common::ScoreMod<float>& m, bool any_alibi)
+      : scale(m.scale), softcap(m.softcap), inv_softcap(m.softcap > 0 ? 1.0f / m.softcap : 0.0f),
+        alibi(any_alibi) {}
+  // The capped score c·t and t = tanh(scale·dot / c) (t = 0 without a cap).
+  VecF apply(VecF dot, VecF slope, VecF base, VecF j, VecF* t_out = nullptr) const {
+    VecF s = dot * scale;
+    if (softcap > 0) {
+      const VecF t = tanh_vec(s * inv_softcap);
+      if (t_out) *t_out = t;
+      s = t * softcap;
+    }
+    if (alibi) {
+      const VecF dist = base - j;
+      s -= slope * (dist < 0.0f ? -dist : dist);
+    }
+    return s;
+  }
+};
 
 // --- masks ---------------------------------------------------------------------------------------
 

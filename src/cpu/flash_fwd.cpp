@@ -48,6 +48,7 @@ struct ForwardScratch {
   FloatBuffer alpha;    // (kBlockM): this tile's rescale factor of the accumulated rows
   FloatBuffer row_tmp;  // (d): one converted query row
   std::vector<int> col_row, col_head;         // (kBlockM): query row i and head of each column
+  FloatBuffer col_slope, col_base;            // (kBlockM): ALiBi slope and i + sk − sq of each column
   std::vector<common::ScoreMod<float>> mods;  // (group): the ScoreMod of each head of the group
 
   ForwardScratch(int d, int dv, int group)
@@ -64,6 +65,8 @@ struct ForwardScratch {
         row_tmp(std::size_t(d)),
         col_row(kBlockM),
         col_head(kBlockM),
+        col_slope(kBlockM),
+        col_base(kBlockM),
         mods(std::size_t(group)) {}
 };
 
@@ -82,11 +85,13 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
   const int col_vecs = flash::ceil_div(cols, kVecWidth);
   const int i_first = packed0 / group, i_end = (packed0 + cols - 1) / group + 1;  // query rows
   const common::Mask mask = p.mask(b);
-  bool plain = true;
+  bool plain = true, any_alibi = false;
   for (int g = 0; g < group; ++g) {
     w.mods[std::size_t(g)] = p.score_mod<float>(b, hk * group + g);
     plain = plain && flash::is_plain_scale(w.mods[std::size_t(g)]);
+    any_alibi = any_alibi || w.mods[std::size_t(g)].alibi_slope != 0;
   }
+  const flash::VecScoreMod vmod(w.mods[0], any_alibi);  // scale and softcap are the same for every head
   // Tile values x are dots (plain) or scores, y = x · value_log2 the score in log2 units, and
   // the softmax weight exp(s − max s) = 2^(y − max y).
   const float value_log2 = plain ? w.mods[0].scale * flash::kLog2e : flash::kLog2e;
@@ -101,11 +106,16 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
       const int packed = packed0 + c;
       w.col_row[std::size_t(c)] = packed / group;
       w.col_head[std::size_t(c)] = hk * group + packed % group;
+      const common::ScoreMod<float>& mod = w.mods[std::size_t(packed % group)];
+      w.col_slope.get()[c] = mod.alibi_slope;
+      w.col_base.get()[c] = float(packed / group + mod.diag_offset);
       float* row = w.row_tmp.get();
       flash::load_row(q + p.q_offset(p.q, b, packed / group, hk * group + packed % group), d, row);
       for (int e = 0; e < d; ++e) q_t[e * kBlockM + c] = row[e];
     } else {
       for (int e = 0; e < d; ++e) q_t[e * kBlockM + c] = 0.0f;  // padding: finite, never stored
+      w.col_slope.get()[c] = 0.0f;
+      w.col_base.get()[c] = 0.0f;
     }
   }
   std::fill(w.o.get(), w.o.get() + std::size_t(kBlockM) * ldv, 0.0f);
@@ -129,9 +139,11 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
 
     if (!plain) {
       for (int r = 0; r < keys; ++r) {
-        for (int c = 0; c < cols; ++c) {
-          const common::ScoreMod<float>& mod = w.mods[std::size_t(w.col_head[c] - hk * group)];
-          s_t[r * kBlockM + c] = mod(s_t[r * kBlockM + c], w.col_row[c], j0 + r);
+        const VecF j = splat(float(j0 + r));
+        for (int cv = 0; cv < col_vecs; ++cv) {
+          float* x = s_t + r * kBlockM + cv * kVecWidth;
+          store_vec(x, vmod.apply(load_vec(x), load_vec(w.col_slope.get() + cv * kVecWidth),
+                                  load_vec(w.col_base.get() + cv * kVecWidth), j));
         }
       }
     }

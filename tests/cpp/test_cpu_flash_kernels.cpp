@@ -3,7 +3,8 @@
 //     accumulation, for every row tail of the register block, column strips of one and two
 //     vectors, k = 0, and leading dimensions wider than the tile;
 //   * parallel_for (src/cpu/parallel.h): every task exactly once, worker ids in range, tasks that
-//     wait on lower-numbered tasks finish for any thread count, the first exception is rethrown.
+//     wait on lower-numbered tasks finish for any thread count, the first exception is rethrown;
+//   * tanh_vec and exp2_vec (src/cpu/flash_common.h) against the fp64 functions.
 // The attention results of the backend are checked by test_forward.cpp / test_backward.cpp.
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/flash_common.h"
 #include "cpu/parallel.h"
 #include "cpu/tile_gemm.h"
 
@@ -181,6 +183,55 @@ TEST(ParallelFor, RethrowsTheFirstException) {
                  std::runtime_error);
     EXPECT_GE(ran.load(), 8);
   }
+}
+
+// tanh_vec within 3 ulp of the fp64 tanh (rounded to fp32) over both of its ranges and the seam
+// between them, ±1 for large |x|, odd, NaN kept.
+TEST(VectorMath, TanhMatchesFp64) {
+  std::vector<float> xs;
+  for (float x = -12.0f; x <= 12.0f; x += 0.000731f) xs.push_back(x);
+  for (float x : {0.0f, 1e-30f, 1e-7f, 0.6249999f, 0.625f, 0.6250001f, 40.0f, 90.0f, 1e30f}) {
+    xs.push_back(x);
+    xs.push_back(-x);
+  }
+  float worst = 0.0f;
+  for (std::size_t i = 0; i < xs.size(); i += cpu::kVecWidth) {
+    cpu::VecF x{};
+    for (int l = 0; l < cpu::kVecWidth; ++l) x[l] = xs[std::min(i + std::size_t(l), xs.size() - 1)];
+    const cpu::VecF t = cpu::flash::tanh_vec(x);
+    for (int l = 0; l < cpu::kVecWidth; ++l) {
+      const float want = float(std::tanh(double(x[l])));
+      const float ulp = std::max(std::nextafter(std::fabs(want), 2.0f) - std::fabs(want), 1e-45f);
+      const float err = std::fabs(t[l] - want) / ulp;
+      worst = std::max(worst, err);
+      ASSERT_LE(err, 3.0f) << "x = " << x[l] << ": " << t[l] << " vs " << want;
+      if (want != 0.0f) ASSERT_EQ(std::signbit(t[l]), std::signbit(want)) << "x = " << x[l];
+    }
+  }
+  std::printf("tanh_vec: worst %.2f ulp over %zu points\n", double(worst), xs.size());
+  cpu::VecF nan{};
+  nan[0] = std::nanf("");
+  EXPECT_TRUE(std::isnan(cpu::flash::tanh_vec(nan)[0]));
+}
+
+// exp2_vec: ≈ 1 ulp where it is not flushed, 0 below 2^-64 and for −∞.
+TEST(VectorMath, Exp2MatchesFp64AndFlushesBelow2ToThe64) {
+  for (float x = -80.0f; x <= 10.0f; x += 0.0137f) {
+    cpu::VecF v{};
+    for (int l = 0; l < cpu::kVecWidth; ++l) v[l] = x + 0.001f * float(l);
+    const cpu::VecF r = cpu::flash::exp2_vec(v);
+    for (int l = 0; l < cpu::kVecWidth; ++l) {
+      if (v[l] < -64.0f) {
+        ASSERT_EQ(r[l], 0.0f) << v[l];
+      } else {
+        const double want = std::exp2(double(v[l]));
+        ASSERT_NEAR(r[l], want, 2.5e-7 * want) << v[l];
+      }
+    }
+  }
+  cpu::VecF minus_inf{};
+  for (int l = 0; l < cpu::kVecWidth; ++l) minus_inf[l] = -INFINITY;
+  EXPECT_EQ(cpu::flash::exp2_vec(minus_inf)[0], 0.0f);
 }
 
 }  // namespace
