@@ -37,6 +37,19 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
                            : FwdTile{128, full ? 32 : 64, 8};
 }
 
+// The tile of the GQA-packed kernel (decoding: a few packed rows against a long cache). Knob
+// FLASHATTN_SM80_FWD_PACKED_TILE (scripts/gpu-variants times it): 0 takes the plain tile; 1 a
+// decoding tile — 64 packed rows (sq · g is small) and 128-key tiles at d ≤ 128, so that each CTA
+// has twice the K/V bytes in flight per step and computes half the idle query rows.
+#ifndef FLASHATTN_SM80_FWD_PACKED_TILE
+#define FLASHATTN_SM80_FWD_PACKED_TILE 0
+#endif
+constexpr FwdTile fwd_tile_packed(int head_dim) {
+  return FLASHATTN_SM80_FWD_PACKED_TILE == 0 ? fwd_tile(head_dim, false)
+         : head_dim <= 128                   ? FwdTile{64, 128, 4}
+                                             : FwdTile{64, 64, 4};
+}
+
 // Tuning knob (a compile definition; scripts/gpu-variants times it): 1 compiles softcap and ALiBi
 // into the plain (unpacked) forward kernel, so that only dropout takes the full variant and its
 // halved key tile; 0 sends all three to the full variant.
