@@ -497,7 +497,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
 
     // Paged: the first tile's page-table entries, in a group of their own that the wait below
-    // completes without waiting for Q.
+    // completes without waiting for Q (cp_async_wait<0> is wait_all, which would).
     if constexpr (kPaged) {
       prefetch_pages(n_block_max - 1);
       cp_async_fence();
@@ -515,7 +515,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
     }
     if constexpr (kPaged) {
-      cp_async_wait<0>();  // the page entries' group (the Q copies are not committed yet)
+      cp_async_fence();    // Q, a group of its own
+      cp_async_wait<1>();  // all but the newest group: the page entries have landed, Q may not have
       __syncthreads();
     }
     // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
