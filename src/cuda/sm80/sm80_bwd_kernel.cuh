@@ -127,29 +127,6 @@ struct BwdTraits {
       kStages * (2 * kSmemBytesQ + kSmemBytesRowStats) + 2 * kSmemBytesKV + 2 * kSmemBytesP;
 };
 
-// gemm_ss (sm80_fwd_kernel.cuh) with after_step(k) called once the MMAs of k-slice k are issued:
-// work that uses neither operand (the dQ atomics) placed between the slices, so that it overlaps
-// the tensor-core work of this product instead of running alone.
-template <class TiledMma, class Acc, class FragA, class FragB, class SrcA, class SrcB, class CopyA, class CopyB,
-          class ThrCopyA, class ThrCopyB, class AfterStep>
-__device__ __forceinline__ void gemm_ss_steps(const TiledMma& mma, Acc& acc, FragA& rA, FragB& rB, const SrcA& sA,
-                                              const SrcB& sB, const CopyA& copy_a, const CopyB& copy_b,
-                                              const ThrCopyA& thr_a, const ThrCopyB& thr_b, AfterStep&& after_step) {
-  Tensor rA_view = thr_a.retile_D(rA);
-  Tensor rB_view = thr_b.retile_D(rB);
-  copy(copy_a, sA(_, _, _0{}), rA_view(_, _, _0{}));
-  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(rA); ++k) {
-    if (k + 1 < size<2>(rA)) {
-      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
-      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
-    }
-    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
-    after_step(k);
-  }
-}
-
 // Stores a fp32 accumulator fragment, rounded to Element, into a (rows, cols) shared tile: elements
 // (mi, ni) and (mi, ni + 1) of the row/column view are adjacent columns of one row, so each pair is
 // one 32-bit store (a swizzle never separates an even/odd column pair).

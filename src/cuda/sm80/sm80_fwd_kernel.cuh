@@ -192,12 +192,13 @@ __device__ __forceinline__ auto acc_as_a_operand_layout(L acc) {
 }
 
 // acc += A · Bᵀ with both operands in shared memory, the register copy of slice k+1 overlapping
-// the MMAs of slice k.
+// the MMAs of slice k; after_step(k) is called once the MMAs of slice k are issued (the backward
+// places its dQ atomics there, so that they overlap the tensor-core work of this product).
 template <class TiledMma, class Acc, class FragA, class FragB, class SrcA, class SrcB, class CopyA, class CopyB,
-          class ThrCopyA, class ThrCopyB>
-__device__ __forceinline__ void gemm_ss(const TiledMma& mma, Acc& acc, FragA& rA, FragB& rB, const SrcA& sA,
-                                        const SrcB& sB, const CopyA& copy_a, const CopyB& copy_b,
-                                        const ThrCopyA& thr_a, const ThrCopyB& thr_b) {
+          class ThrCopyA, class ThrCopyB, class AfterStep>
+__device__ __forceinline__ void gemm_ss_steps(const TiledMma& mma, Acc& acc, FragA& rA, FragB& rB, const SrcA& sA,
+                                              const SrcB& sB, const CopyA& copy_a, const CopyB& copy_b,
+                                              const ThrCopyA& thr_a, const ThrCopyB& thr_b, AfterStep&& after_step) {
   Tensor rA_view = thr_a.retile_D(rA);
   Tensor rB_view = thr_b.retile_D(rB);
   copy(copy_a, sA(_, _, _0{}), rA_view(_, _, _0{}));
@@ -209,7 +210,15 @@ __device__ __forceinline__ void gemm_ss(const TiledMma& mma, Acc& acc, FragA& rA
       copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
     }
     gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+    after_step(k);
   }
+}
+template <class TiledMma, class Acc, class FragA, class FragB, class SrcA, class SrcB, class CopyA, class CopyB,
+          class ThrCopyA, class ThrCopyB>
+__device__ __forceinline__ void gemm_ss(const TiledMma& mma, Acc& acc, FragA& rA, FragB& rB, const SrcA& sA,
+                                        const SrcB& sB, const CopyA& copy_a, const CopyB& copy_b,
+                                        const ThrCopyA& thr_a, const ThrCopyB& thr_b) {
+  gemm_ss_steps(mma, acc, rA, rB, sA, sB, copy_a, copy_b, thr_a, thr_b, [](int) {});
 }
 
 // acc += A · Bᵀ with A already in registers and B in shared memory.
