@@ -237,10 +237,7 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
         VecF dscore = splat(mod.scale);
         if (vmod.softcap > 0) {
           VecF capped = load_vec(s + r * kBlockN + cv * kVecWidth);
-          if (vmod.alibi) {
-            const VecF dist = base - key_index(cv);
-            capped += slope * (dist < 0.0f ? -dist : dist);
-          }
+          if (vmod.alibi) capped += flash::VecScoreMod::alibi_term(slope, base, key_index(cv));
           const VecF t = capped * vmod.inv_softcap;
           dscore = mod.scale * (1.0f - t * t);
         }

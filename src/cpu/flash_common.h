@@ -225,19 +225,17 @@ struct VecScoreMod {
   explicit VecScoreMod(const common::ScoreMod<float>& m, bool any_alibi)
       : scale(m.scale), softcap(m.softcap), inv_softcap(m.softcap > 0 ? 1.0f / m.softcap : 0.0f),
         alibi(any_alibi) {}
-  // The capped score c·t and t = tanh(scale·dot / c) (t = 0 without a cap).
-  VecF apply(VecF dot, VecF slope, VecF base, VecF j, VecF* t_out = nullptr) const {
+  // The score of lanes with dot products `dot`, ALiBi slopes `slope`, i + sk − sq `base`, keys j.
+  VecF apply(VecF dot, VecF slope, VecF base, VecF j) const {
     VecF s = dot * scale;
-    if (softcap > 0) {
-      const VecF t = tanh_vec(s * inv_softcap);
-      if (t_out) *t_out = t;
-      s = t * softcap;
-    }
-    if (alibi) {
-      const VecF dist = base - j;
-      s -= slope * (dist < 0.0f ? -dist : dist);
-    }
+    if (softcap > 0) s = tanh_vec(s * inv_softcap) * softcap;
+    if (alibi) s -= alibi_term(slope, base, j);
     return s;
+  }
+  // slope · |i + sk − sq − j|
+  static VecF alibi_term(VecF slope, VecF base, VecF j) {
+    const VecF dist = base - j;
+    return slope * (dist < 0.0f ? -dist : dist);
   }
 };
 
