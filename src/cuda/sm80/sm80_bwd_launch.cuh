@@ -34,13 +34,13 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 // definitions with the defaults below, so that scripts/gpu-variants can time alternatives side by
 // side in one GPU session; the defaults are what was measured best.
 #ifndef FLASHATTN_SM80_BWD64_SPREAD_DQ
-#define FLASHATTN_SM80_BWD64_SPREAD_DQ 0
+#define FLASHATTN_SM80_BWD64_SPREAD_DQ 1
 #endif
 #ifndef FLASHATTN_SM80_BWD64_LATE_LOAD
 #define FLASHATTN_SM80_BWD64_LATE_LOAD 0
 #endif
 #ifndef FLASHATTN_SM80_BWD64_SDP_WARPS_M  // warps of the S/dP products along rows (4 × 2 or 2 × 4)
-#define FLASHATTN_SM80_BWD64_SDP_WARPS_M 4
+#define FLASHATTN_SM80_BWD64_SDP_WARPS_M 2
 #endif
 #ifndef FLASHATTN_SM80_BWD128_DKV_WARPS_N  // warps of the dK/dV products along keys (4 × 2 or 2 × 4)
 #define FLASHATTN_SM80_BWD128_DKV_WARPS_N 4

@@ -42,7 +42,7 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
 // decoding tile — 64 packed rows (sq · g is small) and 128-key tiles at d ≤ 128, so that each CTA
 // has twice the K/V bytes in flight per step and computes half the idle query rows.
 #ifndef FLASHATTN_SM80_FWD_PACKED_TILE
-#define FLASHATTN_SM80_FWD_PACKED_TILE 0
+#define FLASHATTN_SM80_FWD_PACKED_TILE 1
 #endif
 constexpr FwdTile fwd_tile_packed(int head_dim) {
   return FLASHATTN_SM80_FWD_PACKED_TILE == 0 ? fwd_tile(head_dim, false)
