@@ -64,6 +64,11 @@ std::size_t lse_partial_bytes(const common::AttentionParams& p, int splits) {
 }  // namespace
 
 bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
+  // A key tile's page-table entries are staged in shared memory, kBlockN / 16 + 1 of them.
+  if (p.is_paged() && p.page_size % 16 != 0) {
+    if (why_not) *why_not = "paged K/V: the CUDA kernels take page sizes that are multiples of 16 rows";
+    return false;
+  }
   return detail::can_serve_common(p, sm80::Family::fwd, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}},
                                   why_not);
 }
@@ -96,9 +101,11 @@ int forward_num_splits(const common::AttentionParams& p) {
   if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
   const int head_dim = fwd_head_dim(p);
   if (head_dim == 0 || p.batch <= 0 || p.heads <= 0 || p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return 1;
-  const sm80::FwdTile tile = sm80::fwd_tile(head_dim, sm80::needs_full_variant(p));
-  // Packed GQA (sm80::fwd_pack): a row block holds (query row, head) pairs of one kv head.
-  const int pack = sm80::fwd_pack(p, tile.block_m);
+  const sm80::FwdTile plain_tile = sm80::fwd_tile(head_dim, sm80::needs_full_variant(p));
+  // Packed GQA (sm80::fwd_pack): a row block holds (query row, head) pairs of one kv head, in the
+  // packed kernel's tile.
+  const int pack = sm80::fwd_pack(p, plain_tile.block_m);
+  const sm80::FwdTile tile = pack > 1 ? sm80::fwd_tile_packed(head_dim) : plain_tile;
   const int m_blocks = (p.max_seqlen_q * pack + tile.block_m - 1) / tile.block_m;
   // Key tiles of the widest row block: with a bottom-right aligned causal mask the last block
   // sees the most keys; with a window (or sq > sk) the first can, so both ends are asked.

@@ -65,4 +65,25 @@ TEST(CudaRegistry, HeadDimsAboveTheLargestAreRefused) {
   }
 }
 
+// The forward stages a key tile's page-table entries in shared memory, sized for pages of at least
+// 16 rows: other page sizes are refused with the reason, multiples of 16 are served.
+TEST(CudaRegistry, PageSizesThatAreNotMultiplesOf16AreRefused) {
+  const int dim = sm80::compiled_head_dim(sm80::Family::fwd, c::Storage::bf16, 64);
+  if (dim == 0) GTEST_SKIP() << "NOT RUN: no bf16 forward kernel for d 64 in this build";
+  c::AttentionParams p = aligned_params(c::Storage::bf16, 64);
+  static const std::int32_t table[1] = {0};
+  p.block_table = table;
+  for (int page : {8, 24, 100}) {
+    p.page_size = page;
+    std::string why;
+    EXPECT_FALSE(flashattn::cuda::can_serve_forward(p, &why)) << "page " << page;
+    EXPECT_NE(why.find("multiples of 16"), std::string::npos) << why;
+  }
+  for (int page : {16, 48, 256}) {
+    p.page_size = page;
+    std::string why;
+    EXPECT_TRUE(flashattn::cuda::can_serve_forward(p, &why)) << "page " << page << ": " << why;
+  }
+}
+
 }  // namespace

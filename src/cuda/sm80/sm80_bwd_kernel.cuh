@@ -127,12 +127,6 @@ struct BwdTraits {
       kStages * (2 * kSmemBytesQ + kSmemBytesRowStats) + 2 * kSmemBytesKV + 2 * kSmemBytesP;
 };
 
-// 4-byte cp.async global → shared (.ca: the L2-only .cg form copies 16 bytes only).
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
-  const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
-}
-
 // Stores a fp32 accumulator fragment, rounded to Element, into a (rows, cols) shared tile: elements
 // (mi, ni) and (mi, ni + 1) of the row/column view are adjacent columns of one row, so each pair is
 // one 32-bit store (a swizzle never separates an even/odd column pair).
@@ -277,8 +271,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 //
 // Grid (⌈max_seqlen_k / kBlockN⌉, heads_k, batch), key block fastest (deterministic ordering, see
 // the top of the file). counters: nullptr unless deterministic. rng_state: optional device
-// {seed, offset}. kScoreModAndDropout as in the forward.
-template <class Traits, bool kScoreModAndDropout>
+// {seed, offset}. kScoreModAndDropout as in the forward; kScoreMod: softcap and ALiBi compiled into
+// the plain variant (FLASHATTN_SM80_BWD_PLAIN_SCOREMOD).
+template <class Traits, bool kScoreModAndDropout, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int* counters, int m_blocks,
                const std::uint64_t* rng_state) {
@@ -471,7 +466,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // the next row block's copies).
   auto row_block = [&](int head, int m_block, int stage, auto kMasked, auto&& after_sdp) __attribute__((always_inline)) {
     const int m_start = m_block * kBlockM;
-    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout);
+    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod);
     const float score_to_log2 = mod.out_scale * kLog2e;
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
     const int q_shift = stage * kStageElems;

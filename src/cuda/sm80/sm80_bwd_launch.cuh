@@ -21,15 +21,49 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 // At d 256 dQ (64 × 256 fp32, 64 atomics per thread and row block) is computed first and its
 // atomics are spread over the k-steps of dV and dK (kSpreadDq), and the next row block's copies are
 // issued after S/dP (kLateLoad): the S/dP phase is bound by ldmatrix traffic, dV/dK by the tensor
-// cores, so the global traffic goes where the shared-memory pipe has room. The smaller head dims
-// keep the plain order (their dQ tiles are a quarter to half as large).
+// cores, so the global traffic goes where the shared-memory pipe has room. d 128 (plain variant)
+// spreads its dQ atomics too: in the plain order its main loop reloaded 12 spilled values per
+// iteration (6 spread; 5 with kLateLoad as well, but a 9% longer loop), and Nsight Compute showed
+// its warps stalled on the load/store queue (lg_throttle 0.34 per instruction against FA2's 0.01)
+// behind the burst of 32 atomics per thread. d 64 keeps the plain order (spreading does not
+// lower its spills).
 // With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
 // and the Philox state need registers): d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
+//
+// Tuning knobs of the plain variant's schedule (kSpreadDq, kLateLoad per head dim), compile
+// definitions with the defaults below, so that scripts/gpu-variants can time alternatives side by
+// side in one GPU session; the defaults are what was measured best.
+#ifndef FLASHATTN_SM80_BWD64_SPREAD_DQ
+#define FLASHATTN_SM80_BWD64_SPREAD_DQ 1
+#endif
+#ifndef FLASHATTN_SM80_BWD64_LATE_LOAD
+#define FLASHATTN_SM80_BWD64_LATE_LOAD 0
+#endif
+#ifndef FLASHATTN_SM80_BWD64_SDP_WARPS_M  // warps of the S/dP products along rows (4 × 2 or 2 × 4)
+#define FLASHATTN_SM80_BWD64_SDP_WARPS_M 2
+#endif
+#ifndef FLASHATTN_SM80_BWD128_DKV_WARPS_N  // warps of the dK/dV products along keys (4 × 2 or 2 × 4)
+#define FLASHATTN_SM80_BWD128_DKV_WARPS_N 4
+#endif
+#ifndef FLASHATTN_SM80_BWD128_DQ_WARPS_M  // warps of the dQ product along rows (2 × 4 or 4 × 2)
+#define FLASHATTN_SM80_BWD128_DQ_WARPS_M 2
+#endif
+#ifndef FLASHATTN_SM80_BWD128_SPREAD_DQ
+#define FLASHATTN_SM80_BWD128_SPREAD_DQ 1
+#endif
+#ifndef FLASHATTN_SM80_BWD128_LATE_LOAD
+#define FLASHATTN_SM80_BWD128_LATE_LOAD 0
+#endif
+#ifndef FLASHATTN_SM80_BWD_PLAIN_SCOREMOD  // softcap and ALiBi in the plain variant; dropout alone takes the full one
+#define FLASHATTN_SM80_BWD_PLAIN_SCOREMOD 0
+#endif
 template <class Element, int kHeadDim, bool kFull, int kStages>
 struct BwdConfig;
 template <class Element, int kStages>
 struct BwdConfig<Element, 64, false, kStages> {
-  using Traits = BwdTraits<Element, 64, 128, 128, 4, 4, 4, kStages>;
+  using Traits = BwdTraits<Element, 64, 128, 128, FLASHATTN_SM80_BWD64_SDP_WARPS_M, 4, 4, kStages,
+                           FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
+                           FLASHATTN_SM80_BWD64_LATE_LOAD != 0>;
 };
 template <class Element, int kStages>
 struct BwdConfig<Element, 64, true, kStages> {
@@ -37,7 +71,9 @@ struct BwdConfig<Element, 64, true, kStages> {
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 128, kFull, kStages> {
-  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, 4, 2, kStages>;
+  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, kFull ? 4 : FLASHATTN_SM80_BWD128_DKV_WARPS_N,
+                           kFull ? 2 : FLASHATTN_SM80_BWD128_DQ_WARPS_M, kStages,
+                           !kFull && FLASHATTN_SM80_BWD128_SPREAD_DQ != 0, !kFull && FLASHATTN_SM80_BWD128_LATE_LOAD != 0>;
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 256, kFull, kStages> {
@@ -58,7 +94,7 @@ template <class Traits, bool kFull>
 cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                             cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;
-  auto* kernel = &bwd_kernel<Traits, kFull>;
+  auto* kernel = &bwd_kernel<Traits, kFull, !kFull && FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0>;
   if constexpr (Traits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
@@ -78,7 +114,9 @@ cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& 
 template <class Element, int kHeadDim>
 cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                                cudaStream_t stream) {
-  const bool full = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+  const bool full = FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0 ? p.dropout_p > 0.0f
+                                                           : p.softcap > 0.0f || p.alibi_slopes != nullptr ||
+                                                                 p.dropout_p > 0.0f;
   if constexpr (kHeadDim == 256) {
     using Plain2 = typename BwdConfig<Element, 256, false, 2>::Traits;
     using Full2 = typename BwdConfig<Element, 256, true, 2>::Traits;

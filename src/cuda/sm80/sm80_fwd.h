@@ -18,19 +18,55 @@ struct FwdTile {
   int block_n;
   int warps;
 };
+// Tuning knobs of the d 64 tile (compile definitions; scripts/gpu-variants times them): the key
+// tile and the warps of the plain variant.
+#ifndef FLASHATTN_SM80_FWD64_BLOCK_N
+#define FLASHATTN_SM80_FWD64_BLOCK_N 128
+#endif
+#ifndef FLASHATTN_SM80_FWD64_WARPS
+#define FLASHATTN_SM80_FWD64_WARPS 4
+#endif
 constexpr FwdTile fwd_tile(int head_dim, bool full) {
   // d 64:  128 × 128, 4 warps —  48 KB shared (Q 16 + K 16 + V 16)
   // d 128: 128 × 64,  4 warps —  64 KB: 32 rows per warp keeps the 128 fp32 of O in registers
   // d 256: 128 × 64,  8 warps — 128 KB: 16 rows per warp, as the O accumulator doubles
   // All fit the 163 KB of an A100 and the 227 KB of an H100/H200.
-  return head_dim <= 64    ? FwdTile{128, full ? 64 : 128, 4}
+  return head_dim <= 64    ? (full ? FwdTile{128, 64, 4}
+                                   : FwdTile{128, FLASHATTN_SM80_FWD64_BLOCK_N, FLASHATTN_SM80_FWD64_WARPS})
          : head_dim <= 128 ? FwdTile{128, full ? 32 : 64, 4}
                            : FwdTile{128, full ? 32 : 64, 8};
 }
 
-// Whether p runs in the variant with softcap / ALiBi / dropout compiled in.
-inline bool needs_full_variant(const common::AttentionParams& p) {
+// The tile of the GQA-packed kernel (decoding: a few packed rows against a long cache). Knob
+// FLASHATTN_SM80_FWD_PACKED_TILE (scripts/gpu-variants times it): 0 takes the plain tile; 1 a
+// decoding tile — 64 packed rows (sq · g is small) and 128-key tiles at d ≤ 128, so that each CTA
+// has twice the K/V bytes in flight per step and computes half the idle query rows.
+#ifndef FLASHATTN_SM80_FWD_PACKED_TILE
+#define FLASHATTN_SM80_FWD_PACKED_TILE 1
+#endif
+constexpr FwdTile fwd_tile_packed(int head_dim) {
+  return FLASHATTN_SM80_FWD_PACKED_TILE == 0 ? fwd_tile(head_dim, false)
+         : head_dim <= 128                   ? FwdTile{64, 128, 4}
+                                             : FwdTile{64, 64, 4};
+}
+
+// Tuning knob (a compile definition; scripts/gpu-variants times it): 1 compiles softcap and ALiBi
+// into the plain (unpacked) forward kernel, so that only dropout takes the full variant and its
+// halved key tile; 0 sends all three to the full variant.
+#ifndef FLASHATTN_SM80_FWD_PLAIN_SCOREMOD
+#define FLASHATTN_SM80_FWD_PLAIN_SCOREMOD 0
+#endif
+constexpr bool kPlainScoreMod = FLASHATTN_SM80_FWD_PLAIN_SCOREMOD != 0;
+
+// Whether p uses softcap, ALiBi or dropout (each depends on the head of every element).
+inline bool has_score_mod_or_dropout(const common::AttentionParams& p) {
   return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+}
+
+// Whether p runs in the forward's full variant (dropout compiled in; softcap and ALiBi too, which
+// the plain variant has as well when kPlainScoreMod).
+inline bool needs_full_variant(const common::AttentionParams& p) {
+  return kPlainScoreMod ? p.dropout_p > 0.0f : has_score_mod_or_dropout(p);
 }
 
 // GQA packing of the forward (fwd_kernel's `pack`): 1, or the group size g when the g query heads
@@ -42,7 +78,7 @@ inline bool needs_full_variant(const common::AttentionParams& p) {
 inline int fwd_pack(const common::AttentionParams& p, int block_m) {
   const int g = p.heads_k > 0 ? p.group_size() : 1;
   // (The kernel's packed row index, max_seqlen_q · g, must stay below 2³² / g.)
-  if (g <= 1 || needs_full_variant(p) || p.max_seqlen_q <= 0 ||
+  if (g <= 1 || has_score_mod_or_dropout(p) || p.max_seqlen_q <= 0 ||
       std::int64_t(p.max_seqlen_q) * g * g >= (std::int64_t(1) << 31)) {
     return 1;
   }

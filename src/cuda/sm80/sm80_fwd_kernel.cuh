@@ -79,10 +79,22 @@ struct FwdTraits {
 
   static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
-  static constexpr int kSmemBytes = kSmemBytesQ + 2 * kSmemBytesKV;  // Q (reused for O), K, V
+  // Page-table entries of two key tiles (paged kernels): a tile of kBlockN rows spans at most
+  // kBlockN / 16 + 1 pages (pages are multiples of 16 rows).
+  static constexpr int kPageSlots = kBlockN / 16 + 1;
+  static constexpr int kSmemBytesPages = 2 * kPageSlots * int(sizeof(std::int32_t));
+  static constexpr int kSmemBytes = kSmemBytesQ + 2 * kSmemBytesKV + kSmemBytesPages;  // Q (reused for O), K, V
 };
 
 // --- small device helpers -----------------------------------------------------------------------
+
+// Tuning knob (a compile definition; scripts/gpu-variants times alternatives): the number of
+// interleaved partial chains of the forward's per-row max and sum over a key tile. 1 is the plain
+// left-to-right order; 0 (the default) picks by head dim what the H200 measured best: 4 at d 128
+// (+1–3% forward TFLOP/s over 1), 1 elsewhere (4 cost d 64 1%).
+#ifndef FLASHATTN_SM80_FWD_ROW_CHAINS
+#define FLASHATTN_SM80_FWD_ROW_CHAINS 0
+#endif
 
 // 2^x on the MUFU unit, flushing results below 2^-126 to zero. exp2f would add a range check
 // and two multiplies around every MUFU.EX2 to keep denormal results — probabilities that small
@@ -147,6 +159,12 @@ struct TileScoreMod {
     return fmaf(x, mul, -slope * fabsf(base - float(delta)));
   }
 };
+
+// 4-byte cp.async global → shared (.ca: the L2-only .cg form copies 16 bytes only).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
+  const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
+}
 
 // 16-byte cp.async global → shared; when !valid nothing is read and the 16 bytes are zero-filled
 // (out-of-range rows and columns must be zeros: a stale NaN times P = 0 would still be NaN).
@@ -319,11 +337,14 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 // leaves them out so that their registers do not weigh on the common case (the flags are still
 // read at run time in the full variant).
 // kPaged: K/V through the page table (p.block_table); the dense kernel carries none of it.
+// kScoreMod: softcap and ALiBi compiled into the plain variant (kPlainScoreMod, sm80_fwd.h).
+// kPacked: the kernel of pack > 1 (pack_arg); the unpacked kernel (pack = 1) carries none of the
+// per-row (query row, head) arithmetic, and loads Q and stores out and lse as evenly spaced rows.
 // kSplit: split-KV. Grid.x is ⌈max_seqlen_q / kBlockM⌉ · split.num_splits: CTA (m, s) walks the
 // s-th of num_splits equal shares of the key tiles that row block m sees and writes, instead of
 // out and lse, its normalised fp32 partial O and its lse into `split` (a share with no visible key
 // for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
-template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged>
+template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged, bool kPacked, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
                const std::uint64_t* rng_state, int pack_arg) {
@@ -338,7 +359,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int m_block = kSplit ? gridDim.x / split.num_splits - 1 - blockIdx.x / split.num_splits
                              : gridDim.x - 1 - blockIdx.x;
   const int split_idx = kSplit ? blockIdx.x % split.num_splits : 0;
-  const int pack = kScoreModAndDropout ? 1 : pack_arg;
+  static_assert(!(kPacked && (kScoreModAndDropout || kScoreMod)), "only the plain variant packs, without score mods");
+  const int pack = kPacked ? pack_arg : 1;
   const int batch = blockIdx.z;
   const int tid = threadIdx.x;
   // Unpacked: blockIdx.y is the query head. Packed: the kv head; row_head() gives each row's.
@@ -388,6 +410,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // pages); dense and varlen rows are evenly spaced — row j at k_offset(row 0) + j · row_stride —
   // so that path is load_strided_tile. The two are separate kernels: with both in one, the
   // compiler if-converts the paged path into predicated instructions that every tile executes.
+  //
+  // Paged: the page-table entries of a key tile are copied into shared memory (s_pages, one
+  // buffer per tile parity) by cp.async one step ahead — together with the V load of the tile
+  // before it, so they have landed at the barrier that precedes the tile's K load — and each row
+  // then reads its page there: no global load and no integer division on the path to the K/V
+  // copies (a power-of-two page size, the common case, divides by a shift).
+  auto* s_pages = reinterpret_cast<std::int32_t*>(smem + Traits::kSmemBytesQ + 2 * Traits::kSmemBytesKV);
+  const int page_size = kPaged ? p.page_size : 1;
+  const int page_shift = kPaged && (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+  auto page_of = [&](int j) { return page_shift >= 0 ? j >> page_shift : j / page_size; };
+  // The entries of tile n_block into buffer n_block & 1 (pages holding no row below seqlen_k are
+  // not read: the table need not have them).
+  auto prefetch_pages = [&](int n_block) {
+    if constexpr (kPaged) {
+      const int first = page_of(n_block * kBlockN);
+      const int last = page_of(min((n_block + 1) * kBlockN, seqlen_k) - 1);
+      if (tid <= last - first) {
+        cp_async_4(s_pages + (n_block & 1) * Traits::kPageSlots + tid,
+                   p.block_table + (std::int64_t(batch) * p.block_table_batch_stride + first + tid));
+      }
+    }
+  };
   const std::int64_t k_row0_offset = kPaged ? 0 : p.k_offset(p.k, batch, 0, kv_head);
   const std::int64_t v_row0_offset = kPaged ? 0 : p.k_offset(p.v, batch, 0, kv_head);
   // kMayBeShort (a std::bool_constant): whether the tile can end past seqlen_k — only the last
@@ -397,8 +441,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                      auto& s_tile, int n_block, auto kMayBeShort) {
     const int n_start = n_block * kBlockN;
     if constexpr (kPaged) {
+      const std::int32_t* pages = s_pages + (n_block & 1) * Traits::kPageSlots;
+      const int first = page_of(n_start);
+      const std::int64_t head_offset = std::int64_t(kv_head) * t.head_stride;
       load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
-                                 [&](int r) { return p.k_offset(t, batch, n_start + r, kv_head); }, tid);
+                                 [&](int r) {
+                                   const int j = n_start + r;
+                                   const int page = page_of(j);
+                                   return std::int64_t(pages[page - first]) * t.batch_stride +
+                                          std::int64_t(j - page * page_size) * t.row_stride + head_offset;
+                                 }, tid);
     } else {
       load_strided_tile<Traits, kBlockN, decltype(kMayBeShort)::value>(
           base + row0_offset + std::int64_t(n_start) * t.row_stride, t.row_stride, s_tile, seqlen_k - n_start,
@@ -443,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Scores reach exp2 through one multiplier: the plain path keeps raw q·k and folds
     // softmax_scale · log2(e) into it; with softcap or ALiBi the ScoreMod of src/common produces
     // natural-log scores first, and only log2(e) is left.
-    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout);
+    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod);
     const float score_to_log2 = mod.out_scale * kLog2e;
 
     const bool use_dropout = kScoreModAndDropout && p.dropout_p > 0.0f;
@@ -454,11 +506,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     const std::uint64_t dropout_stream = p.dropout_stream(batch, head);
 
+    // Paged: the first tile's page-table entries, in a group of their own that the wait below
+    // completes without waiting for Q (cp_async_wait<0> is wait_all, which would).
+    if constexpr (kPaged) {
+      prefetch_pages(n_block_max - 1);
+      cp_async_fence();
+    }
     // Q tile, once; its cp.async group completes together with the first K tile's. (A block
     // with no key to read loads nothing: sQ then only stages O.)
-    load_tile<Traits, kBlockM>(
-        q_base, sQ, rows_here, p.head_dim,
-        [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
+    // Unpacked, the block's rows are evenly spaced (dense and varlen): one offset for the tile;
+    // packed rows each take their (query row, head) offset.
+    if constexpr (!kPacked) {
+      load_strided_tile<Traits, kBlockM>(q_base + p.q_offset(p.q, batch, m_start, head), p.q.row_stride, sQ,
+                                         rows_here, p.head_dim, tid);
+    } else {
+      load_tile<Traits, kBlockM>(
+          q_base, sQ, rows_here, p.head_dim,
+          [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
+    }
+    if constexpr (kPaged) {
+      cp_async_fence();    // Q, a group of its own
+      cp_async_wait<1>();  // all but the newest group: the page entries have landed, Q may not have
+      __syncthreads();
+    }
     // Later tiles first: with a causal mask the partly masked diagonal tile comes first and the
     // rest need no per-element masking.
     load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block_max - 1, std::true_type{});
@@ -477,6 +547,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       cp_async_wait<0>();
       __syncthreads();
       load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block, kMasked);
+      // The next tile's page entries land with V(n), before the barrier that precedes K(n−1).
+      if (n_block > n_block_min) prefetch_pages(n_block - 1);
       cp_async_fence();
 
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -487,7 +559,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int col0 = opaque(n_start + get<1>(cS_rc(0, 0)));
       auto seq_row = [&](int mi, int ni) { return row0 + (get<0>(cS_rc(mi, ni)) - get<0>(cS_rc(0, 0))); };
       auto seq_col = [&](int mi, int ni) { return col0 + (get<1>(cS_rc(mi, ni)) - get<1>(cS_rc(0, 0))); };
-      // Softcap and ALiBi (TileScoreMod), each a uniform branch around a whole pass over the tile.
+      // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (n_block > n_block_min) {
+        load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1, std::false_type{});
+        cp_async_fence();
+      }
+
+      // Softcap and ALiBi (TileScoreMod), each a uniform branch around a whole pass over the tile,
+      // after the K(n−1) load is issued (as the mask below, for the same reason).
       if (mod.softcap) {
         CUTE_UNROLL
         for (int e = 0; e < size(s); ++e) s(e) = TileScoreMod::tanh(s(e) * mod.k);
@@ -502,14 +583,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
       }
-      // V(n) has landed, and every warp has finished reading K(n): K(n−1) may overwrite it.
-      cp_async_wait<0>();
-      __syncthreads();
-      if (n_block > n_block_min) {
-        load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block - 1, std::false_type{});
-        cp_async_fence();
-      }
-
       // Per-element masking only where the tile is not wholly visible (diagonal, window edges,
       // the ragged last tile). Row i sees exactly the keys [col_begin(i), col_end(i)) (col_end ≤
       // seqlen_k), bounds taken per row and per tile: per-element bounds would be loop-invariant,
@@ -544,12 +617,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
 
-      // Online softmax: new row max, rescale what was accumulated, exponentiate this tile.
+      // Online softmax: new row max, rescale what was accumulated, exponentiate this tile. The
+      // row's max and sum run as kRowChains interleaved partial chains (a shorter dependency
+      // chain; the max is exact in any order, the sum differs in its last bits).
+      constexpr int kRowChains = FLASHATTN_SM80_FWD_ROW_CHAINS > 0 ? FLASHATTN_SM80_FWD_ROW_CHAINS
+                                 : (Traits::kHeadDim == 128 ? 4 : 1);
+      static_assert(kRowChains >= 1 && decltype(size<1>(s))::value % kRowChains == 0, "chains divide the row");
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
-        float tile_max = row_max[mi];
+        float max_part[kRowChains];
         CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) tile_max = fmaxf(tile_max, s(mi, ni));
+        for (int c = 0; c < kRowChains; ++c) max_part[c] = row_max[mi];
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) max_part[ni % kRowChains] = fmaxf(max_part[ni % kRowChains], s(mi, ni));
+        float tile_max = max_part[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kRowChains; ++c) tile_max = fmaxf(tile_max, max_part[c]);
         tile_max = quad_max(tile_max);
         // A row that has seen no visible key keeps max −∞; subtracting 0 instead keeps
         // exp2(−∞ − (−∞)) = NaN out and gives p = 0.
@@ -560,13 +643,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         row_sum[mi] *= correction;
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= correction;
-        float sum = 0.0f;
+        float sum_part[kRowChains];
+        CUTE_UNROLL
+        for (int c = 0; c < kRowChains; ++c) sum_part[c] = 0.0f;
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(s); ++ni) {
           // One FFMA per element: x · (scale · log2 e) − max · (scale · log2 e).
           s(mi, ni) = exp2_ftz(fmaf(s(mi, ni), score_to_log2, -max_scaled));
-          sum += s(mi, ni);
+          sum_part[ni % kRowChains] += s(mi, ni);
         }
+        float sum = sum_part[0];
+        CUTE_UNROLL
+        for (int c = 1; c < kRowChains; ++c) sum += sum_part[c];
         row_sum[mi] += sum;
       }
 
@@ -616,7 +704,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // --- epilogue: normalise, lse, O through shared memory -------------------------------------
   const float keep_scale = kScoreModAndDropout && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f;
-  const float score_to_log2 = TileScoreMod(p.score_mod<float>(batch, head), kScoreModAndDropout).out_scale * kLog2e;
+  const float score_to_log2 = TileScoreMod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod).out_scale * kLog2e;
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
   float lse[kRows];
@@ -670,11 +758,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return;
   }
 
+  // Unpacked, the rows of out and lse are evenly spaced: offsets from the block's first row, once,
+  // instead of the per-row offset arithmetic (which in varlen mode also re-reads cu_seqlens_q per
+  // row: the stores may alias it as far as the compiler knows).
   if (p.lse != nullptr && (tid & 3) == 0) {
-    CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
-      const int row = get<0>(cO_rc(mi, 0));
-      if (row < rows_here) p.lse[p.lse_index(batch, row_head(m_start + row), row_query(m_start + row))] = lse[mi];
+    if constexpr (!kPacked) {
+      float* const lse_rows = p.lse + p.lse_index(batch, head, m_start);
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<0>(cO_rc(mi, 0));
+        if (row < rows_here) lse_rows[row] = lse[mi];
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        const int row = get<0>(cO_rc(mi, 0));
+        if (row < rows_here) p.lse[p.lse_index(batch, row_head(m_start + row), row_query(m_start + row))] = lse[mi];
+      }
     }
   }
 
@@ -699,18 +799,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tOsO = thr_gmem.partition_S(sO);  // (CPY, CPY_ROWS, CPY_COLS)
   Tensor tOcO = thr_gmem.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   auto* out_base = static_cast<Element*>(p.out.data);
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(tOsO); ++m) {
-    const int row = get<0>(tOcO(0, m, 0));
-    if (row >= rows_here) continue;  // rows past the sequence are not written
-    Element* dst_row = out_base + p.q_offset(p.out, batch, row_query(m_start + row), row_head(m_start + row));
+  auto store_rows = [&](auto&& row_ptr) {
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tOsO); ++k) {
-      const int col = get<1>(tOcO(0, m, k));
-      if (col < p.head_dim_v) {
-        *reinterpret_cast<uint4*>(dst_row + col) = *reinterpret_cast<const uint4*>(&tOsO(0, m, k));
+    for (int m = 0; m < size<1>(tOsO); ++m) {
+      const int row = get<0>(tOcO(0, m, 0));
+      if (row >= rows_here) continue;  // rows past the sequence are not written
+      Element* dst_row = row_ptr(row);
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tOsO); ++k) {
+        const int col = get<1>(tOcO(0, m, k));
+        if (col < p.head_dim_v) {
+          *reinterpret_cast<uint4*>(dst_row + col) = *reinterpret_cast<const uint4*>(&tOsO(0, m, k));
+        }
       }
     }
+  };
+  if constexpr (!kPacked) {
+    Element* const out_rows = out_base + p.q_offset(p.out, batch, m_start, head);
+    const std::int64_t row_stride = p.out.row_stride;
+    store_rows([&](int row) { return out_rows + row * row_stride; });
+  } else {
+    store_rows([&](int row) {
+      return out_base + p.q_offset(p.out, batch, row_query(m_start + row), row_head(m_start + row));
+    });
   }
 }
 

@@ -22,44 +22,61 @@ struct ElementOf<common::Storage::bf16> {
 // The kernel of one (dtype, head dim, variant), its tile from fwd_tile (sm80_fwd.h). With softcap
 // / ALiBi / dropout compiled in (kFull), the key tile is halved: the Philox state and per-element
 // coordinates need the registers that half of the score tile gave back.
+// The packed kernel's tile is fwd_tile_packed (PackedTraits).
 template <class Element, int kHeadDim, bool kFull>
 struct FwdConfig {
   static constexpr FwdTile kTile = fwd_tile(kHeadDim, kFull);
   using Traits = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
+  static constexpr FwdTile kPackedTile = fwd_tile_packed(kHeadDim);
+  using PackedTraits = FwdTraits<Element, kHeadDim, kPackedTile.block_m, kPackedTile.block_n, kPackedTile.warps>;
 };
 
-// kSplit: the split-KV variant (grid.x = row blocks × splits, partials into `split`).
-template <class Traits, bool kFull, bool kSplit, bool kPaged>
-cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPartials& split,
-                              const std::uint64_t* rng_state, cudaStream_t stream) {
+// One launch of fwd_kernel<KTraits, …>: grid (row blocks [× splits], heads / pack, batch).
+template <class KTraits, bool kFull, bool kSplit, bool kPaged, bool kPacked>
+cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvPartials& split,
+                            const std::uint64_t* rng_state, int pack, cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;  // above this a kernel must opt in
-  auto* kernel = &fwd_kernel<Traits, kFull, kSplit, kPaged>;
-  if constexpr (Traits::kSmemBytes > kDefaultSmemLimit) {
+  auto* kernel = &fwd_kernel<KTraits, kFull, kSplit, kPaged, kPacked, !kFull && !kPacked && kPlainScoreMod>;
+  if constexpr (KTraits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KTraits::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
-  const int pack = kFull ? 1 : fwd_pack(p, Traits::kBlockM);
-  const int m_blocks = (p.max_seqlen_q * pack + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int m_blocks = (p.max_seqlen_q * pack + KTraits::kBlockM - 1) / KTraits::kBlockM;
   const dim3 grid(kSplit ? m_blocks * split.num_splits : m_blocks, p.heads / pack, p.batch);
-  kernel<<<grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(p, split, rng_state, pack);
+  kernel<<<grid, KTraits::kNThreads, KTraits::kSmemBytes, stream>>>(p, split, rng_state, pack);
   return cudaGetLastError();
 }
 
+// kSplit: the split-KV variant (grid.x = row blocks × splits, partials into `split`).
+// GQA-packed launches (pack > 1, plain variant only) take the kPacked kernel and its tile.
+template <class Config, bool kFull, bool kSplit, bool kPaged>
+cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPartials& split,
+                              const std::uint64_t* rng_state, cudaStream_t stream) {
+  const int pack = kFull ? 1 : fwd_pack(p, Config::Traits::kBlockM);
+  if constexpr (!kFull) {
+    if (pack > 1) {
+      return launch_fwd_grid<typename Config::PackedTraits, false, kSplit, kPaged, true>(p, split, rng_state, pack,
+                                                                                         stream);
+    }
+  }
+  return launch_fwd_grid<typename Config::Traits, kFull, kSplit, kPaged, false>(p, split, rng_state, 1, stream);
+}
+
 // The paged (block_table) and the dense/varlen kernels are separate instantiations.
-template <class Traits, bool kFull, bool kSplit>
+template <class Config, bool kFull, bool kSplit>
 cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
                        cudaStream_t stream) {
-  return p.is_paged() ? launch_fwd_kernel<Traits, kFull, kSplit, true>(p, split, rng_state, stream)
-                      : launch_fwd_kernel<Traits, kFull, kSplit, false>(p, split, rng_state, stream);
+  return p.is_paged() ? launch_fwd_kernel<Config, kFull, kSplit, true>(p, split, rng_state, stream)
+                      : launch_fwd_kernel<Config, kFull, kSplit, false>(p, split, rng_state, stream);
 }
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
   const bool full = needs_full_variant(p);
-  return full ? launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, true, false>(p, {}, rng_state, stream)
-              : launch_fwd<typename FwdConfig<Element, kHeadDim, false>::Traits, false, false>(p, {}, rng_state, stream);
+  return full ? launch_fwd<FwdConfig<Element, kHeadDim, true>, true, false>(p, {}, rng_state, stream)
+              : launch_fwd<FwdConfig<Element, kHeadDim, false>, false, false>(p, {}, rng_state, stream);
 }
 
 template <common::Storage kStorage, int kHeadDim>
@@ -67,8 +84,8 @@ cudaError_t run_fwd_split(const common::AttentionParams& p, const SplitKvPartial
                           const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
   const bool full = needs_full_variant(p);
-  return full ? launch_fwd<typename FwdConfig<Element, kHeadDim, true>::Traits, true, true>(p, split, rng_state, stream)
-              : launch_fwd<typename FwdConfig<Element, kHeadDim, false>::Traits, false, true>(p, split, rng_state,
+  return full ? launch_fwd<FwdConfig<Element, kHeadDim, true>, true, true>(p, split, rng_state, stream)
+              : launch_fwd<FwdConfig<Element, kHeadDim, false>, false, true>(p, split, rng_state,
                                                                                              stream);
 }
 

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""bench/sdpa_flash_grid.py — PyTorch's FlashAttention-2 (SDPA restricted to the flash backend) on
+the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16, batch·seqlen =
+16384 tokens, heads·d = 2048, q/k/v (b, h, s, d) contiguous, CUDA events, median of 30 after 5
+warm-up calls; the backward is autograd's backward of one forward (retain_graph); backward FLOPs
+= 2.5 × forward, halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
+
+  python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 --json torch.json
+"""
+
+import argparse
+import json
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dims", type=ints, default=[64, 128, 256])
+    ap.add_argument("--seqlens", type=ints, default=[1024, 4096])
+    ap.add_argument("--causal", type=ints, default=[0, 1])
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    rows = []
+    tokens, width = 16384, 2048
+    for d in args.dims:
+        for s in args.seqlens:
+            b, h = max(1, tokens // s), width // d
+            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+            for causal in (bool(c) for c in args.causal):
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    passes = {
+                        "fwd": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                        "bwd": lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True),
+                    }
+                    for name, run in passes.items():
+                        for _ in range(5):
+                            run()
+                        times = []
+                        for _ in range(30):
+                            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            start.record()
+                            run()
+                            stop.record()
+                            stop.synchronize()
+                            times.append(start.elapsed_time(stop))
+                        ms = sorted(times)[len(times) // 2]
+                        flops = (2.5 if name == "bwd" else 1.0) * 4 * b * h * s * s * d / (2 if causal else 1)
+                        rows.append(dict(impl="torch_sdpa_flash", pass_=name, dtype="bf16", d=d, seqlen=s, batch=b,
+                                         heads=h, causal=causal, ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
+                        print(f"torch sdpa flash {name} bf16 d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
+                              f"{rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
