@@ -448,6 +448,14 @@ def timer_text(t: dict) -> str:
             f"of warm-up; L2 {t.get('l2')}")
 
 
+def case_part(case) -> str:
+    """The part of the sweep a case belongs to, as the run list names it: its group, and for the
+    grid the dtype too (the bf16 and fp16 grids are separate runs)."""
+    group = case["group"]
+    dtype = case.get("params", {}).get("dtype")
+    return f"{group} {dtype}" if group == "grid" and dtype else group
+
+
 def stamp(runs) -> list:
     out = []
     seen = set()
@@ -457,10 +465,12 @@ def stamp(runs) -> list:
                f"{dev.get('clock_sm', '?')} (max {dev.get('clock_sm_max', '?')}), memory {dev.get('clock_mem', '?')} "
                f"(max {dev.get('clock_mem_max', '?')}), power limit {dev.get('power_limit', '?')}; driver "
                f"{dev.get('driver', '?')}") if dev.get("gpu") else f" ({dev.get('cpu')}, {dev.get('threads')} threads)"
-        line = (f"- {run.get('date', '?')[:10]}: **{dev.get('gpu') or 'CPU'}**{gpu}; "
+        date = run.get("date", "?")
+        when = f"{date[:10]} {date[11:16]} UTC" if len(date) >= 16 else date
+        line = (f"- {when}: **{dev.get('gpu') or 'CPU'}**{gpu}; "
                 f"CUDA {dev.get('cuda')}; PyTorch {dev.get('torch')}; cuDNN {cudnn_version(dev.get('cudnn'))}; "
                 f"Triton {dev.get('triton')}; flashattn `{dev.get('flashattn')}`; "
-                f"cases: {', '.join(sorted({c['group'] for c in run['cases']}))}"
+                f"cases: {', '.join(sorted({case_part(c) for c in run['cases']}))}"
                 + (" (dry run: CPU, tiny shapes)" if run.get("dry_run") else "")
                 + (" (--quick)" if run.get("quick") else ""))
         if line not in seen:
