@@ -13,6 +13,7 @@
 #include "cuda/cuda_common.h"
 #include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_registry.h"
+#include "cuda/sm80/sm80_smem.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
@@ -51,6 +52,39 @@ int current_sm_count() {
   return sms;
 }
 
+}  // namespace
+
+namespace sm80 {
+namespace {
+std::atomic<int> smem_cap{0};  // set_smem_limit_for_testing; 0 = none
+}  // namespace
+
+int smem_per_block_limit() {
+  static std::atomic<int> cached[kMaxCachedDevices];  // static storage: zero = not asked yet
+  constexpr int kUnknown = 1 << 30;
+  int bytes = 0, device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();  // clear the error, so that the next launch does not report it
+    bytes = kUnknown;
+  } else if (device >= 0 && device < kMaxCachedDevices && cached[device].load(std::memory_order_relaxed) > 0) {
+    bytes = cached[device].load(std::memory_order_relaxed);
+  } else if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+             bytes <= 0) {
+    cudaGetLastError();
+    bytes = kUnknown;
+  } else if (device >= 0 && device < kMaxCachedDevices) {
+    cached[device].store(bytes, std::memory_order_relaxed);
+  }
+  const int cap = smem_cap.load(std::memory_order_relaxed);
+  return cap > 0 && cap < bytes ? cap : bytes;
+}
+
+void set_smem_limit_for_testing(int bytes) { smem_cap.store(bytes > 0 ? bytes : 0, std::memory_order_relaxed); }
+
+}  // namespace sm80
+
+namespace {
+
 // Bytes of the out and lse partials of `splits` splits, each region aligned.
 std::size_t out_partial_bytes(const common::AttentionParams& p, int splits) {
   return detail::workspace_align_up(std::size_t(splits) * std::size_t(p.batch) * std::size_t(p.max_seqlen_q) *
@@ -69,8 +103,14 @@ bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
     if (why_not) *why_not = "paged K/V: the CUDA kernels take page sizes that are multiples of 16 rows";
     return false;
   }
-  return detail::can_serve_common(p, sm80::Family::fwd, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}},
-                                  why_not);
+  if (!detail::can_serve_common(p, sm80::Family::fwd, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}},
+                                 why_not)) {
+    return false;
+  }
+  // The smallest tile (the full variant's) must fit a block's shared memory on this device.
+  const int head_dim = fwd_head_dim(p);
+  return detail::smem_fits("forward", head_dim, sm80::fwd_smem_bytes(head_dim, sm80::fwd_tile(head_dim, true)),
+                           why_not);
 }
 
 int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits) {
@@ -101,10 +141,11 @@ int forward_num_splits(const common::AttentionParams& p) {
   if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
   const int head_dim = fwd_head_dim(p);
   if (head_dim == 0 || p.batch <= 0 || p.heads <= 0 || p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return 1;
-  const sm80::FwdTile plain_tile = sm80::fwd_tile(head_dim, sm80::needs_full_variant(p));
+  const bool full = sm80::fwd_runs_full(p, head_dim, sm80::smem_per_block_limit());
+  const sm80::FwdTile plain_tile = sm80::fwd_tile(head_dim, full);
   // Packed GQA (sm80::fwd_pack): a row block holds (query row, head) pairs of one kv head, in the
   // packed kernel's tile.
-  const int pack = sm80::fwd_pack(p, plain_tile.block_m);
+  const int pack = full ? 1 : sm80::fwd_pack(p, plain_tile.block_m);
   const sm80::FwdTile tile = pack > 1 ? sm80::fwd_tile_packed(head_dim) : plain_tile;
   const int m_blocks = (p.max_seqlen_q * pack + tile.block_m - 1) / tile.block_m;
   // Key tiles of the widest row block: with a bottom-right aligned causal mask the last block

@@ -42,16 +42,21 @@ Layout layout_of(const common::AttentionParams& p, std::int64_t total_q_rows) {
 }  // namespace
 
 bool can_serve_backward(const common::AttentionParams& p, std::string* why_not) {
-  return detail::can_serve_common(p, sm80::Family::bwd,
-                                  {{"q", &p.q},
-                                   {"k", &p.k},
-                                   {"v", &p.v},
-                                   {"out", &p.out},
-                                   {"dout", &p.dout},
-                                   {"dq", &p.dq},
-                                   {"dk", &p.dk},
-                                   {"dv", &p.dv}},
-                                  why_not);
+  if (!detail::can_serve_common(p, sm80::Family::bwd,
+                                {{"q", &p.q},
+                                 {"k", &p.k},
+                                 {"v", &p.v},
+                                 {"out", &p.out},
+                                 {"dout", &p.dout},
+                                 {"dq", &p.dq},
+                                 {"dk", &p.dk},
+                                 {"dv", &p.dv}},
+                                why_not)) {
+    return false;
+  }
+  // The smallest configuration (sm80_bwd.h) must fit a block's shared memory on this device.
+  const int head_dim = bwd_head_dim(p);
+  return detail::smem_fits("backward", head_dim, sm80::bwd_min_smem_bytes(head_dim), why_not);
 }
 
 std::size_t backward_workspace_size(const common::AttentionParams& p, std::int64_t total_q_rows) {

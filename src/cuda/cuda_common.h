@@ -12,6 +12,7 @@
 
 #include "common/params.h"
 #include "cuda/sm80/sm80_registry.h"
+#include "cuda/sm80/sm80_smem.h"
 
 namespace flashattn::cuda::detail {
 
@@ -34,6 +35,18 @@ inline bool aligned(const common::RowHeadTensor& t) {
 // The compiled head dim of `family` that serves p (the smallest that holds max(d, dv)), or 0.
 inline int head_dim_for(sm80::Family family, const common::AttentionParams& p) {
   return sm80::compiled_head_dim(family, p.storage, std::max(p.head_dim, p.head_dim_v));
+}
+
+// Whether the smallest tile of a kernel (`need` bytes of shared memory per block) fits a block of
+// the current device; otherwise *why_not says so. what: "forward" or "backward".
+inline bool smem_fits(const char* what, int head_dim, int need, std::string* why_not) {
+  const int limit = sm80::smem_per_block_limit();
+  if (need <= limit) return true;
+  if (why_not) {
+    *why_not = std::string("the ") + what + " at head dim " + std::to_string(head_dim) + " needs " +
+               std::to_string(need) + " bytes of shared memory per block; this GPU allows " + std::to_string(limit);
+  }
+  return false;
 }
 
 // The checks shared by all families. tensors: those the kernels access with 16-byte vectors.

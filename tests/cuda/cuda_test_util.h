@@ -17,6 +17,7 @@
 #include "common/params.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/sm80/sm80_registry.h"
+#include "cuda/sm80/sm80_smem.h"
 #include "test_util.h"
 
 namespace fa_test::cuda {
@@ -38,6 +39,21 @@ inline bool gpu_available(std::string* why) {
     if (!::fa_test::cuda::gpu_available(&fa_why_))                                    \
       GTEST_SKIP() << "NOT RUN: this test needs a CUDA GPU (" << fa_why_ << ")";      \
   } while (0)
+
+// Shared memory per block of the GPU classes whose tile choices the tests run (sm80_smem.h).
+inline constexpr int kSmemH100 = 227 * 1024;  // H100, H200
+inline constexpr int kSmemA100 = 163 * 1024;  // A100, A30
+inline constexpr int kSmemSm86 = 99 * 1024;   // sm86 / sm89: RTX 30xx / 40xx, A10, L4, L40
+
+// For its lifetime, the kernels choose their tiles as on a GPU with `bytes` of shared memory per
+// block (a cap: on this GPU the smaller tiles then run).
+class SmemLimitCap {
+ public:
+  explicit SmemLimitCap(int bytes) { flashattn::cuda::sm80::set_smem_limit_for_testing(bytes); }
+  ~SmemLimitCap() { flashattn::cuda::sm80::set_smem_limit_for_testing(0); }
+  SmemLimitCap(const SmemLimitCap&) = delete;
+  SmemLimitCap& operator=(const SmemLimitCap&) = delete;
+};
 
 // Records a skip (GTEST_SKIP from a helper: the test is reported as skipped unless something else
 // fails) saying why a part of it did not run.

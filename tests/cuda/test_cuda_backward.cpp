@@ -200,6 +200,30 @@ TEST_P(CudaBackward, DeterministicIsBitwiseReproducible) {
   expect_matches(cfg);
 }
 
+// The configurations of GPUs with less shared memory per block, run here under a cap
+// (sm80_bwd.h): on an A100 (163 KiB) d 256 with one stage; on the 99 KiB GPUs (sm86/sm89) d 64 in
+// the full variant's 64 × 64 tile and d 128 in it with one stage (also with dropout); d 256 is
+// refused there (tests/cuda/test_cuda_registry.cpp).
+TEST_P(CudaBackward, SmallSharedMemoryTiles) {
+  FA_SKIP_WITHOUT_GPU();
+  for (int limit : {kSmemA100, kSmemSm86}) {
+    SmemLimitCap cap(limit);
+    for (int d : {64, 128, 256}) {
+      if (limit == kSmemSm86 && d == 256) continue;
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = base(d, 177, 301);
+        cfg.opt.causal = causal;
+        SCOPED_TRACE("shared memory per block capped at " + std::to_string(limit));
+        expect_matches(cfg);
+      }
+    }
+    AttnConfig cfg = base(128, 97, 130);
+    cfg.opt.dropout_p = 0.2f;
+    cfg.opt.dropout_seed = 5;
+    expect_matches(cfg);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaBackward, testing::Values(DType::f16, DType::bf16),
                          [](const testing::TestParamInfo<DType>& info) { return std::string(dtype_tag(info.param)); });
 

@@ -345,6 +345,42 @@ TEST_P(CudaForward, PackedGqa) {
   }
 }
 
+// The tiles of GPUs with 99 KiB of shared memory per block (sm86/sm89), run here under a cap: d 256
+// takes the full variant's halved key tile (plain, causal, windowed, split-KV), and a GQA-packed
+// decoding launch keeps its packed tile; d 64 and d 128 run their usual tiles, which fit.
+TEST_P(CudaForward, SmallSharedMemoryTiles) {
+  FA_SKIP_WITHOUT_GPU();
+  SmemLimitCap cap(kSmemSm86);
+  for (int d : {64, 128, 256}) {
+    const ParamsHook chosen = [d](c::AttentionParams& dp, DeviceArena&) {
+      EXPECT_EQ(flashattn::cuda::sm80::fwd_runs_full(dp, d, flashattn::cuda::sm80::smem_per_block_limit()),
+                d == 256 && dp.heads == dp.heads_k);
+    };
+    for (int masking = 0; masking < 3; ++masking) {  // none, causal, sliding window
+      AttnConfig cfg = base(d, 177, 301);
+      cfg.heads_k = cfg.heads;
+      cfg.opt.causal = masking == 1;
+      if (masking == 2) {
+        cfg.opt.window_left = 40;
+        cfg.opt.window_right = 9;
+      }
+      expect_matches(cfg, chosen);
+    }
+    AttnConfig decode = base(d, 1, 700);
+    decode.heads = 8;
+    decode.heads_k = 2;
+    expect_matches(decode, chosen);
+  }
+  AttnConfig cfg = base(256, 3, 1500);
+  cfg.heads_k = cfg.heads;
+  cfg.opt.causal = true;
+  const AttnProblem p = make_problem(cfg);
+  SCOPED_TRACE(describe(p.cfg) + " split-KV");
+  const ForwardResult r = run_cuda_forward(
+      p, [](c::AttentionParams& dp, DeviceArena&) { dp.num_splits = 3; }, nullptr, /*with_workspace=*/true);
+  EXPECT_TRUE(check_forward(p, r));
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, testing::Values(DType::f16, DType::bf16),
                          [](const testing::TestParamInfo<DType>& info) { return std::string(dtype_tag(info.param)); });
 

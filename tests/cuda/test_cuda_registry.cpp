@@ -7,7 +7,10 @@
 #include <string>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/sm80/sm80_bwd.h"
+#include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_registry.h"
+#include "cuda_test_util.h"
 
 namespace {
 
@@ -84,6 +87,88 @@ TEST(CudaRegistry, PageSizesThatAreNotMultiplesOf16AreRefused) {
     std::string why;
     EXPECT_TRUE(flashattn::cuda::can_serve_forward(p, &why)) << "page " << page << ": " << why;
   }
+}
+
+// --- tiles by shared memory per block (sm80_smem.h) ---------------------------------------------
+
+using fa_test::cuda::kSmemA100;
+using fa_test::cuda::kSmemH100;
+using fa_test::cuda::kSmemSm86;
+
+void expect_choice(int head_dim, bool needs_full, int limit, bool full, int stages) {
+  const sm80::BwdChoice got = sm80::bwd_choice(head_dim, needs_full, limit);
+  EXPECT_EQ(got.full, full) << "d " << head_dim << " needs_full " << needs_full << " limit " << limit;
+  EXPECT_EQ(got.stages, stages) << "d " << head_dim << " needs_full " << needs_full << " limit " << limit;
+  EXPECT_LE(sm80::bwd_smem_bytes(head_dim, sm80::bwd_tile(head_dim, got.full), got.stages), limit)
+      << "d " << head_dim << " limit " << limit;
+}
+
+// The backward takes the first configuration that fits: plain with 2 stages, 1 stage (d 256), then
+// the full variant's smaller tiles with 2 stages, 1 stage (d ≥ 128).
+TEST(CudaSharedMemory, BackwardTakesTheFirstConfigurationThatFits) {
+  for (int d : {64, 128, 256}) {
+    expect_choice(d, false, kSmemH100, false, 2);
+    expect_choice(d, true, kSmemH100, true, 2);
+  }
+  expect_choice(64, false, kSmemA100, false, 2);
+  expect_choice(128, false, kSmemA100, false, 2);
+  expect_choice(256, false, kSmemA100, false, 1);  // 209 KiB with two stages, 144.5 with one
+  expect_choice(256, true, kSmemA100, true, 1);    // 169 / 104.5 KiB
+  expect_choice(64, false, kSmemSm86, true, 2);    // 162 / 65 KiB
+  expect_choice(128, false, kSmemSm86, true, 1);   // 161 / 113 / 80.5 KiB
+  expect_choice(128, true, kSmemSm86, true, 1);
+  // d 256 has nothing within 99 KiB (its smallest, full with one stage, is 104.5 KiB).
+  EXPECT_GT(sm80::bwd_min_smem_bytes(256), kSmemSm86);
+  EXPECT_LE(sm80::bwd_min_smem_bytes(128), kSmemSm86);
+}
+
+// The forward runs the full variant's halved key tile where the plain one does not fit (d 256 on
+// 99 KiB: 128 KiB plain, 96 KiB full); a GQA-packed launch keeps its own tile where that fits.
+TEST(CudaSharedMemory, ForwardTakesTheFullTileWhereThePlainOneDoesNotFit) {
+  for (int d : {64, 128, 256}) {
+    c::AttentionParams p = aligned_params(c::Storage::bf16, d);
+    p.max_seqlen_q = p.max_seqlen_k = 1000;
+    EXPECT_FALSE(sm80::fwd_runs_full(p, d, kSmemH100)) << d;
+    EXPECT_FALSE(sm80::fwd_runs_full(p, d, kSmemA100)) << d;
+    EXPECT_EQ(sm80::fwd_runs_full(p, d, kSmemSm86), d == 256) << d;
+    EXPECT_LE(sm80::fwd_smem_bytes(d, sm80::fwd_tile(d, true)), kSmemSm86) << d;
+    p.softcap = 5.0f;  // needs the full variant whatever the device
+    EXPECT_TRUE(sm80::fwd_runs_full(p, d, kSmemH100)) << d;
+    p.softcap = 0.0f;
+    p.heads = 8;  // decoding with GQA 8/2: the packed tile (64 × 64 at d 256, 96 KiB) fits
+    p.heads_k = 2;
+    p.max_seqlen_q = 1;
+    ASSERT_GT(sm80::fwd_pack(p, sm80::fwd_tile(d, false).block_m), 1) << d;
+    EXPECT_FALSE(sm80::fwd_runs_full(p, d, kSmemSm86)) << d;
+  }
+}
+
+// Where no configuration fits, the call is refused with the reason; the others are served.
+TEST(CudaSharedMemory, CallsThatNoTileFitsAreRefused) {
+  {
+    fa_test::cuda::SmemLimitCap cap(kSmemSm86);
+    for (int d : {64, 128, 256}) {
+      for (c::Storage storage : {c::Storage::f16, c::Storage::bf16}) {
+        const c::AttentionParams p = aligned_params(storage, d);
+        std::string why;
+        if (sm80::compiled_head_dim(sm80::Family::fwd, storage, d) == d) {
+          EXPECT_TRUE(flashattn::cuda::can_serve_forward(p, &why)) << d << ": " << why;
+        }
+        if (sm80::compiled_head_dim(sm80::Family::bwd, storage, d) != d) continue;
+        why.clear();
+        EXPECT_EQ(flashattn::cuda::can_serve_backward(p, &why), d < 256) << d << ": " << why;
+        if (d == 256) {
+          EXPECT_NE(why.find("bytes of shared memory per block; this GPU allows 101376"), std::string::npos) << why;
+        }
+      }
+    }
+  }
+  fa_test::cuda::SmemLimitCap cap(32 * 1024);
+  const int d = sm80::compiled_head_dim(sm80::Family::fwd, c::Storage::bf16, 64);
+  if (d == 0) GTEST_SKIP() << "NOT RUN: no bf16 forward kernel in this build";
+  std::string why;
+  EXPECT_FALSE(flashattn::cuda::can_serve_forward(aligned_params(c::Storage::bf16, d), &why));
+  EXPECT_NE(why.find("shared memory per block"), std::string::npos) << why;
 }
 
 }  // namespace

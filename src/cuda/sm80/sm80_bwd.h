@@ -16,6 +16,59 @@ inline constexpr int kBwdRowBlock = 64;
 // Sequences start on a multiple of this many rows in the dQ accumulator (sm80_bwd_kernel.cuh).
 inline constexpr int kBwdTileRowsHost = 128;
 
+// Tile of one backward CTA: kBlockM query rows × kBlockN keys. The plain variant's are FA2's for
+// 8 warps; with softcap / ALiBi / dropout compiled in (full) they shrink, for the per-element
+// dscore and the Philox state: d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
+struct BwdTile {
+  int block_m;
+  int block_n;
+};
+constexpr BwdTile bwd_tile(int head_dim, bool full) {
+  return head_dim <= 64    ? (full ? BwdTile{64, 64} : BwdTile{128, 128})
+         : head_dim <= 128 ? (full ? BwdTile{64, 64} : BwdTile{64, 128})
+                           : (full ? BwdTile{64, 32} : BwdTile{64, 64});
+}
+
+// Shared memory of a backward tile, in bytes (BwdTraits::kSmemBytes, checked there): `stages`
+// buffers of the Q and dO tiles and their row statistics (lse, softmax_d), the K and V tiles, and
+// the P and dS tiles.
+constexpr int bwd_smem_bytes(int head_dim, BwdTile t, int stages) {
+  return stages * (2 * t.block_m * head_dim * 2 + 2 * t.block_m * 4) + 2 * t.block_n * head_dim * 2 +
+         2 * t.block_m * t.block_n * 2;
+}
+
+// The launcher takes the first configuration that fits a block's shared memory on the device
+// (sm80_smem.h): the plain variant with 2 stages, then with 1 stage (d 256), then the full variant
+// (whose softcap, ALiBi and dropout are off at run time when p has none) with 2 stages, then with
+// 1 (d ≥ 128). Per block: d 64 162 / 65 KiB (plain / full, 2 stages); d 128 161 / 113 / 80.5 (full
+// 1 stage); d 256 209 / 144.5 (plain 1 stage) / 169 / 104.5 — so an H100 runs every plain tile, an
+// A100 (163 KiB) all but d 256's second stage, and the 99 KiB GPUs (sm86/sm89) the full ones up to
+// d 128 and no d 256 backward.
+constexpr bool bwd_has_one_stage(int head_dim, bool full) { return head_dim > 128 || (full && head_dim > 64); }
+constexpr int bwd_min_smem_bytes(int head_dim) {
+  return bwd_smem_bytes(head_dim, bwd_tile(head_dim, true), bwd_has_one_stage(head_dim, true) ? 1 : 2);
+}
+
+// The configuration the launcher runs: the first of that order that fits `smem_limit` bytes
+// (needs_full: p has softcap, ALiBi or dropout and must run the full variant). Where nothing fits
+// (bwd_min_smem_bytes > smem_limit) it names the smallest; can_serve_backward refuses those calls.
+struct BwdChoice {
+  bool full;
+  int stages;
+};
+constexpr BwdChoice bwd_choice(int head_dim, bool needs_full, int smem_limit) {
+  if (!needs_full) {
+    if (bwd_smem_bytes(head_dim, bwd_tile(head_dim, false), 2) <= smem_limit) return {false, 2};
+    if (bwd_has_one_stage(head_dim, false) && bwd_smem_bytes(head_dim, bwd_tile(head_dim, false), 1) <= smem_limit) {
+      return {false, 1};
+    }
+  }
+  if (bwd_has_one_stage(head_dim, true) && bwd_smem_bytes(head_dim, bwd_tile(head_dim, true), 2) > smem_limit) {
+    return {true, 1};
+  }
+  return {true, 2};
+}
+
 // Where the backward's scratch lives (device memory from the caller's workspace).
 struct BwdScratch {
   float* dq_accum = nullptr;  // fp32 tiles of kBlockM rows × the instantiated head dim, per head

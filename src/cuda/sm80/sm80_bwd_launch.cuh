@@ -3,6 +3,7 @@
 #pragma once
 
 #include "cuda/sm80/sm80_bwd.h"
+#include "cuda/sm80/sm80_smem.h"
 #include "cuda/sm80/sm80_bwd_kernel.cuh"
 #include "cuda/sm80/sm80_fwd_launch.cuh"
 
@@ -10,12 +11,13 @@ namespace flashattn::cuda::sm80 {
 
 static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "host and device agree on the layout");
 
-// Tiles per head dim (kBlockM × kBlockN, 8 warps; warps of S/dP along rows × keys, of dK/dV along
-// keys × D, of dQ along rows × D) and their shared memory with two Q/dO stages:
-//   d 64:  128 × 128, S/dP 4×2, dK/dV 4×2, dQ 4×2 — 162 KB
-//   d 128:  64 × 128, S/dP 2×4, dK/dV 4×2, dQ 2×4 — 161 KB (dK and dV: 64 + 64 fp32 registers)
-//   d 256:  64 × 64,  S/dP 4×2, dK/dV 2×4, dQ 2×4 — 209 KB; one stage (145 KB) where the device
-//           has less shared memory per block (A100: 163 KB)
+// Tiles per head dim (bwd_tile in sm80_bwd.h; 8 warps; warps of S/dP along rows × keys, of dK/dV
+// along keys × D, of dQ along rows × D) and their shared memory with two Q/dO stages:
+//   d 64:  128 × 128, S/dP 2×4, dK/dV 4×2, dQ 4×2 — 162 KiB
+//   d 128:  64 × 128, S/dP 2×4, dK/dV 4×2, dQ 2×4 — 161 KiB (dK and dV: 64 + 64 fp32 registers)
+//   d 256:  64 × 64,  S/dP 4×2, dK/dV 2×4, dQ 2×4 — 209 KiB
+// Where a device has less shared memory per block, launch_bwd_variant takes one stage or the full
+// variant's smaller tiles (sm80_bwd.h lists the order and the sizes).
 // The arrangements keep each warp's ldmatrix traffic low for its MMAs: at d 256, dK/dV warps split
 // the keys in two and D in four, as the D-wide operands (Qᵀ, dOᵀ) dominate the shared reads.
 // At d 256 dQ (64 × 256 fp32, 64 atomics per thread and row block) is computed first and its
@@ -25,8 +27,8 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 // spreads its dQ atomics too: in the plain order its main loop reloaded 12 spilled values per
 // iteration (6 spread; 5 with kLateLoad as well, but a 9% longer loop), and Nsight Compute showed
 // its warps stalled on the load/store queue (lg_throttle 0.34 per instruction against FA2's 0.01)
-// behind the burst of 32 atomics per thread. d 64 keeps the plain order (spreading does not
-// lower its spills).
+// behind the burst of 32 atomics per thread. d 64 spreads them as well, with its S/dP warps as
+// 2 × 4 (4 bytes of spills instead of 100): +4.7% on the H200 over the plain order with 4 × 2.
 // With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
 // and the Philox state need registers): d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
 //
@@ -59,36 +61,25 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 #endif
 template <class Element, int kHeadDim, bool kFull, int kStages>
 struct BwdConfig;
-template <class Element, int kStages>
-struct BwdConfig<Element, 64, false, kStages> {
-  using Traits = BwdTraits<Element, 64, 128, 128, FLASHATTN_SM80_BWD64_SDP_WARPS_M, 4, 4, kStages,
-                           FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
-                           FLASHATTN_SM80_BWD64_LATE_LOAD != 0>;
-};
-template <class Element, int kStages>
-struct BwdConfig<Element, 64, true, kStages> {
-  using Traits = BwdTraits<Element, 64, 64, 64, 2, 4, 4, kStages>;
+template <class Element, bool kFull, int kStages>
+struct BwdConfig<Element, 64, kFull, kStages> {
+  static constexpr BwdTile kTile = bwd_tile(64, kFull);
+  using Traits = BwdTraits<Element, 64, kTile.block_m, kTile.block_n, kFull ? 2 : FLASHATTN_SM80_BWD64_SDP_WARPS_M, 4, 4,
+                           kStages, !kFull && FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
+                           !kFull && FLASHATTN_SM80_BWD64_LATE_LOAD != 0>;
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 128, kFull, kStages> {
-  using Traits = BwdTraits<Element, 128, 64, kFull ? 64 : 128, 2, kFull ? 4 : FLASHATTN_SM80_BWD128_DKV_WARPS_N,
+  static constexpr BwdTile kTile = bwd_tile(128, kFull);
+  using Traits = BwdTraits<Element, 128, kTile.block_m, kTile.block_n, 2, kFull ? 4 : FLASHATTN_SM80_BWD128_DKV_WARPS_N,
                            kFull ? 2 : FLASHATTN_SM80_BWD128_DQ_WARPS_M, kStages,
                            !kFull && FLASHATTN_SM80_BWD128_SPREAD_DQ != 0, !kFull && FLASHATTN_SM80_BWD128_LATE_LOAD != 0>;
 };
 template <class Element, bool kFull, int kStages>
 struct BwdConfig<Element, 256, kFull, kStages> {
-  using Traits = BwdTraits<Element, 256, 64, kFull ? 32 : 64, 4, 2, 2, kStages, true, true>;
+  static constexpr BwdTile kTile = bwd_tile(256, kFull);
+  using Traits = BwdTraits<Element, 256, kTile.block_m, kTile.block_n, 4, 2, 2, kStages, true, true>;
 };
-
-// Shared memory a block of the current device may opt into.
-inline int max_smem_per_block() {
-  int dev = 0, bytes = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-    return 0;
-  }
-  return bytes;
-}
 
 template <class Traits, bool kFull>
 cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
@@ -110,23 +101,40 @@ cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& 
   return cudaGetLastError();
 }
 
-// The plain or full variant; at d 256 with one stage where two do not fit.
+// The configuration of (Element, kHeadDim, kFull, kStages), its shared memory checked against the
+// host's bwd_smem_bytes.
+template <class Element, int kHeadDim, bool kFull, int kStages>
+using BwdTraitsOf = typename BwdConfig<Element, kHeadDim, kFull, kStages>::Traits;
+template <class Traits, int kHeadDim, bool kFull>
+constexpr bool kBwdSmemAgrees =
+    Traits::kSmemBytes == bwd_smem_bytes(kHeadDim, bwd_tile(kHeadDim, kFull), Traits::kStages);
+
+// The configuration bwd_choice (sm80_bwd.h) picks for p on this device.
 template <class Element, int kHeadDim>
 cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                                cudaStream_t stream) {
-  const bool full = FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0 ? p.dropout_p > 0.0f
-                                                           : p.softcap > 0.0f || p.alibi_slopes != nullptr ||
-                                                                 p.dropout_p > 0.0f;
-  if constexpr (kHeadDim == 256) {
-    using Plain2 = typename BwdConfig<Element, 256, false, 2>::Traits;
-    using Full2 = typename BwdConfig<Element, 256, true, 2>::Traits;
-    if (max_smem_per_block() < (full ? Full2::kSmemBytes : Plain2::kSmemBytes)) {
-      return full ? launch_bwd_main<typename BwdConfig<Element, 256, true, 1>::Traits, true>(p, ws, rng_state, stream)
-                  : launch_bwd_main<typename BwdConfig<Element, 256, false, 1>::Traits, false>(p, ws, rng_state, stream);
+  const bool needs_full = FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0 ? p.dropout_p > 0.0f
+                                                                 : p.softcap > 0.0f || p.alibi_slopes != nullptr ||
+                                                                       p.dropout_p > 0.0f;
+  const BwdChoice choice = bwd_choice(kHeadDim, needs_full, smem_per_block_limit());
+  using Plain2 = BwdTraitsOf<Element, kHeadDim, false, 2>;
+  using Full2 = BwdTraitsOf<Element, kHeadDim, true, 2>;
+  static_assert(kBwdSmemAgrees<Plain2, kHeadDim, false> && kBwdSmemAgrees<Full2, kHeadDim, true>,
+                "bwd_smem_bytes (host side) agrees with the kernel's shared memory");
+  if (!choice.full) {
+    if constexpr (bwd_has_one_stage(kHeadDim, false)) {
+      using Plain1 = BwdTraitsOf<Element, kHeadDim, false, 1>;
+      static_assert(kBwdSmemAgrees<Plain1, kHeadDim, false>, "bwd_smem_bytes agrees with the kernel");
+      if (choice.stages == 1) return launch_bwd_main<Plain1, false>(p, ws, rng_state, stream);
     }
+    return launch_bwd_main<Plain2, false>(p, ws, rng_state, stream);
   }
-  return full ? launch_bwd_main<typename BwdConfig<Element, kHeadDim, true, 2>::Traits, true>(p, ws, rng_state, stream)
-              : launch_bwd_main<typename BwdConfig<Element, kHeadDim, false, 2>::Traits, false>(p, ws, rng_state, stream);
+  if constexpr (bwd_has_one_stage(kHeadDim, true)) {
+    using Full1 = BwdTraitsOf<Element, kHeadDim, true, 1>;
+    static_assert(kBwdSmemAgrees<Full1, kHeadDim, true>, "bwd_smem_bytes agrees with the kernel");
+    if (choice.stages == 1) return launch_bwd_main<Full1, true>(p, ws, rng_state, stream);
+  }
+  return launch_bwd_main<Full2, true>(p, ws, rng_state, stream);
 }
 
 template <common::Storage kStorage, int kHeadDim>

@@ -87,6 +87,24 @@ inline int fwd_pack(const common::AttentionParams& p, int block_m) {
   return packed_blocks < separate_blocks ? g : 1;
 }
 
+// Shared memory of a forward tile, in bytes (FwdTraits::kSmemBytes, checked there): the Q tile,
+// the K and V tiles, and two buffers of a key tile's page-table entries (kBlockN / 16 + 1 each).
+constexpr int fwd_smem_bytes(int head_dim, FwdTile t) {
+  return (t.block_m + 2 * t.block_n) * head_dim * 2 + 2 * (t.block_n / 16 + 1) * 4;
+}
+
+// Whether the forward of p runs the full variant on a device whose blocks may use `smem_limit`
+// bytes of shared memory: when p needs it (needs_full_variant), and when the plain tile the call
+// would take (GQA-packed or not) does not fit — the full variant's halved key tile does on GPUs of
+// 99 KiB per block (d 256: 128 KiB plain, 96 KiB full); its softcap, ALiBi and dropout are off at
+// run time when p has none.
+inline bool fwd_runs_full(const common::AttentionParams& p, int head_dim, int smem_limit) {
+  if (needs_full_variant(p)) return true;
+  const FwdTile plain = fwd_tile(head_dim, false);
+  const FwdTile tile = fwd_pack(p, plain.block_m) > 1 ? fwd_tile_packed(head_dim) : plain;
+  return fwd_smem_bytes(head_dim, tile) > smem_limit;
+}
+
 // Where the CTAs of a split-KV launch leave their partial results (device memory, fp32), in the
 // layout flashattn::combine takes: out_partial (splits, b, max_seqlen_q, h, dv) and lse_partial
 // (splits, b, h, max_seqlen_q), both contiguous — also for varlen batches, whose sequence b uses

@@ -5,6 +5,7 @@
 
 #include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
+#include "cuda/sm80/sm80_smem.h"
 
 namespace flashattn::cuda::sm80 {
 
@@ -29,6 +30,9 @@ struct FwdConfig {
   using Traits = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
   static constexpr FwdTile kPackedTile = fwd_tile_packed(kHeadDim);
   using PackedTraits = FwdTraits<Element, kHeadDim, kPackedTile.block_m, kPackedTile.block_n, kPackedTile.warps>;
+  static_assert(Traits::kSmemBytes == fwd_smem_bytes(kHeadDim, kTile) &&
+                    PackedTraits::kSmemBytes == fwd_smem_bytes(kHeadDim, kPackedTile),
+                "fwd_smem_bytes (host side) agrees with the kernel's shared memory");
 };
 
 // One launch of fwd_kernel<KTraits, …>: grid (row blocks [× splits], heads / pack, batch).
@@ -74,7 +78,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
-  const bool full = needs_full_variant(p);
+  const bool full = fwd_runs_full(p, kHeadDim, smem_per_block_limit());
   return full ? launch_fwd<FwdConfig<Element, kHeadDim, true>, true, false>(p, {}, rng_state, stream)
               : launch_fwd<FwdConfig<Element, kHeadDim, false>, false, false>(p, {}, rng_state, stream);
 }
@@ -83,7 +87,7 @@ template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd_split(const common::AttentionParams& p, const SplitKvPartials& split,
                           const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
-  const bool full = needs_full_variant(p);
+  const bool full = fwd_runs_full(p, kHeadDim, smem_per_block_limit());
   return full ? launch_fwd<FwdConfig<Element, kHeadDim, true>, true, true>(p, split, rng_state, stream)
               : launch_fwd<FwdConfig<Element, kHeadDim, false>, false, true>(p, split, rng_state,
                                                                                              stream);
