@@ -26,15 +26,22 @@ struct FwdTile {
 #ifndef FLASHATTN_SM80_FWD64_WARPS
 #define FLASHATTN_SM80_FWD64_WARPS 4
 #endif
+// The d 256 plain tile's rows: 128 (8 warps, 128 KiB: one CTA per SM) or 64 (4 warps, 96 KiB: two
+// CTAs per SM on an H100/H200, twice the row blocks for short sequences; FA2's choice there).
+#ifndef FLASHATTN_SM80_FWD256_BLOCK_M
+#define FLASHATTN_SM80_FWD256_BLOCK_M 128
+#endif
 constexpr FwdTile fwd_tile(int head_dim, bool full) {
   // d 64:  128 × 128, 4 warps —  48 KB shared (Q 16 + K 16 + V 16)
   // d 128: 128 × 64,  4 warps —  64 KB: 32 rows per warp keeps the 128 fp32 of O in registers
   // d 256: 128 × 64,  8 warps — 128 KB: 16 rows per warp, as the O accumulator doubles
-  // All fit the 163 KB of an A100 and the 227 KB of an H100/H200.
+  // All fit the 163 KB of an A100 and the 227 KB of an H100/H200; where a plain tile does not fit
+  // (d 256 on 99 KB GPUs), fwd_runs_full takes the full variant's.
   return head_dim <= 64    ? (full ? FwdTile{128, 64, 4}
                                    : FwdTile{128, FLASHATTN_SM80_FWD64_BLOCK_N, FLASHATTN_SM80_FWD64_WARPS})
          : head_dim <= 128 ? FwdTile{128, full ? 32 : 64, 4}
-                           : FwdTile{128, full ? 32 : 64, 8};
+                           : (full ? FwdTile{128, 32, 8}
+                                   : FwdTile{FLASHATTN_SM80_FWD256_BLOCK_M, 64, FLASHATTN_SM80_FWD256_BLOCK_M / 16});
 }
 
 // The tile of the GQA-packed kernel (decoding: a few packed rows against a long cache). Knob
