@@ -4,9 +4,16 @@
 // --width. Timing: CUDA events around each call (the backward's three kernels together), the
 // median of --repeats after --warmup calls.
 //
+// --decode times decoding instead (split-KV as the heuristic picks it, with its workspace): per
+// case batch:context:page (page 0: a contiguous cache; else a paged one whose block table lists
+// the pages in a shuffled order), --decode-sq query rows, GQA --decode-heads q/kv heads, each head
+// dim of --dims; reported in GB/s of the minimum traffic (K and V read once, q read, out written),
+// with the L2 cleared before every timed call.
+//
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 //                  [--passes fwd,bwd] [--deterministic 0|1] [--tokens 16384] [--width 2048]
 //                  [--repeats 30] [--warmup 5] [--json FILE]
+//                  [--decode 1:131072:0,32:32768:16,...] [--decode-sq 1] [--decode-heads 32:8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -59,7 +66,21 @@ struct Args {
   int repeats = 30;
   int warmup = 5;
   std::string json;
+  struct Decode {
+    int batch, context, page;
+  };
+  std::vector<Decode> decode;
+  int decode_sq = 1;
+  int decode_heads = 32, decode_heads_k = 8;
 };
+
+// "a:b:c" as three ints.
+std::vector<int> colon_ints(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ':');) out.push_back(std::stoi(item));
+  return out;
+}
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -78,6 +99,21 @@ Args parse(int argc, char** argv) {
     else if (flag == "--repeats") a.repeats = std::stoi(v);
     else if (flag == "--warmup") a.warmup = std::stoi(v);
     else if (flag == "--json") a.json = v;
+    else if (flag == "--decode") {
+      for (const std::string& item : str_list(v)) {
+        const std::vector<int> f = colon_ints(item);
+        if (f.size() != 3 || f[0] < 1 || f[1] < 1 || f[2] < 0 || f[2] % 16 != 0) {
+          throw std::runtime_error("--decode takes batch:context:page (page 0 or a multiple of 16), not " + item);
+        }
+        a.decode.push_back({f[0], f[1], f[2]});
+      }
+    } else if (flag == "--decode-sq") a.decode_sq = std::stoi(v);
+    else if (flag == "--decode-heads") {
+      const std::vector<int> f = colon_ints(v);
+      if (f.size() != 2 || f[1] < 1 || f[0] % f[1] != 0) throw std::runtime_error("--decode-heads takes h:hk, h % hk == 0");
+      a.decode_heads = f[0];
+      a.decode_heads_k = f[1];
+    }
     else throw std::runtime_error("unknown flag " + flag);
   }
   return a;
@@ -93,6 +129,106 @@ void* random_device(std::size_t n, c::Storage storage, std::uint64_t seed) {
   check(cudaMalloc(&dev, n * sizeof(std::uint16_t)), "cudaMalloc");
   check(cudaMemcpy(dev, host.data(), n * sizeof(std::uint16_t), cudaMemcpyHostToDevice), "cudaMemcpy");
   return dev;
+}
+
+// Median of `repeats` CUDA-event timings of call() after `warmup` untimed calls; before_each()
+// runs before every timed call, outside the events.
+template <class Call, class Before>
+double median_ms(int warmup, int repeats, Call&& call, Before&& before_each) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  for (int i = 0; i < warmup; ++i) call();
+  std::vector<float> ms;
+  for (int i = 0; i < repeats; ++i) {
+    before_each();
+    check(cudaEventRecord(start), "cudaEventRecord");
+    call();
+    check(cudaEventRecord(stop), "cudaEventRecord");
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float t = 0;
+    check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// One decoding case: q (b, sq, h, d) against a cache of `context` keys per sequence, contiguous
+// (b, context, hk, d) or paged (pages, page, hk, d) with a shuffled block table. Returns the JSON
+// object of the result.
+std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
+  const int b = dc.batch, sq = args.decode_sq, h = args.decode_heads, hk = args.decode_heads_k;
+  const int pages_per_seq = dc.page > 0 ? (dc.context + dc.page - 1) / dc.page : 0;
+  const std::size_t cache_rows = dc.page > 0 ? std::size_t(b) * pages_per_seq * dc.page : std::size_t(b) * dc.context;
+  const std::size_t nq = std::size_t(b) * sq * h * d, nkv = cache_rows * hk * d;
+  void* q = random_device(nq, args.storage, 1);
+  void* k = random_device(nkv, args.storage, 2);
+  void* v = random_device(nkv, args.storage, 3);
+  void* o = nullptr;
+  float* lse = nullptr;
+  std::int32_t* table = nullptr;
+  check(cudaMalloc(&o, nq * sizeof(std::uint16_t)), "cudaMalloc");
+  check(cudaMalloc(reinterpret_cast<void**>(&lse), std::size_t(b) * h * sq * sizeof(float)), "cudaMalloc");
+  c::AttentionParams p;
+  p.storage = args.storage;
+  p.batch = b;
+  p.heads = h;
+  p.heads_k = hk;
+  p.head_dim = p.head_dim_v = d;
+  p.max_seqlen_q = sq;
+  p.max_seqlen_k = dc.context;
+  for (auto [t, data] : {std::pair{&p.q, q}, std::pair{&p.out, o}}) {
+    t->data = data;
+    t->batch_stride = std::int64_t(sq) * h * d;
+    t->row_stride = std::int64_t(h) * d;
+    t->head_stride = d;
+  }
+  for (auto [t, data] : {std::pair{&p.k, k}, std::pair{&p.v, v}}) {
+    t->data = data;
+    t->batch_stride = std::int64_t(dc.page > 0 ? dc.page : dc.context) * hk * d;  // a page, or a sequence
+    t->row_stride = std::int64_t(hk) * d;
+    t->head_stride = d;
+  }
+  if (dc.page > 0) {
+    std::vector<std::int32_t> host(std::size_t(b) * pages_per_seq);
+    for (std::size_t i = 0; i < host.size(); ++i) host[i] = std::int32_t(i);
+    std::shuffle(host.begin(), host.end(), std::mt19937_64(7));
+    check(cudaMalloc(reinterpret_cast<void**>(&table), host.size() * sizeof(std::int32_t)), "cudaMalloc");
+    check(cudaMemcpy(table, host.data(), host.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
+    p.block_table = table;
+    p.block_table_batch_stride = pages_per_seq;
+    p.page_size = dc.page;
+  }
+  p.lse = lse;
+  p.lse_batch_stride = std::int64_t(h) * sq;
+  p.lse_head_stride = sq;
+  p.softmax_scale = 1.0f / std::sqrt(float(d));
+  const std::size_t ws_bytes = flashattn::cuda::forward_workspace_size(p);
+  void* ws = nullptr;
+  if (ws_bytes > 0) check(cudaMalloc(&ws, ws_bytes), "cudaMalloc");
+  constexpr std::size_t kFlushBytes = std::size_t(256) << 20;  // above the L2 of any current GPU
+  void* flush = nullptr;
+  check(cudaMalloc(&flush, kFlushBytes), "cudaMalloc");
+  const double ms = median_ms(
+      args.warmup, args.repeats, [&] { flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes); },
+      [&] { check(cudaMemsetAsync(flush, 0, kFlushBytes), "cudaMemsetAsync"); });
+  check(cudaGetLastError(), "kernel");
+  const double bytes = 2.0 * double(b) * dc.context * hk * d * 2 + 2.0 * double(nq) * 2;
+  const double gbps = bytes / (ms * 1e-3) / 1e9;
+  const int splits = ws_bytes > 0 ? flashattn::cuda::forward_num_splits(p) : 1;
+  std::printf("flashattn sm80 decode %s d=%d b=%d sq=%d h=%d hk=%d context=%d page=%d splits=%d: %.4f ms, %.0f GB/s\n",
+              args.storage == c::Storage::f16 ? "f16" : "bf16", d, b, sq, h, hk, dc.context, dc.page, splits, ms, gbps);
+  for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), ws, flush}) cudaFree(ptr);
+  std::ostringstream js;
+  js << "{\"impl\": \"flashattn_sm80\", \"pass\": \"decode\", \"dtype\": \""
+     << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d << ", \"seqlen\": " << dc.context
+     << ", \"batch\": " << b << ", \"sq\": " << sq << ", \"heads\": " << h << ", \"heads_k\": " << hk
+     << ", \"page\": " << dc.page << ", \"splits\": " << splits << ", \"causal\": false, \"ms\": " << ms
+     << ", \"gbps\": " << gbps << "}";
+  return js.str();
 }
 
 }  // namespace
@@ -114,10 +250,13 @@ int main(int argc, char** argv) try {
   std::ostringstream json;
   json << "[";
   bool first = true;
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
   for (int d : args.dims) {
+    for (const Args::Decode& dc : args.decode) {
+      json << (first ? "" : ",") << "\n  " << run_decode(args, d, dc);
+      first = false;
+    }
+  }
+  for (int d : args.decode.empty() ? args.dims : std::vector<int>{}) {
     for (int s : args.seqlens) {
       const int b = std::max(1, args.tokens / s), h = std::max(1, args.width / d);
       const std::size_t n = std::size_t(b) * s * h * d;
@@ -175,28 +314,16 @@ int main(int argc, char** argv) try {
               flashattn::cuda::forward(p, nullptr);
             }
           };
-          for (int i = 0; i < args.warmup; ++i) call();
-          std::vector<float> ms;
-          for (int i = 0; i < args.repeats; ++i) {
-            check(cudaEventRecord(start), "cudaEventRecord");
-            call();
-            check(cudaEventRecord(stop), "cudaEventRecord");
-            check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-            float t = 0;
-            check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
-            ms.push_back(t);
-          }
+          const double median = median_ms(args.warmup, args.repeats, call, [] {});
           cudaFree(workspace);
-          std::sort(ms.begin(), ms.end());
-          const double median_ms = ms[ms.size() / 2];
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
-          const double tflops = flops / (median_ms * 1e-3) / 1e12;
+          const double tflops = flops / (median * 1e-3) / 1e12;
           std::printf("flashattn sm80 %s %s d=%d s=%d b=%d h=%d causal=%d: %.3f ms, %.1f TFLOP/s\n", pass.c_str(),
-                      args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, median_ms, tflops);
+                      args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, median, tflops);
           json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_sm80\", \"pass\": \"" << pass
                << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
                << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
-               << ", \"causal\": " << (causal ? "true" : "false") << ", \"ms\": " << median_ms
+               << ", \"causal\": " << (causal ? "true" : "false") << ", \"ms\": " << median
                << ", \"tflops\": " << tflops << "}";
           first = false;
         }
