@@ -131,6 +131,14 @@ void* random_device(std::size_t n, c::Storage storage, std::uint64_t seed) {
   return dev;
 }
 
+// lse as (b, h, rows) fp32 and the usual 1/√d scale.
+void set_lse_and_scale(c::AttentionParams& p, float* lse, int h, int rows, int d) {
+  p.lse = lse;
+  p.lse_batch_stride = std::int64_t(h) * rows;
+  p.lse_head_stride = rows;
+  p.softmax_scale = 1.0f / std::sqrt(float(d));
+}
+
 // Median of `repeats` CUDA-event timings of call() after `warmup` untimed calls; before_each()
 // runs before every timed call, outside the events.
 template <class Call, class Before>
@@ -202,10 +210,7 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
     p.block_table_batch_stride = pages_per_seq;
     p.page_size = dc.page;
   }
-  p.lse = lse;
-  p.lse_batch_stride = std::int64_t(h) * sq;
-  p.lse_head_stride = sq;
-  p.softmax_scale = 1.0f / std::sqrt(float(d));
+  set_lse_and_scale(p, lse, h, sq, d);
   const std::size_t ws_bytes = flashattn::cuda::forward_workspace_size(p);
   void* ws = nullptr;
   if (ws_bytes > 0) check(cudaMalloc(&ws, ws_bytes), "cudaMalloc");
@@ -294,10 +299,7 @@ int main(int argc, char** argv) try {
         p.dv.data = grads[2];
         p.softmax_d = softmax_d;
         p.deterministic = args.deterministic;
-        p.lse = lse;
-        p.lse_batch_stride = std::int64_t(h) * s;
-        p.lse_head_stride = s;
-        p.softmax_scale = 1.0f / std::sqrt(float(d));
+        set_lse_and_scale(p, lse, h, s, d);
         p.causal = causal != 0;
         flashattn::cuda::forward(p, nullptr);  // out and lse for the backward
         for (const std::string& pass : args.passes) {
