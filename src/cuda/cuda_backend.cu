@@ -31,25 +31,32 @@ constexpr int kMaxRegistersPerThread = 256;
 constexpr int kWarpSize = 32;
 
 
-// SMs of the current device, asked once per device (0 when it cannot be asked).
-int current_sm_count() {
-  static std::atomic<int> cached[kMaxCachedDevices];  // static storage: zero = not asked yet
+// Attribute `attr` of the current device, asked once per device (`cache`: one slot per device,
+// zero = not asked yet); 0 when it cannot be asked.
+int current_device_attribute(cudaDeviceAttr attr, std::atomic<int> (&cache)[kMaxCachedDevices]) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();  // clear the error, so that the next launch does not report it
     return 0;
   }
-  if (device >= 0 && device < kMaxCachedDevices) {
-    const int known = cached[device].load(std::memory_order_relaxed);
+  const bool cacheable = device >= 0 && device < kMaxCachedDevices;
+  if (cacheable) {
+    const int known = cache[device].load(std::memory_order_relaxed);
     if (known > 0) return known;
   }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  if (device >= 0 && device < kMaxCachedDevices) cached[device].store(sms, std::memory_order_relaxed);
-  return sms;
+  if (cacheable) cache[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+// SMs of the current device (0 when it cannot be asked).
+int current_sm_count() {
+  static std::atomic<int> cache[kMaxCachedDevices];  // static storage: zero = not asked yet
+  return current_device_attribute(cudaDevAttrMultiProcessorCount, cache);
 }
 
 }  // namespace
@@ -60,21 +67,10 @@ std::atomic<int> smem_cap{0};  // set_smem_limit_for_testing; 0 = none
 }  // namespace
 
 int smem_per_block_limit() {
-  static std::atomic<int> cached[kMaxCachedDevices];  // static storage: zero = not asked yet
+  static std::atomic<int> cache[kMaxCachedDevices];  // static storage: zero = not asked yet
   constexpr int kUnknown = 1 << 30;
-  int bytes = 0, device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();  // clear the error, so that the next launch does not report it
-    bytes = kUnknown;
-  } else if (device >= 0 && device < kMaxCachedDevices && cached[device].load(std::memory_order_relaxed) > 0) {
-    bytes = cached[device].load(std::memory_order_relaxed);
-  } else if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-             bytes <= 0) {
-    cudaGetLastError();
-    bytes = kUnknown;
-  } else if (device >= 0 && device < kMaxCachedDevices) {
-    cached[device].store(bytes, std::memory_order_relaxed);
-  }
+  const int asked = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, cache);
+  const int bytes = asked > 0 ? asked : kUnknown;
   const int cap = smem_cap.load(std::memory_order_relaxed);
   return cap > 0 && cap < bytes ? cap : bytes;
 }
