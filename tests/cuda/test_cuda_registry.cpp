@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "cuda/cuda_backend.h"
 #include "cuda/sm80/sm80_bwd.h"
@@ -169,6 +170,31 @@ TEST(CudaSharedMemory, CallsThatNoTileFitsAreRefused) {
   std::string why;
   EXPECT_FALSE(flashattn::cuda::can_serve_forward(aligned_params(c::Storage::bf16, d), &why));
   EXPECT_NE(why.find("shared memory per block"), std::string::npos) << why;
+}
+
+// FastDiv (the paged forward's page lookup) equals integer division for every divisor it may see
+// (page sizes are multiples of 16; 1 is the non-paged default) and others, over all dividends
+// below 2²⁰ and spread samples up to 2³¹ − 1.
+TEST(CudaFastDiv, EqualsIntegerDivision) {
+  std::vector<int> divisors = {1, 2, 3, 7, 10, 100, 1000, 4095, 65537, 1 << 30, (1 << 30) + 1, 2147483647};
+  for (int d = 16; d <= 4096; d += 16) divisors.push_back(d);
+  std::uint64_t x = 88172645463325252ull;  // xorshift64: spread samples
+  for (int d : divisors) {
+    const sm80::FastDiv div(d);
+    int bad = 0;
+    auto check = [&](int n) {
+      if (div.div(n) == n / d) return;
+      ++bad;
+      ADD_FAILURE() << n << " / " << d << ": " << div.div(n);
+    };
+    for (int n = 0; n < (1 << 20) && bad < 3; ++n) check(n);
+    for (int i = 0; i < 20000 && bad < 3; ++i) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      check(i < 10 ? 2147483647 - i : int(x & 0x7fffffffu));
+    }
+  }
 }
 
 }  // namespace

@@ -112,6 +112,29 @@ inline bool fwd_runs_full(const common::AttentionParams& p, int head_dim, int sm
   return fwd_smem_bytes(head_dim, tile) > smem_limit;
 }
 
+// Division of dividends in [0, 2³¹) by a divisor d ≥ 1 known only at run time, as a multiply and a
+// shift (Granlund and Montgomery): with l = ⌈log₂ d⌉ and m = ⌊2³² · (2^l − d) / d⌋ + 1,
+// n / d = (⌊m · n / 2³²⌋ + n) >> l. Set up once (one 64-bit division); each quotient then costs a
+// high multiply, an add and a shift, and a power of two (m = 1) a shift — one code path for both.
+// The paged forward finds a key row's page with it.
+struct FastDiv {
+  std::uint32_t mul = 1;
+  int shift = 0;
+  int divisor = 1;
+  FA_HOST_DEVICE explicit FastDiv(int d = 1) : divisor(d) {
+    while ((std::int64_t(1) << shift) < d) ++shift;
+    mul = std::uint32_t((std::uint64_t((std::int64_t(1) << shift) - d) << 32) / std::uint64_t(d) + 1);
+  }
+  FA_HOST_DEVICE int div(int n) const {
+#ifdef __CUDA_ARCH__
+    const std::uint32_t high = __umulhi(mul, std::uint32_t(n));
+#else
+    const std::uint32_t high = std::uint32_t((std::uint64_t(mul) * std::uint32_t(n)) >> 32);
+#endif
+    return int((high + std::uint32_t(n)) >> shift);
+  }
+};
+
 // Where the CTAs of a split-KV launch leave their partial results (device memory, fp32), in the
 // layout flashattn::combine takes: out_partial (splits, b, max_seqlen_q, h, dv) and lse_partial
 // (splits, b, h, max_seqlen_q), both contiguous — also for varlen batches, whose sequence b uses

@@ -247,8 +247,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // Loads rows [row0, row0 + kRows) of a (rows, D) tile into swizzled shared memory with cp.async.
 // row_offset(r) is the element offset of tile row r in global memory (it hides dense, varlen and
-// paged layouts); rows ≥ valid_rows and columns ≥ valid_cols are zero-filled.
-template <class Traits, int kRows, class SmemTensor, class RowOffset>
+// paged layouts); rows ≥ valid_rows and columns ≥ valid_cols are zero-filled. kMayBeShort as for
+// load_strided_tile: a tile whole in rows and columns takes a path without checks.
+template <class Traits, int kRows, bool kMayBeShort = true, class SmemTensor, class RowOffset>
 __device__ __forceinline__ void load_tile(const typename Traits::Element* base, SmemTensor& s_tile, int valid_rows,
                                           int valid_cols, RowOffset&& row_offset, int tid) {
   using Element = typename Traits::Element;
@@ -259,7 +260,18 @@ __device__ __forceinline__ void load_tile(const typename Traits::Element* base, 
   // The thread's first row, opaque: row offsets are recomputed per tile rather than hoisted out
   // of the key loop (one 64-bit register pair per row).
   const int row0 = opaque(get<0>(t_c(0, 0, 0)));
-  CUTE_UNROLL
+  if ((!kMayBeShort || valid_rows >= kRows) && valid_cols >= Traits::kHeadDim) {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(t_s); ++m) {
+      const Element* src_row = base + row_offset(row0 + (get<0>(t_c(0, m, 0)) - get<0>(t_c(0, 0, 0))));
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(t_s); ++k) cp_async_16_zfill(&t_s(0, m, k), src_row + get<1>(t_c(0, m, k)), true);
+    }
+    return;
+  }
+  // The checked path as a loop the compiler keeps (as in load_strided_tile): unrolled, it doubles
+  // the key loop's code beside the path above.
+#pragma unroll 1
   for (int m = 0; m < size<1>(t_s); ++m) {
     const int row = row0 + (get<0>(t_c(0, m, 0)) - get<0>(t_c(0, 0, 0)));
     const bool row_ok = row < valid_rows;
@@ -415,11 +427,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // buffer per tile parity) by cp.async one step ahead — together with the V load of the tile
   // before it, so they have landed at the barrier that precedes the tile's K load — and each row
   // then reads its page there: no global load and no integer division on the path to the K/V
-  // copies (a power-of-two page size, the common case, divides by a shift).
+  // copies (FastDiv: a multiply and a shift; whole tiles skip the row and column checks).
   auto* s_pages = reinterpret_cast<std::int32_t*>(smem + Traits::kSmemBytesQ + 2 * Traits::kSmemBytesKV);
   const int page_size = kPaged ? p.page_size : 1;
-  const int page_shift = kPaged && (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
-  auto page_of = [&](int j) { return page_shift >= 0 ? j >> page_shift : j / page_size; };
+  const FastDiv page_div(page_size);
+  auto page_of = [&](int j) { return page_div.div(j); };
   // The entries of tile n_block into buffer n_block & 1 (pages holding no row below seqlen_k are
   // not read: the table need not have them).
   auto prefetch_pages = [&](int n_block) {
@@ -444,7 +456,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const std::int32_t* pages = s_pages + (n_block & 1) * Traits::kPageSlots;
       const int first = page_of(n_start);
       const std::int64_t head_offset = std::int64_t(kv_head) * t.head_stride;
-      load_tile<Traits, kBlockN>(base, s_tile, seqlen_k - n_start, valid_cols,
+      load_tile<Traits, kBlockN, decltype(kMayBeShort)::value>(base, s_tile, seqlen_k - n_start, valid_cols,
                                  [&](int r) {
                                    const int j = n_start + r;
                                    const int page = page_of(j);
