@@ -19,9 +19,11 @@ function of its inputs.
 
 Outputs are allocated here with torch.empty and written by the C++ core in place; inputs are
 read through DLPack (capsules, _dl) with their strides, without copies. So is the workspace the core asks for
-(_C.*_workspace_size: 0 for CPU tensors): a uint8 tensor from PyTorch's allocator, so that device
-scratch lives in the caching allocator and the library never allocates memory itself. The fake
-implementations need no workspace: it is internal to each op.
+(none for CPU tensors): a uint8 tensor from PyTorch's allocator, so that device scratch lives in
+the caching allocator and the library never allocates memory itself. The entry point asks for it
+through workspace_alloc (_alloc_on) with the size it needs, in the same call: a separate size
+query would convert and check every argument a second time. The fake implementations need no
+workspace: it is internal to each op.
 
 `call(name, *args)` is how the flash_attn_* functions invoke these ops: the implementation runs
 directly when nothing needs the dispatcher (direct_call_allowed), else through torch.ops.flashattn.
@@ -80,6 +82,11 @@ def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     buf = torch.empty(nbytes + WORKSPACE_ALIGNMENT - 1, dtype=torch.uint8, device=device)
     start = -buf.data_ptr() % WORKSPACE_ALIGNMENT
     return buf[start:start + nbytes]
+
+
+def _alloc_on(device: torch.device):
+    """workspace_alloc for the _C entry points: nbytes → a workspace on device, as a capsule."""
+    return lambda nbytes: to_dlpack(_workspace(nbytes, device))
 
 
 def _row_stats(shape, device) -> Tensor:
@@ -164,14 +171,13 @@ def _fwd(
     lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
-    nbytes = _call(_C.forward_workspace_size, q, k, v, options=opt, alibi_slopes=alibi_slopes)
     _call(
         _C.forward,
         q, k, v, out, lse,
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=state if dropout_p > 0.0 else None,
-        workspace=_workspace(nbytes, q.device),
+        workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
     )
     return out, lse, state
@@ -217,14 +223,13 @@ def _bwd(
     inputs = (dout, q, k, v, out, softmax_lse)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic)
-    nbytes = _call(_C.backward_workspace_size, *inputs, options=opt, alibi_slopes=alibi_slopes)
     _call(
         _C.backward,
         *inputs, dq, dk, dv, softmax_d,
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=_require_rng_state(rng_state, dropout_p),
-        workspace=_workspace(nbytes, q.device),
+        workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
     )
     return dq, dk, dv, softmax_d
@@ -275,14 +280,13 @@ def _varlen_fwd(
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    nbytes = _call(_C.forward_workspace_size, q, k, v, options=opt, alibi_slopes=alibi_slopes, **varlen)
     _call(
         _C.forward,
         q, k, v, out, lse,
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=state if dropout_p > 0.0 else None,
-        workspace=_workspace(nbytes, q.device),
+        workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
         **varlen,
     )
@@ -337,14 +341,13 @@ def _varlen_bwd(
                    deterministic)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    nbytes = _call(_C.backward_workspace_size, *inputs, options=opt, alibi_slopes=alibi_slopes, **varlen)
     _call(
         _C.backward,
         *inputs, dq, dk, dv, softmax_d,
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=_require_rng_state(rng_state, dropout_p),
-        workspace=_workspace(nbytes, q.device),
+        workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
         **varlen,
     )
@@ -405,12 +408,11 @@ def _fwd_kvcache(
         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
     )
-    nbytes = _call(_C.forward_kvcache_workspace_size, q, k_cache, v_cache, options=opt, **extra)
     _call(
         _C.forward_kvcache,
         q, k_cache, v_cache, out, lse,
         options=opt,
-        workspace=_workspace(nbytes, q.device),
+        workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
         **extra,
     )

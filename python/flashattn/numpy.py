@@ -6,8 +6,9 @@ they are; bfloat16 arrays of the ml_dtypes package are passed to the core as the
 patterns (NumPy has no bfloat16 of its own), and outputs come back as ml_dtypes.bfloat16.
 
 Dropout draws its seed from NumPy's global generator (reproducible under np.random.seed).
-NumPy arrays live on the host, where the core needs no workspace today; the size is still asked
-for, so that a CPU path that needs scratch gets it from here, aligned as the core requires.
+NumPy arrays live on the host, where the core needs no workspace today; the calls still pass
+workspace_alloc, so that a CPU path that needs scratch gets it from here, aligned as the core
+requires.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _pad_head_dim(x):
 
 
 def _workspace(nbytes: int):
-    """A 1-D uint8 array of nbytes, WORKSPACE_ALIGNMENT-aligned; None when none is needed."""
+    """A 1-D uint8 array of nbytes, WORKSPACE_ALIGNMENT-aligned (the calls' workspace_alloc)."""
     if nbytes == 0:
         return None
     buf = np.empty(nbytes + WORKSPACE_ALIGNMENT - 1, dtype=np.uint8)
@@ -93,11 +94,9 @@ def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, sof
         lse = np.empty((h, total_q), dtype=np.float32)
     inputs = (_kernel_view(q_p), _kernel_view(k_p), _kernel_view(v_p))
     bf16_bits = _is_bf16(q)
-    nbytes = _C.forward_workspace_size(*inputs, options=opt, alibi_slopes=alibi_slopes,
-                                       bf16_bits=bf16_bits, **varlen)
     _C.forward(
         *inputs, _kernel_view(out), lse,
-        options=opt, alibi_slopes=alibi_slopes, workspace=_workspace(nbytes), bf16_bits=bf16_bits,
+        options=opt, alibi_slopes=alibi_slopes, workspace_alloc=_workspace, bf16_bits=bf16_bits,
         **varlen,
     )
     out = out[..., :head_dim_v]
@@ -194,7 +193,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_cos=_kernel_view(rotary_cos), rotary_sin=_kernel_view(rotary_sin),
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q),
     )
-    nbytes = _C.forward_kvcache_workspace_size(*arrays, options=opt, **extra)
-    _C.forward_kvcache(*arrays, _kernel_view(out), lse, options=opt,
-                       workspace=_workspace(nbytes), **extra)
+    _C.forward_kvcache(*arrays, _kernel_view(out), lse, options=opt, workspace_alloc=_workspace, **extra)
     return (out, lse) if return_softmax_lse else out

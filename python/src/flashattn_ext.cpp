@@ -2,8 +2,10 @@
 // arrays that arrive through DLPack (PyTorch tensors, NumPy arrays), without copies.
 //
 // Every tensor argument, outputs and workspace included, is memory the caller owns: the Python
-// layer allocates out, lse, dq, ... and the workspace (its size from the *_workspace_size
-// functions, which read only shapes, dtypes and devices) and passes them in. Shapes and strides (in elements) are taken as they are,
+// layer allocates out, lse, dq, ... and passes them in. The workspace comes either as an array
+// (its size from the *_workspace_size functions, which read only shapes, dtypes and devices) or
+// as workspace_alloc, a callable that the entry point asks for the bytes it needs — one call
+// instead of a size query and a call, each of which converts and checks every argument. Shapes and strides (in elements) are taken as they are,
 // so views into packed tensors are read in place. The GIL is released while the kernels run.
 // flashattn::Error surfaces as flashattn._C.Error, a subclass of ValueError.
 #include <nanobind/nanobind.h>
@@ -164,6 +166,31 @@ flashattn::Workspace workspace_of(const MaybeOut& workspace, const TensorView& q
   return ws;
 }
 
+// The workspace of a call: the caller's array, or, given workspace_alloc instead, what
+// workspace_alloc(nbytes) returns (a DLPack capsule or an object with __dlpack__; not called when
+// the call needs none) for the bytes `needed()` counts. `keep` holds that array until the call
+// returns, after its kernels are enqueued (a caching allocator may then hand the memory to later
+// work of the same stream, which runs after them).
+template <class Needed>
+flashattn::Workspace workspace_for(const MaybeOut& workspace, const nb::object& workspace_alloc, Needed&& needed,
+                                   const TensorView& q, MaybeOut& keep) {
+  if (workspace_alloc.is_none()) return workspace_of(workspace, q);
+  if (workspace) throw Error("workspace: pass the workspace or workspace_alloc, not both");
+  const std::size_t nbytes = needed();
+  if (nbytes == 0) return {};
+  OutArray array;
+  if (!nb::try_cast(workspace_alloc(nbytes), array)) {
+    throw Error("workspace_alloc: must return a 1-D uint8 array (DLPack) of " + std::to_string(nbytes) +
+                " bytes; got an object that is not an array");
+  }
+  keep = array;
+  if (keep->ndim() != 1 || keep->shape(0) < nbytes) {
+    throw Error("workspace_alloc: must return a 1-D uint8 array of at least " + std::to_string(nbytes) +
+                " bytes");
+  }
+  return workspace_of(keep, q);
+}
+
 flashattn::Stream stream_of(std::uintptr_t handle) { return flashattn::Stream{reinterpret_cast<void*>(handle)}; }
 
 flashattn::ForwardInputs forward_inputs(const InArray& q, const InArray& k, const InArray& v,
@@ -190,7 +217,8 @@ std::size_t forward_workspace_size(const InArray& q, const InArray& k, const InA
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out, const MaybeOut& lse,
              const flashattn::Options& options, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
              const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
-             int max_seqlen_k, const MaybeOut& workspace, std::uintptr_t stream, bool bf16_bits) {
+             int max_seqlen_k, const MaybeOut& workspace, std::uintptr_t stream, bool bf16_bits,
+             const nb::object& workspace_alloc) {
   const flashattn::ForwardInputs in =
       forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
   flashattn::ForwardOutputs outs;
@@ -198,7 +226,9 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
   outs.lse = maybe_view("lse", lse, false);
   flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
   opt.return_lse = lse.has_value();
-  const flashattn::Workspace ws = workspace_of(workspace, in.q);
+  MaybeOut keep;
+  const flashattn::Workspace ws = workspace_for(
+      workspace, workspace_alloc, [&] { return flashattn::forward_workspace_size(in, opt); }, in.q, keep);
   nb::gil_scoped_release no_gil;
   flashattn::forward(in, outs, opt, ws, stream_of(stream));
 }
@@ -233,7 +263,7 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
               const OutArray& softmax_d, const flashattn::Options& options, const MaybeIn& alibi_slopes,
               const MaybeIn& rng_state, const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
               const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k, const MaybeOut& workspace,
-              std::uintptr_t stream, bool bf16_bits) {
+              std::uintptr_t stream, bool bf16_bits, const nb::object& workspace_alloc) {
   const flashattn::BackwardInputs in = backward_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                        seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
   flashattn::BackwardOutputs outs;
@@ -242,7 +272,9 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
   outs.dv = view_of("dv", dv, bf16_bits);
   outs.softmax_d = view_of("softmax_d", softmax_d, false);
   const flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
-  const flashattn::Workspace ws = workspace_of(workspace, in.q);
+  MaybeOut keep;
+  const flashattn::Workspace ws = workspace_for(
+      workspace, workspace_alloc, [&] { return flashattn::backward_workspace_size(in, opt); }, in.q, keep);
   nb::gil_scoped_release no_gil;
   flashattn::backward(in, outs, opt, ws, stream_of(stream));
 }
@@ -287,7 +319,7 @@ void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& 
                      const MaybeIn& v_new, const MaybeIn& cache_seqlens, const MaybeIn& cache_batch_idx,
                      const MaybeIn& block_table, const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
                      bool rotary_interleaved, const MaybeIn& alibi_slopes, const MaybeOut& workspace,
-                     std::uintptr_t stream, bool bf16_bits) {
+                     std::uintptr_t stream, bool bf16_bits, const nb::object& workspace_alloc) {
   const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
                                                      cache_batch_idx, block_table, rotary_cos, rotary_sin,
                                                      rotary_interleaved, bf16_bits);
@@ -296,7 +328,9 @@ void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& 
   outs.lse = maybe_view("lse", lse, false);
   flashattn::Options opt = with_tensors(options, alibi_slopes, std::nullopt, in.q);
   opt.return_lse = lse.has_value();
-  const flashattn::Workspace ws = workspace_of(workspace, in.q);
+  MaybeOut keep;
+  const flashattn::Workspace ws = workspace_for(
+      workspace, workspace_alloc, [&] { return flashattn::forward_kvcache_workspace_size(in, opt); }, in.q, keep);
   nb::gil_scoped_release no_gil;
   flashattn::forward_kvcache(in, outs, opt, ws, stream_of(stream));
 }
@@ -354,10 +388,12 @@ NB_MODULE(_C, m) {
         nb::arg("rng_state").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
         nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
         nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("workspace").none() = nb::none(),
-        nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        nb::arg("stream") = 0, nb::arg("bf16_bits") = false, nb::arg("workspace_alloc").none() = nb::none(),
         "Writes out (and lse when given). Varlen when cu_seqlens_q/k are given. rng_state: int64 "
         "{seed, offset} on q's device, read instead of options.dropout_seed/offset. workspace: 1-D "
-        "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0).");
+        "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0); "
+        "or workspace_alloc: a callable that gets the bytes needed (only when more than 0) and "
+        "returns such an array.");
 
   m.def("forward_workspace_size", &forward_workspace_size, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(),
         nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
@@ -372,8 +408,10 @@ NB_MODULE(_C, m) {
         nb::arg("cu_seqlens_q").none() = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none(),
         nb::arg("seqused_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        nb::arg("workspace_alloc").none() = nb::none(),
         "Writes dq, dk, dv and softmax_d. workspace: 1-D uint8, 256-byte aligned, on q's device, of "
-        "backward_workspace_size(...) bytes (None when 0); too small a workspace raises Error.");
+        "backward_workspace_size(...) bytes (None when 0); too small a workspace raises Error. Or "
+        "workspace_alloc, as for forward.");
 
   m.def("backward_workspace_size", &backward_workspace_size, nb::arg("dout"), nb::arg("q"), nb::arg("k"),
         nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::kw_only(), nb::arg("options"),
@@ -390,8 +428,9 @@ NB_MODULE(_C, m) {
         nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
         nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        nb::arg("workspace_alloc").none() = nb::none(),
         "Appends k/v into the caches in place (rotated when rotary_cos/sin are given), then attends. "
-        "workspace: as for forward, of forward_kvcache_workspace_size(...) bytes.");
+        "workspace: as for forward, of forward_kvcache_workspace_size(...) bytes; or workspace_alloc.");
 
   m.def("forward_kvcache_workspace_size", &forward_kvcache_workspace_size, nb::arg("q"), nb::arg("k_cache"),
         nb::arg("v_cache"), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),

@@ -83,6 +83,29 @@ def test_allocated_workspace_is_aligned():
         assert ws.data_ptr() % WORKSPACE_ALIGNMENT == 0
 
 
+def test_workspace_alloc_is_not_called_for_host_arrays(rng):
+    """workspace_alloc is asked only for a workspace the call needs: none on the host, so the
+    result is that of a call without it. Both a workspace and workspace_alloc: an argument error,
+    before anything is written."""
+    q = rng.standard_normal((1, 6, 2, 16)).astype(np.float16)
+    k = rng.standard_normal((1, 8, 2, 16)).astype(np.float16)
+    asked = []
+
+    def alloc(nbytes):
+        asked.append(nbytes)
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    out_a, out_b = np.empty_like(q), np.empty_like(q)
+    _C.forward(q, k, k, out_a, None, options=options())
+    _C.forward(q, k, k, out_b, None, options=options(), workspace_alloc=alloc)
+    assert asked == [] and np.array_equal(out_a, out_b)
+    out_c = np.full_like(q, np.nan)
+    with pytest.raises(ValueError, match="pass the workspace or workspace_alloc, not both"):
+        _C.forward(q, k, k, out_c, None, options=options(), workspace=np.zeros(256, dtype=np.uint8),
+                   workspace_alloc=alloc)
+    assert np.isnan(out_c).all()
+
+
 def _cuda_or_skip(torch):
     if not torch.cuda.is_available():
         pytest.skip("no GPU visible: the CUDA workspace checks need CUDA tensors")
@@ -90,16 +113,20 @@ def _cuda_or_skip(torch):
         pytest.skip("this build has no CUDA backend (-DFLASHATTN_CUDA=ON)")
 
 
+def _cuda_backward_inputs(torch, seed, seqlen):
+    """(dout, q, k, v, out, lse) of a bf16 backward on the GPU: b 2, h 4, d 64, random values."""
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *s: torch.randn(s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    dout, q, k, v, out = (make(2, seqlen, 4, 64) for _ in range(5))
+    return dout, q, k, v, out, torch.randn(2, 4, seqlen, generator=g).cuda()
+
+
 def test_cuda_backward_rejects_small_workspace():
     """On CUDA the backward needs backward_workspace_size bytes: less (or none) raises a ValueError
     that names the workspace and the sizes, before anything is written."""
     torch = _torch()
     _cuda_or_skip(torch)
-    g = torch.Generator().manual_seed(11)
-    make = lambda *s: torch.randn(s, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
-    q, k, v = make(2, 128, 4, 64), make(2, 128, 4, 64), make(2, 128, 4, 64)
-    out, dout = make(2, 128, 4, 64), make(2, 128, 4, 64)
-    lse = torch.randn(2, 4, 128, generator=g).cuda()
+    dout, q, k, v, out, lse = _cuda_backward_inputs(torch, 11, 128)
     opt = options(deterministic=True)
     dq = torch.full_like(q, float("nan"))
     outputs = (dq, torch.empty_like(k), torch.empty_like(v), torch.empty_like(lse))
@@ -119,3 +146,44 @@ def test_cuda_backward_rejects_small_workspace():
         _C.backward(dout, q, k, v, out, lse, *outputs, options=opt, workspace=misaligned, stream=stream)
     torch.cuda.synchronize()
     assert torch.isnan(dq).all(), "a rejected call wrote dq"
+
+
+def test_cuda_workspace_alloc_gets_the_size_needed():
+    """On CUDA the backward asks workspace_alloc for exactly backward_workspace_size bytes, once,
+    and gives the gradients of a call with that workspace passed in; an allocator that returns
+    too little or no array is an argument error, before anything is written."""
+    torch = _torch()
+    _cuda_or_skip(torch)
+    dout, q, k, v, out, lse = _cuda_backward_inputs(torch, 12, 96)
+    opt = options(deterministic=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    need = _C.backward_workspace_size(dout, q, k, v, out, lse, options=opt)
+    if need == 0:
+        pytest.skip("this build's CUDA backward reports no workspace for this shape")
+
+    def grads():
+        return (torch.full_like(q, float("nan")), torch.empty_like(k), torch.empty_like(v),
+                torch.empty_like(lse))
+
+    asked = []
+
+    def alloc(nbytes):
+        asked.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    by_alloc, by_size = grads(), grads()
+    _C.backward(dout, q, k, v, out, lse, *by_alloc, options=opt, workspace_alloc=alloc, stream=stream)
+    _C.backward(dout, q, k, v, out, lse, *by_size, options=opt, stream=stream,
+                workspace=torch.empty(need, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    assert asked == [need]
+    for a, b in zip(by_alloc, by_size):
+        assert torch.equal(a, b)
+    for bad, message in ((lambda n: torch.empty(n // 2, dtype=torch.uint8, device="cuda"), f"at least {need} bytes"),
+                         (lambda n: "not an array", "not an array")):
+        dq, dk, dv, softmax_d = grads()
+        with pytest.raises(ValueError, match=f"workspace_alloc: .*{message}"):
+            _C.backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_d, options=opt, workspace_alloc=bad,
+                        stream=stream)
+        torch.cuda.synchronize()
+        assert torch.isnan(dq).all(), "a rejected call wrote dq"
