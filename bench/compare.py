@@ -39,7 +39,9 @@ Conventions (also written into the JSON):
             repeats and L2 flush (--timer). CPU cases: the host clock around every call, median of
             5 (--quick: 3) after one warm-up call. The backward is torch.autograd.grad of the output
             with the graph retained; the forward runs with autograd on (training forward) when the
-            case has a backward.
+            case has a backward. Decoding cases also record host_ms: the host clock over 20 calls
+            issued back to back, per call — what issuing one call costs the CPU; where it reaches
+            the timed median, the case is host-bound (the device waited for the host).
   memory    torch.cuda.max_memory_allocated over one forward+backward after a reset; reported as
             the peak and as the part above what was allocated before the call.
   check     every case runs flashattn once more, untimed, and compares out (and dq, dk, dv) on
@@ -108,6 +110,7 @@ ERROR_TEXT_LIMIT = 400  # characters of an exception's message kept in the JSON
 # fraction; a run of the CLI that takes longer than CPP_BENCH_TIMEOUT_S is given up.
 AGREEMENT_TOLERANCE = 0.05
 CPP_BENCH_TIMEOUT_S = 600
+HOST_PROBE_CALLS = 20  # back-to-back calls of a decoding case timed by the host clock (Timer.host_ms)
 CPU_REPEATS = {"full": 5, "quick": 3}  # timed runs of a CPU case, after one warm-up run
 
 # The fp32 reference materialises the scores of the checked slice: above this many (4 GiB of
@@ -507,6 +510,22 @@ class Timer:
 
             return float(triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
         return self._events(fn)
+
+    def host_ms(self, fn: Callable, calls: int = HOST_PROBE_CALLS) -> Optional[float]:
+        """What issuing one call costs the host, in ms: `calls` calls back to back after a
+        synchronize, timed by the host clock without waiting for the device (the launches are
+        asynchronous, so a call whose kernels take longer than its host work returns early). None
+        on the CPU, where the timing already is host time."""
+        if self.device.type != "cuda":
+            return None
+        fn()
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        ms = (time.perf_counter() - t0) * 1e3 / calls
+        torch.cuda.synchronize(self.device)
+        return ms
 
     def _events(self, fn: Callable) -> float:
         if self._flush is None:
@@ -1035,6 +1054,12 @@ def run_competitor(name: str, case: Case, x: Inputs, device, timer: Timer, args)
                     entry["flops"] = work
                 if case.decode:
                     entry["gbps"] = case.io_bytes() / (ms * 1e-3) / 1e9
+                    # Decoding steps are short enough for the host to bound them: how long the host
+                    # takes to issue one call, beside the timed one (make_report flags host-bound cases).
+                    with runner.context():
+                        host = timer.host_ms(runner.call(direction))
+                    if host is not None:
+                        entry["host_ms"] = host
                 if case.host:
                     entry["gflops"] = work / (ms * 1e-3) / 1e9
                 result[direction] = entry

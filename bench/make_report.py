@@ -318,7 +318,13 @@ def decode_section(runs, cases) -> list:
            f"GB/s = (K and V read once + q read + out written) / time; GQA {decode[0]['params']['h']}/"
            f"{decode[0]['params']['hk']}, d {decode[0]['params']['d']}, every cache row valid, not causal. "
            f"Device copy in the same run: **{copy_text}**. SDPA has no paged cache.", ""]
-    header = ["sq", "cache", "batch", "context"] + [LABELS.get(n, n) for n in names] + ["flashattn ÷ copy", "check"]
+    with_host = any(number(c["results"].get("flashattn", {}).get("fwd", {}).get("host_ms")) for c in decode)
+    if with_host:
+        out[-2] += (" `host µs`: what issuing one flashattn call costs the CPU (20 calls back to back, host "
+                    "clock); **bound** where it reaches the timed call — the GPU waited for the host, so the "
+                    "GB/s there measure the Python call, not the kernels.")
+    header = ["sq", "cache", "batch", "context"] + [LABELS.get(n, n) for n in names] + ["flashattn ÷ copy"]
+    header += ["host µs"] * with_host + ["check"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in sorted(decode, key=lambda c: (c["params"]["sq"], c["params"]["page_size"], c["params"]["b"],
                                            c["params"]["sk"])):
@@ -326,9 +332,20 @@ def decode_section(runs, cases) -> list:
         ours = metric(c, "flashattn", "fwd", "gbps")
         share = f"{ours / copy:.2f}" if ours and copy and not check_failed(c) else DASH
         cells = [str(p["sq"]), f"paged {p['page_size']}" if p["page_size"] else "contiguous", str(p["b"]), str(p["sk"])]
-        cells += [speeds(c, n, ("fwd",), notes, key="gbps") for n in names] + [share, check_cell(c)]
-        out.append("| " + " | ".join(cells) + " |")
+        cells += [speeds(c, n, ("fwd",), notes, key="gbps") for n in names] + [share]
+        if with_host:
+            cells.append(host_cell(c))
+        out.append("| " + " | ".join(cells + [check_cell(c)]) + " |")
     return out + notes.lines() + [""]
+
+
+def host_cell(case) -> str:
+    """flashattn's host µs per decoding call, and whether it bounds the timed call."""
+    fwd = case["results"].get("flashattn", {}).get("fwd", {})
+    host, ms = number(fwd.get("host_ms")), number(fwd.get("ms"))
+    if not host:
+        return DASH
+    return f"{host * 1e3:.0f}" + (" **bound**" if ms and host >= ms else "")
 
 
 def memory_section(cases) -> list:

@@ -246,3 +246,30 @@ def test_no_function_binds_torch_locally(compare):
             continue
         for c in codes(code):
             assert not {"torch", "F"} & set(c.co_varnames + c.co_cellvars), (name, c.co_name)
+
+
+def test_decode_report_flags_host_bound_calls(compare, tmp_path):
+    """The decoding table shows flashattn's host µs per call where the JSON has them and marks a
+    case whose host time reaches its timed median; Timer.host_ms is None on the CPU (there the
+    timing is host time already)."""
+    timer = compare.Timer(torch.device("cpu"), "events", 1.0, 1.0, cpu_repeats=1)
+    assert timer.host_ms(lambda: None) is None
+    assert compare.main(["--dry-run", "--cases", "decode", "--out", str(tmp_path), "--no-plots"]) == 0
+    (path,) = tmp_path.glob("compare-*.json")
+    data = json.loads(path.read_text())
+    decode = [c for c in data["cases"] if c["group"] == "decode"]
+    assert len(decode) >= 2 and not any("host_ms" in c["results"]["flashattn"]["fwd"] for c in decode)
+    report = load("make_report")
+    out = tmp_path / "plain.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    assert "host µs" not in out.read_text()  # no column without the measurement
+    fast, slow = decode[0]["results"]["flashattn"]["fwd"], decode[1]["results"]["flashattn"]["fwd"]
+    fast["host_ms"] = fast["ms"] * 0.5
+    slow["host_ms"] = slow["ms"] * 1.5
+    path.write_text(json.dumps(data))
+    out = tmp_path / "host.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1 |")]
+    assert f"| {fast['host_ms'] * 1e3:.0f} |" in "\n".join(rows)
+    assert sum("**bound**" in line for line in rows) == 1
+    assert f"{slow['host_ms'] * 1e3:.0f} **bound**" in "\n".join(rows)
