@@ -41,7 +41,9 @@ Conventions (also written into the JSON):
             with the graph retained; the forward runs with autograd on (training forward) when the
             case has a backward. Decoding cases also record host_ms: the host clock over 20 calls
             issued back to back, per call — what issuing one call costs the CPU; where it reaches
-            the timed median, the case is host-bound (the device waited for the host).
+            the timed median, the case is host-bound (the device waited for the host). Those up to
+            batch 8 are also captured in a CUDA graph and its replay timed the same way (graph_ms,
+            graph_gbps): the kernels without the per-call host work, as a serving loop runs them.
   memory    torch.cuda.max_memory_allocated over one forward+backward after a reset; reported as
             the peak and as the part above what was allocated before the call.
   check     every case runs flashattn once more, untimed, and compares out (and dq, dk, dv) on
@@ -111,6 +113,7 @@ ERROR_TEXT_LIMIT = 400  # characters of an exception's message kept in the JSON
 AGREEMENT_TOLERANCE = 0.05
 CPP_BENCH_TIMEOUT_S = 600
 HOST_PROBE_CALLS = 20  # back-to-back calls of a decoding case timed by the host clock (Timer.host_ms)
+DECODE_GRAPH_MAX_BATCH = 8  # decoding cases up to this batch are also timed as CUDA-graph replays
 CPU_REPEATS = {"full": 5, "quick": 3}  # timed runs of a CPU case, after one warm-up run
 
 # The fp32 reference materialises the scores of the checked slice: above this many (4 GiB of
@@ -526,6 +529,24 @@ class Timer:
         ms = (time.perf_counter() - t0) * 1e3 / calls
         torch.cuda.synchronize(self.device)
         return ms
+
+    def graph_ms(self, fn: Callable) -> float:
+        """fn captured once in a CUDA graph (after warm-up calls on a side stream, as capture
+        needs), then its replay timed as any call is: what a server that replays its decoding
+        step as a graph sees, without the per-call host work."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        try:
+            return self(graph.replay)
+        finally:
+            del graph
 
     def _events(self, fn: Callable) -> float:
         if self._flush is None:
@@ -1060,6 +1081,15 @@ def run_competitor(name: str, case: Case, x: Inputs, device, timer: Timer, args)
                         host = timer.host_ms(runner.call(direction))
                     if host is not None:
                         entry["host_ms"] = host
+                    if host is not None and case.b <= DECODE_GRAPH_MAX_BATCH:
+                        try:
+                            with runner.context():
+                                graph = timer.graph_ms(runner.call(direction))
+                            entry["graph_ms"] = graph
+                            entry["graph_gbps"] = case.io_bytes() / (graph * 1e-3) / 1e9
+                        except Exception as e:  # noqa: BLE001 — the plain timing above stands
+                            entry["graph_unsupported"] = describe_error(e)
+                            release(device)
                 if case.host:
                     entry["gflops"] = work / (ms * 1e-3) / 1e9
                 result[direction] = entry

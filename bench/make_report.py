@@ -339,6 +339,36 @@ def decode_section(runs, cases) -> list:
     return out + notes.lines() + [""]
 
 
+def decode_graph_section(cases) -> list:
+    """The decoding cases that were also timed as CUDA-graph replays: GB/s per competitor."""
+    decode = [c for c in cases if c["group"] == "decode"
+              and any("graph_ms" in r.get("fwd", {}) or "graph_unsupported" in r.get("fwd", {})
+                      for r in c["results"].values())]
+    if not decode:
+        return []
+    names = [n for n in competitors_of(decode)
+             if any(key in c["results"].get(n, {}).get("fwd", {}) for c in decode
+                    for key in ("graph_ms", "graph_unsupported"))]
+    notes = Notes()
+    out = ["### Decoding as CUDA-graph replays", "",
+           "The same calls captured once in a CUDA graph and replayed, timed as above (GB/s): the kernels "
+           "without the host work of each Python call, as a serving loop that replays its decoding step runs "
+           "them. Batch ≤ 8, where the host work matters.", ""]
+    header = ["sq", "cache", "batch", "context"] + [LABELS.get(n, n) for n in names]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in sorted(decode, key=lambda c: (c["params"]["sq"], c["params"]["page_size"], c["params"]["b"],
+                                           c["params"]["sk"])):
+        p = c["params"]
+        cells = [str(p["sq"]), f"paged {p['page_size']}" if p["page_size"] else "contiguous", str(p["b"]), str(p["sk"])]
+        for n in names:
+            fwd = c["results"].get(n, {}).get("fwd", {})
+            value = number(fwd.get("graph_gbps"))
+            why = fwd.get("graph_unsupported") or fwd.get("unsupported") or c["results"].get(n, {}).get("unsupported")
+            cells.append(figure(value) if value is not None else notes.mark(why or "not timed"))
+        out.append("| " + " | ".join(cells) + " |")
+    return out + notes.lines() + [""]
+
+
 def host_cell(case) -> str:
     """flashattn's host µs per decoding call, and whether it bounds the timed call."""
     fwd = case["results"].get("flashattn", {}).get("fwd", {})
@@ -541,7 +571,8 @@ def report(runs, img_files, img_link) -> str:
         out += ["Plots: matplotlib was not importable when this report was made; none drawn.", ""]
     elif img_files:
         out += ["## Plots", ""] + [f"![{name[:-4]}]({img_link}/{name})" for name in img_files] + [""]
-    out += grid_section(cases) + features_section(cases) + decode_section(runs, cases) + memory_section(cases)
+    out += grid_section(cases) + features_section(cases) + decode_section(runs, cases) + decode_graph_section(cases)
+    out += memory_section(cases)
     out += cpu_section(runs, cases) + cpp_section(runs, cases)
     return "\n".join(out).rstrip() + "\n"
 

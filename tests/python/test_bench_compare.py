@@ -273,3 +273,15 @@ def test_decode_report_flags_host_bound_calls(compare, tmp_path):
     assert f"| {fast['host_ms'] * 1e3:.0f} |" in "\n".join(rows)
     assert sum("**bound**" in line for line in rows) == 1
     assert f"{slow['host_ms'] * 1e3:.0f} **bound**" in "\n".join(rows)
+    assert "Decoding as CUDA-graph replays" not in out.read_text()  # no graph timings in this JSON
+
+    # Graph replays: a table of their GB/s, a competitor whose capture failed as "–" with the reason.
+    fast["graph_ms"], fast["graph_gbps"] = fast["ms"] * 0.25, 1234.5
+    decode[0]["results"]["math"]["fwd"] = {"graph_unsupported": "capture failed: operation not permitted"}
+    path.write_text(json.dumps(data))
+    out = tmp_path / "graph.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    text = out.read_text()
+    section = text[text.index("### Decoding as CUDA-graph replays"):]
+    assert "| 1234 |" in section or "| 1235 |" in section
+    assert "capture failed: operation not permitted" in section
