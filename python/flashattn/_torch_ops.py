@@ -58,8 +58,15 @@ def _call(fn, *args, **kwargs):
     return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items()})
 
 
+# The current stream's handle without a torch.cuda.Stream object (microseconds less per call; the
+# function inductor's generated code uses), where this PyTorch has it.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(device: torch.device) -> int:
     if device.type == "cuda":
+        if _RAW_STREAM is not None and device.index is not None:
+            return _RAW_STREAM(device.index)
         return torch.cuda.current_stream(device).cuda_stream
     return 0
 

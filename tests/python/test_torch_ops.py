@@ -209,6 +209,19 @@ def test_cuda_graph_capture_with_dropout():
             assert not torch.equal(first, second), "replays reused one dropout mask"
 
 
+def test_kernels_run_on_the_current_stream():
+    """The stream handle the ops pass to the core is the current one, also inside a
+    torch.cuda.stream context and on a second device index where there is one."""
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU visible: CUDA streams need one")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert _torch_ops._stream(device) == torch.cuda.current_stream(device).cuda_stream
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        assert _torch_ops._stream(device) == side.cuda_stream != torch.cuda.default_stream(device).cuda_stream
+    assert _torch_ops._stream(torch.device("cpu")) == 0
+
+
 # --- direct calls (the ops' implementations without the dispatcher, in plain eager mode) -------
 
 
