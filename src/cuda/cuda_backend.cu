@@ -142,6 +142,8 @@ int forward_num_splits(const common::AttentionParams& p) {
   // Packed GQA (sm80::fwd_pack): a row block holds (query row, head) pairs of one kv head, in the
   // packed kernel's tile.
   const int pack = full ? 1 : sm80::fwd_pack(p, plain_tile.block_m);
+  // The short-sequence tile runs unsplit (its CTAs are many and short already).
+  if (!full && pack == 1 && sm80::fwd_runs_short(p, head_dim)) return 1;
   const sm80::FwdTile tile = pack > 1 ? sm80::fwd_tile_packed(head_dim) : plain_tile;
   const int m_blocks = (p.max_seqlen_q * pack + tile.block_m - 1) / tile.block_m;
   // Key tiles of the widest row block: with a bottom-right aligned causal mask the last block

@@ -381,6 +381,33 @@ TEST_P(CudaForward, SmallSharedMemoryTiles) {
   EXPECT_TRUE(check_forward(p, r));
 }
 
+// d 256: rows that see few keys take the short-sequence tile where the build has it
+// (FLASHATTN_SM80_FWD256_SHORT_KEYS), the others the plain tile — both against the reference,
+// dense and causal, on either side of the threshold.
+TEST_P(CudaForward, ShortSequenceTileAtD256) {
+  FA_SKIP_WITHOUT_GPU();
+  namespace sm80 = flashattn::cuda::sm80;
+  const int threshold = FLASHATTN_SM80_FWD256_SHORT_KEYS > 0 ? FLASHATTN_SM80_FWD256_SHORT_KEYS : 2048;
+  std::vector<bool> took_short;
+  for (bool causal : {false, true}) {
+    for (int keys : {threshold / 3, 2 * threshold + 200}) {
+      AttnConfig cfg = base(256, 70, keys);
+      cfg.heads_k = cfg.heads;
+      cfg.opt.causal = causal;
+      const ParamsHook chosen = [&took_short, threshold](c::AttentionParams& dp, DeviceArena&) {
+        const bool short_tile = sm80::fwd_runs_short(dp, 256);
+        EXPECT_EQ(short_tile, sm80::fwd_has_short_tile(256) && sm80::fwd_keys_per_row(dp) <= threshold);
+        took_short.push_back(short_tile);
+      };
+      expect_matches(cfg, chosen);
+    }
+  }
+  ASSERT_EQ(took_short.size(), 4u);
+  // The first case of each mask is short, the second long: with the tile compiled in, both ran.
+  for (int i : {0, 2}) EXPECT_EQ(took_short[i], sm80::fwd_has_short_tile(256));
+  for (int i : {1, 3}) EXPECT_FALSE(took_short[i]);
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, testing::Values(DType::f16, DType::bf16),
                          [](const testing::TestParamInfo<DType>& info) { return std::string(dtype_tag(info.param)); });
 

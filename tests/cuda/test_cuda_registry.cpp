@@ -144,6 +144,34 @@ TEST(CudaSharedMemory, ForwardTakesTheFullTileWhereThePlainOneDoesNotFit) {
   }
 }
 
+// The keys a row sees, which decide the d 256 forward's short-sequence tile (fwd_runs_short):
+// the sequence, its average when causal, a window's width; the tile itself only where the
+// build enables it (FLASHATTN_SM80_FWD256_SHORT_KEYS), never paged.
+TEST(CudaSharedMemory, ShortSequenceTileFollowsTheKeysPerRow) {
+  c::AttentionParams p = aligned_params(c::Storage::bf16, 256);
+  p.max_seqlen_q = p.max_seqlen_k = 4001;
+  EXPECT_EQ(sm80::fwd_keys_per_row(p), 4001);
+  p.causal = true;
+  EXPECT_EQ(sm80::fwd_keys_per_row(p), 2001);
+  p.max_seqlen_q = 71;  // a chunk of 71 queries at the end of 4001 keys
+  EXPECT_EQ(sm80::fwd_keys_per_row(p), 4001 - 35);
+  p.max_seqlen_q = 4001;
+  p.causal = false;
+  p.window_left = 100;
+  p.window_right = 0;
+  EXPECT_EQ(sm80::fwd_keys_per_row(p), 101);
+  p.window_right = 27;
+  EXPECT_EQ(sm80::fwd_keys_per_row(p), 128);
+  p.window_left = 9000;  // wider than the sequence
+  EXPECT_EQ(sm80::fwd_keys_per_row(p), 4001);
+  p.window_left = p.window_right = -1;
+  EXPECT_FALSE(sm80::fwd_runs_short(p, 128));  // d 256 only
+  p.max_seqlen_k = 64;
+  EXPECT_EQ(sm80::fwd_runs_short(p, 256), sm80::fwd_has_short_tile(256));
+  EXPECT_FALSE(sm80::fwd_runs_short(p, 64));
+  EXPECT_FALSE(sm80::fwd_runs_short(p, 128));
+}
+
 // Where no configuration fits, the call is refused with the reason; the others are served.
 TEST(CudaSharedMemory, CallsThatNoTileFitsAreRefused) {
   {

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/params.h"
@@ -43,6 +44,18 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
                            : (full ? FwdTile{128, 32, 8}
                                    : FwdTile{FLASHATTN_SM80_FWD256_BLOCK_M, 64, FLASHATTN_SM80_FWD256_BLOCK_M / 16});
 }
+
+// The d 256 forward's tile for short sequences (knob FLASHATTN_SM80_FWD256_SHORT_KEYS, a compile
+// definition; scripts/gpu-variants times it): 64 rows × 64 keys with 4 warps (96 KiB, two CTAs per
+// SM on an H100/H200) where each row sees at most that many keys (causal: half the keys, windows:
+// their width), the 128-row tile above beyond. With few key tiles per CTA its prologue and
+// epilogue weigh more, and a second CTA on the SM hides them; with many, the bigger tile reads
+// K/V half as often. 0: never (one tile for all lengths). Unpacked, unpaged, not split-KV only.
+#ifndef FLASHATTN_SM80_FWD256_SHORT_KEYS
+#define FLASHATTN_SM80_FWD256_SHORT_KEYS 0
+#endif
+constexpr FwdTile kFwdShortTile{64, 64, 4};
+constexpr bool fwd_has_short_tile(int head_dim) { return FLASHATTN_SM80_FWD256_SHORT_KEYS > 0 && head_dim > 128; }
 
 // The tile of the GQA-packed kernel (decoding: a few packed rows against a long cache). Knob
 // FLASHATTN_SM80_FWD_PACKED_TILE (scripts/gpu-variants times it): 0 takes the plain tile; 1 a
@@ -92,6 +105,22 @@ inline int fwd_pack(const common::AttentionParams& p, int block_m) {
   const std::int64_t packed_blocks = (std::int64_t(p.max_seqlen_q) * g + block_m - 1) / block_m;
   const std::int64_t separate_blocks = std::int64_t(g) * ((p.max_seqlen_q + block_m - 1) / block_m);
   return packed_blocks < separate_blocks ? g : 1;
+}
+
+// Whether the plain, unpacked, unpaged forward of p at head_dim takes kFwdShortTile: the keys a
+// row sees (fwd_keys_per_row: the whole sequence; causal on average; a window its width) are at most FLASHATTN_SM80_FWD256_SHORT_KEYS. The caller has ruled out the full variant
+// and packing.
+inline std::int64_t fwd_keys_per_row(const common::AttentionParams& p) {
+  std::int64_t keys = p.max_seqlen_k;
+  // Causal, bottom-right aligned: row i of sq sees sk − sq + 1 + i keys, on average sk − (sq − 1) / 2.
+  if (p.causal) keys -= (std::min(p.max_seqlen_q, p.max_seqlen_k) - 1) / 2;
+  if (p.window_left >= 0) {
+    keys = std::min<std::int64_t>(keys, std::int64_t(p.window_left) + 1 + std::max(p.window_right, 0));
+  }
+  return keys;
+}
+inline bool fwd_runs_short(const common::AttentionParams& p, int head_dim) {
+  return fwd_has_short_tile(head_dim) && !p.is_paged() && fwd_keys_per_row(p) <= FLASHATTN_SM80_FWD256_SHORT_KEYS;
 }
 
 // Shared memory of a forward tile, in bytes (FwdTraits::kSmemBytes, checked there): the Q tile,

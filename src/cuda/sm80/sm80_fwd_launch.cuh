@@ -30,6 +30,8 @@ struct FwdConfig {
   using Traits = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
   static constexpr FwdTile kPackedTile = fwd_tile_packed(kHeadDim);
   using PackedTraits = FwdTraits<Element, kHeadDim, kPackedTile.block_m, kPackedTile.block_n, kPackedTile.warps>;
+  // Short sequences at d 256 (fwd_runs_short; instantiated only where fwd_has_short_tile).
+  using ShortTraits = FwdTraits<Element, kHeadDim, kFwdShortTile.block_m, kFwdShortTile.block_n, kFwdShortTile.warps>;
   static_assert(Traits::kSmemBytes == fwd_smem_bytes(kHeadDim, kTile) &&
                     PackedTraits::kSmemBytes == fwd_smem_bytes(kHeadDim, kPackedTile),
                 "fwd_smem_bytes (host side) agrees with the kernel's shared memory");
@@ -62,6 +64,13 @@ cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPar
     if (pack > 1) {
       return launch_fwd_grid<typename Config::PackedTraits, false, kSplit, kPaged, true>(p, split, rng_state, pack,
                                                                                          stream);
+    }
+    if constexpr (!kSplit && !kPaged && fwd_has_short_tile(Config::Traits::kHeadDim)) {
+      static_assert(Config::ShortTraits::kSmemBytes == fwd_smem_bytes(Config::Traits::kHeadDim, kFwdShortTile));
+      if (fwd_runs_short(p, Config::Traits::kHeadDim)) {
+        return launch_fwd_grid<typename Config::ShortTraits, false, false, false, false>(p, split, rng_state, 1,
+                                                                                          stream);
+      }
     }
   }
   return launch_fwd_grid<typename Config::Traits, kFull, kSplit, kPaged, false>(p, split, rng_state, 1, stream);
