@@ -5,7 +5,7 @@ the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16,
 warm-up calls; the backward is autograd's backward of one forward (retain_graph); backward FLOPs
 = 2.5 × forward, halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
 
-  python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 --json torch.json
+  python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 [--dropout 0.1] --json torch.json
 """
 
 import argparse
@@ -24,6 +24,7 @@ def main():
     ap.add_argument("--dims", type=ints, default=[64, 128, 256])
     ap.add_argument("--seqlens", type=ints, default=[1024, 4096])
     ap.add_argument("--causal", type=ints, default=[0, 1])
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (the forward as well)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     rows = []
@@ -36,9 +37,11 @@ def main():
             for causal in (bool(c) for c in args.causal):
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                                           dropout_p=args.dropout)
                     passes = {
-                        "fwd": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                        "fwd": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                                        dropout_p=args.dropout),
                         "bwd": lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True),
                     }
                     for name, run in passes.items():
@@ -55,7 +58,8 @@ def main():
                         ms = sorted(times)[len(times) // 2]
                         flops = (2.5 if name == "bwd" else 1.0) * 4 * b * h * s * s * d / (2 if causal else 1)
                         rows.append(dict(impl="torch_sdpa_flash", pass_=name, dtype="bf16", d=d, seqlen=s, batch=b,
-                                         heads=h, causal=causal, ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
+                                         heads=h, causal=causal, dropout=args.dropout, ms=ms,
+                                         tflops=flops / (ms * 1e-3) / 1e12))
                         print(f"torch sdpa flash {name} bf16 d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
                               f"{rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")

@@ -10,8 +10,11 @@
 // dim of --dims; reported in GB/s of the minimum traffic (K and V read once, q read, out written),
 // with the L2 cleared before every timed call.
 //
+// --dropout P and --softcap X time the grid with those on (the kernels' full variant).
+//
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
-//                  [--passes fwd,bwd] [--deterministic 0|1] [--tokens 16384] [--width 2048]
+//                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X]
+//                  [--tokens 16384] [--width 2048]
 //                  [--repeats 30] [--warmup 5] [--json FILE]
 //                  [--decode 1:131072:0,32:32768:16,...] [--decode-sq 1] [--decode-heads 32:8]
 #include <cuda_runtime.h>
@@ -30,6 +33,7 @@
 
 #include "common/numeric.h"
 #include "common/params.h"
+#include "common/philox.h"
 #include "cuda/cuda_backend.h"
 
 namespace {
@@ -61,6 +65,8 @@ struct Args {
   std::vector<int> causal = {0, 1};
   std::vector<std::string> passes = {"fwd"};
   bool deterministic = false;
+  float dropout = 0.0f;
+  float softcap = 0.0f;
   int tokens = 16384;
   int width = 2048;
   int repeats = 30;
@@ -94,6 +100,8 @@ Args parse(int argc, char** argv) {
     else if (flag == "--causal") a.causal = int_list(v);
     else if (flag == "--passes") a.passes = str_list(v);
     else if (flag == "--deterministic") a.deterministic = v == "1";
+    else if (flag == "--dropout") a.dropout = std::stof(v);
+    else if (flag == "--softcap") a.softcap = std::stof(v);
     else if (flag == "--tokens") a.tokens = std::stoi(v);
     else if (flag == "--width") a.width = std::stoi(v);
     else if (flag == "--repeats") a.repeats = std::stoi(v);
@@ -299,6 +307,13 @@ int main(int argc, char** argv) try {
         p.dv.data = grads[2];
         p.softmax_d = softmax_d;
         p.deterministic = args.deterministic;
+        p.softcap = args.softcap;
+        if (args.dropout > 0.0f) {  // as flashattn's validation sets it (src/api/validate.cpp)
+          p.dropout_p = args.dropout;
+          p.dropout.seed = 1234;
+          p.dropout.keep_threshold = c::dropout_keep_threshold(args.dropout);
+          p.dropout.keep_scale = 1.0f / (1.0f - args.dropout);
+        }
         set_lse_and_scale(p, lse, h, s, d);
         p.causal = causal != 0;
         flashattn::cuda::forward(p, nullptr);  // out and lse for the backward
@@ -320,12 +335,14 @@ int main(int argc, char** argv) try {
           cudaFree(workspace);
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
           const double tflops = flops / (median * 1e-3) / 1e12;
-          std::printf("flashattn sm80 %s %s d=%d s=%d b=%d h=%d causal=%d: %.3f ms, %.1f TFLOP/s\n", pass.c_str(),
-                      args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, median, tflops);
+          std::printf("flashattn sm80 %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g: %.3f ms, %.1f TFLOP/s\n",
+                      pass.c_str(), args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal,
+                      args.dropout, args.softcap, median, tflops);
           json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_sm80\", \"pass\": \"" << pass
                << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
                << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
-               << ", \"causal\": " << (causal ? "true" : "false") << ", \"ms\": " << median
+               << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
+               << ", \"softcap\": " << args.softcap << ", \"ms\": " << median
                << ", \"tflops\": " << tflops << "}";
           first = false;
         }
