@@ -23,14 +23,18 @@ struct BwdTile {
   int block_m;
   int block_n;
 };
-// Tuning knob (a compile definition; scripts/gpu-variants times it): the key tile of the full
-// variant at d 64 and d 128 — 64, or 128 as FA2 keeps with dropout (64 × 128, more registers).
-#ifndef FLASHATTN_SM80_BWD_FULL_BLOCK_N
-#define FLASHATTN_SM80_BWD_FULL_BLOCK_N 64
+// Tuning knobs (compile definitions; scripts/gpu-variants times them): the key tile of the full
+// variant at d 64 and at d 128 — 64, or 128 as FA2 keeps with dropout (64 × 128, more registers:
+// on sm_90a the d 64 one spills 4 bytes per thread, the d 128 one 264).
+#ifndef FLASHATTN_SM80_BWD64_FULL_BLOCK_N
+#define FLASHATTN_SM80_BWD64_FULL_BLOCK_N 64
+#endif
+#ifndef FLASHATTN_SM80_BWD128_FULL_BLOCK_N
+#define FLASHATTN_SM80_BWD128_FULL_BLOCK_N 64
 #endif
 constexpr BwdTile bwd_tile(int head_dim, bool full) {
-  return head_dim <= 64    ? (full ? BwdTile{64, FLASHATTN_SM80_BWD_FULL_BLOCK_N} : BwdTile{128, 128})
-         : head_dim <= 128 ? (full ? BwdTile{64, FLASHATTN_SM80_BWD_FULL_BLOCK_N} : BwdTile{64, 128})
+  return head_dim <= 64    ? (full ? BwdTile{64, FLASHATTN_SM80_BWD64_FULL_BLOCK_N} : BwdTile{128, 128})
+         : head_dim <= 128 ? (full ? BwdTile{64, FLASHATTN_SM80_BWD128_FULL_BLOCK_N} : BwdTile{64, 128})
                            : (full ? BwdTile{64, 32} : BwdTile{64, 64});
 }
 
