@@ -37,7 +37,9 @@ Conventions (also written into the JSON):
   timing    median of repeats; triton.testing.do_bench (25 ms warm-up, 100 ms of repeats, L2
             flushed before each) where Triton is present, else CUDA events with the same warm-up,
             repeats and L2 flush (--timer). CPU cases: the host clock around every call, median of
-            5 (--quick: 3) after one warm-up call. The backward is torch.autograd.grad of the output
+            5 (--quick: 3) after 10 (--quick: 3) warm-up calls — glibc's allocator serves the first
+            several allocations of an output's size from fresh pages (an 8 MiB output: ~2000 page
+            faults, milliseconds), reusing its memory only after about eight. The backward is torch.autograd.grad of the output
             with the graph retained; the forward runs with autograd on (training forward) when the
             case has a backward. Decoding cases also record host_ms: the host clock over 20 calls
             issued back to back, per call — what issuing one call costs the CPU; where it reaches
@@ -114,7 +116,8 @@ AGREEMENT_TOLERANCE = 0.05
 CPP_BENCH_TIMEOUT_S = 600
 HOST_PROBE_CALLS = 20  # back-to-back calls of a decoding case timed by the host clock (Timer.host_ms)
 DECODE_GRAPH_MAX_BATCH = 8  # decoding cases up to this batch are also timed as CUDA-graph replays
-CPU_REPEATS = {"full": 5, "quick": 3}  # timed runs of a CPU case, after one warm-up run
+CPU_REPEATS = {"full": 5, "quick": 3}  # timed runs of a CPU case
+CPU_WARMUP = {"full": 10, "quick": 3}  # untimed runs before them: until the allocator reuses its memory
 
 # The fp32 reference materialises the scores of the checked slice: above this many (4 GiB of
 # fp32), only the last query rows are checked.
@@ -488,20 +491,23 @@ def attention(q, k, v, case: Case, bias, keep, use_sdpa_math: bool):
 class Timer:
     """Median time of fn in ms, the same method for every competitor."""
 
-    def __init__(self, device: torch.device, method: str, warmup_ms: float, rep_ms: float, cpu_repeats: int):
+    def __init__(self, device: torch.device, method: str, warmup_ms: float, rep_ms: float, cpu_repeats: int,
+                 cpu_warmup: int = 1):
         self.device, self.method = device, method
-        self.warmup_ms, self.rep_ms, self.cpu_repeats = warmup_ms, rep_ms, cpu_repeats
+        self.warmup_ms, self.rep_ms, self.cpu_repeats, self.cpu_warmup = warmup_ms, rep_ms, cpu_repeats, cpu_warmup
         self._flush = None
 
     def describe(self) -> dict:
         if self.device.type != "cuda":
-            return dict(method="perf_counter", repeats=self.cpu_repeats, warmup_calls=1, l2="not flushed (CPU)")
+            return dict(method="perf_counter", repeats=self.cpu_repeats, warmup_calls=self.cpu_warmup,
+                        l2="not flushed (CPU)")
         l2 = "flushed before every repeat (a 256 MiB buffer is zeroed)"
         return dict(method=self.method, warmup_ms=self.warmup_ms, rep_ms=self.rep_ms, l2=l2, statistic="median")
 
     def __call__(self, fn: Callable) -> float:
         if self.device.type != "cuda":
-            fn()
+            for _ in range(self.cpu_warmup):
+                fn()
             times = []
             for _ in range(self.cpu_repeats):
                 t0 = time.perf_counter()
@@ -1142,9 +1148,10 @@ CPP_TIMING_NOTE = (
     "(triton.testing.do_bench or CUDA events), a 256 MB buffer zeroed before every run; flashattn-bench "
     "runs with --timer events --l2-flush (CUDA events around the call on the default stream, a 256 MiB "
     "memset before every run), as many warm-up runs as fill compare.py's warm-up time and --min-time of "
-    "its repeat time. CPU: both put the host clock around every call, one warm-up run, the same number "
-    "of repeats and threads. What still differs: compare.py calls flashattn through PyTorch (outputs and "
-    "workspace allocated on every call, by the caching allocator on the GPU and with fresh pages to fault in on "
+    "its repeat time. CPU: both put the host clock around every call, the same number of warm-up runs "
+    "(enough for glibc's allocator to reuse the memory of compare.py's per-call outputs instead of faulting "
+    "in fresh pages), repeats and threads. What still differs: compare.py calls flashattn through PyTorch "
+    "(outputs and workspace allocated on every call, by the caching allocator on the GPU and by malloc on "
     "the CPU; the backward through torch.autograd.grad), the CLI calls the C++ API on buffers allocated once; "
     "the inputs are different draws from the same normal distribution.")
 
@@ -1156,8 +1163,8 @@ def cpp_bench_command(binary: str, case: Case, script_ms: dict, timer: Timer) ->
     if case.causal:
         cmd.append("--causal")
     if case.host:
-        return cmd + ["--backend", "cpu", "--threads", str(torch.get_num_threads()), "--warmup", "1",
-                      "--repeats", str(timer.cpu_repeats)]
+        return cmd + ["--backend", "cpu", "--threads", str(torch.get_num_threads()), "--warmup",
+                      str(timer.cpu_warmup), "--repeats", str(timer.cpu_repeats)]
     # do_bench warms up for warmup_ms and repeats for rep_ms: the CLI counts runs, so the count that
     # fills warmup_ms at the faster direction's speed, and --min-time for the repeats.
     fastest_ms = min(script_ms.values(), default=1.0)
@@ -1401,9 +1408,10 @@ def run(args) -> dict:
             method = "events"
     warmup_ms, rep_ms = (10.0, 30.0) if args.quick else (25.0, 100.0)
     cpu_repeats = CPU_REPEATS["quick" if args.quick or args.dry_run else "full"]
-    timer = Timer(device, method, warmup_ms, rep_ms, cpu_repeats=cpu_repeats)
+    cpu_warmup = CPU_WARMUP["quick" if args.quick or args.dry_run else "full"]
+    timer = Timer(device, method, warmup_ms, rep_ms, cpu_repeats=cpu_repeats, cpu_warmup=cpu_warmup)
     cpu = torch.device("cpu")
-    cpu_timer = Timer(cpu, method, warmup_ms, rep_ms, cpu_repeats=cpu_repeats)
+    cpu_timer = Timer(cpu, method, warmup_ms, rep_ms, cpu_repeats=cpu_repeats, cpu_warmup=cpu_warmup)
     competitors = [c for c in (args.competitors.split(",") if args.competitors else COMPETITORS)]
     if args.dry_run:
         competitors = list(dict.fromkeys(competitors + ["math"]))

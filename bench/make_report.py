@@ -489,7 +489,7 @@ def timer_text(t: dict) -> str:
     if not t:
         return "?"
     if t.get("method") == "perf_counter":
-        return f"wall clock (CPU), median of {t.get('repeats')} after {t.get('warmup_calls')} warm-up call"
+        return f"wall clock (CPU), median of {t.get('repeats')} after {t.get('warmup_calls')} warm-up call(s)"
     return (f"{t.get('method')} ({'triton.testing.do_bench' if t.get('method') == 'do_bench' else 'CUDA events'}), "
             f"{t.get('statistic', 'median')} of the repeats within {t.get('rep_ms')} ms after {t.get('warmup_ms')} ms "
             f"of warm-up; L2 {t.get('l2')}")

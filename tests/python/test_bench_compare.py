@@ -117,7 +117,7 @@ def test_dry_run_sets_flashattn_bench_beside_the_script(compare, tmp_path):
     assert data["cpu"]["threads"] == 1 and set(case["results"]) == {"flashattn"} and case["check"]["passed"]
     cpp = case["cpp_bench"]
     assert "error" not in cpp, cpp
-    assert "--backend cpu --threads 1 --warmup 1 --repeats 3" in cpp["command"]
+    assert f"--backend cpu --threads 1 --warmup {compare.CPU_WARMUP['quick']} --repeats 3" in cpp["command"]
     assert cpp["tensors"] == "host" and cpp["threads"] == 1 and cpp["timer"] == "wall"
     assert cpp["runs"] == {"fwd": 3, "bwd": 3}
     for direction in ("fwd", "bwd"):
@@ -285,3 +285,16 @@ def test_decode_report_flags_host_bound_calls(compare, tmp_path):
     section = text[text.index("### Decoding as CUDA-graph replays"):]
     assert "| 1234 |" in section or "| 1235 |" in section
     assert "capture failed: operation not permitted" in section
+
+
+def test_cpu_timer_warms_up_as_told_and_the_cli_gets_the_same_count(compare):
+    """CPU cases run cpu_warmup untimed calls, then cpu_repeats timed ones; flashattn-bench is
+    told the same counts, so both time the allocator's steady state."""
+    calls = []
+    timer = compare.Timer(torch.device("cpu"), "events", 1.0, 1.0, cpu_repeats=3, cpu_warmup=4)
+    assert timer(lambda: calls.append(1)) >= 0 and len(calls) == 7
+    assert timer.describe()["warmup_calls"] == 4
+    case = compare.Case("cpp", "cpu/bf16/d32/full/s64", "bf16", 1, 64, 64, 2, 2, 32, 32, host=True)
+    cmd = compare.cpp_bench_command("flashattn-bench", case, {}, timer)
+    assert cmd[cmd.index("--warmup") + 1] == "4" and cmd[cmd.index("--repeats") + 1] == "3"
+    assert compare.CPU_WARMUP["full"] >= 8  # glibc reuses an output size's memory after about eight
