@@ -305,6 +305,17 @@ def features_section(cases) -> list:
     return out + notes.lines() + [""]
 
 
+def decode_order(case):
+    """Decoding rows by sq, cache layout, batch, context."""
+    p = case["params"]
+    return p["sq"], p["page_size"], p["b"], p["sk"]
+
+
+def decode_shape_cells(p) -> list:
+    """The sq, cache, batch and context cells of a decoding row."""
+    return [str(p["sq"]), f"paged {p['page_size']}" if p["page_size"] else "contiguous", str(p["b"]), str(p["sk"])]
+
+
 def decode_section(runs, cases) -> list:
     decode = [c for c in cases if c["group"] == "decode"]
     if not decode:
@@ -326,12 +337,10 @@ def decode_section(runs, cases) -> list:
     header = ["sq", "cache", "batch", "context"] + [LABELS.get(n, n) for n in names] + ["flashattn ÷ copy"]
     header += ["host µs"] * with_host + ["check"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for c in sorted(decode, key=lambda c: (c["params"]["sq"], c["params"]["page_size"], c["params"]["b"],
-                                           c["params"]["sk"])):
-        p = c["params"]
+    for c in sorted(decode, key=decode_order):
         ours = metric(c, "flashattn", "fwd", "gbps")
         share = f"{ours / copy:.2f}" if ours and copy and not check_failed(c) else DASH
-        cells = [str(p["sq"]), f"paged {p['page_size']}" if p["page_size"] else "contiguous", str(p["b"]), str(p["sk"])]
+        cells = decode_shape_cells(c["params"])
         cells += [speeds(c, n, ("fwd",), notes, key="gbps") for n in names] + [share]
         if with_host:
             cells.append(host_cell(c))
@@ -356,10 +365,8 @@ def decode_graph_section(cases) -> list:
            "them. Batch ≤ 8, where the host work matters.", ""]
     header = ["sq", "cache", "batch", "context"] + [LABELS.get(n, n) for n in names]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for c in sorted(decode, key=lambda c: (c["params"]["sq"], c["params"]["page_size"], c["params"]["b"],
-                                           c["params"]["sk"])):
-        p = c["params"]
-        cells = [str(p["sq"]), f"paged {p['page_size']}" if p["page_size"] else "contiguous", str(p["b"]), str(p["sk"])]
+    for c in sorted(decode, key=decode_order):
+        cells = decode_shape_cells(c["params"])
         for n in names:
             fwd = c["results"].get(n, {}).get("fwd", {})
             value = number(fwd.get("graph_gbps"))

@@ -47,8 +47,8 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
 
 // The d 256 forward's tile for short sequences (knob FLASHATTN_SM80_FWD256_SHORT_KEYS, a compile
 // definition; scripts/gpu-variants times it): 64 rows × 64 keys with 4 warps (96 KiB, two CTAs per
-// SM on an H100/H200) where each row sees at most that many keys (causal: half the keys, windows:
-// their width), the 128-row tile above beyond. With few key tiles per CTA its prologue and
+// SM on an H100/H200) where each row sees at most that many keys (fwd_keys_per_row), the 128-row
+// tile above beyond. With few key tiles per CTA its prologue and
 // epilogue weigh more, and a second CTA on the SM hides them; with many, the bigger tile reads
 // K/V half as often. 0: never (one tile for all lengths). Unpacked, unpaged, not split-KV only.
 #ifndef FLASHATTN_SM80_FWD256_SHORT_KEYS
@@ -108,8 +108,8 @@ inline int fwd_pack(const common::AttentionParams& p, int block_m) {
 }
 
 // Whether the plain, unpacked, unpaged forward of p at head_dim takes kFwdShortTile: the keys a
-// row sees (fwd_keys_per_row: the whole sequence; causal on average; a window its width) are at most FLASHATTN_SM80_FWD256_SHORT_KEYS. The caller has ruled out the full variant
-// and packing.
+// row sees (fwd_keys_per_row: the whole sequence; causal on average; a window its width) are at
+// most FLASHATTN_SM80_FWD256_SHORT_KEYS. The caller has ruled out the full variant and packing.
 inline std::int64_t fwd_keys_per_row(const common::AttentionParams& p) {
   std::int64_t keys = p.max_seqlen_k;
   // Causal, bottom-right aligned: row i of sq sees sk − sq + 1 + i keys, on average sk − (sq − 1) / 2.
@@ -149,8 +149,7 @@ inline bool fwd_runs_full(const common::AttentionParams& p, int head_dim, int sm
 struct FastDiv {
   std::uint32_t mul = 1;
   int shift = 0;
-  int divisor = 1;
-  FA_HOST_DEVICE explicit FastDiv(int d = 1) : divisor(d) {
+  FA_HOST_DEVICE explicit FastDiv(int d = 1) {
     while ((std::int64_t(1) << shift) < d) ++shift;
     mul = std::uint32_t((std::uint64_t((std::int64_t(1) << shift) - d) << 32) / std::uint64_t(d) + 1);
   }
