@@ -13,9 +13,12 @@
 //   bwd_postprocess_kernel  dQ = the accumulator, rounded to the input dtype.
 //
 // The dQ accumulator is kept in the order the MMA fragments hold it: the kBlockM × kHeadDim tile of
-// one (row block, head) is a run of floats where element e of thread t sits at e · kNThreads + t. A
-// warp's atomics then cover 32 consecutive floats (one 128-byte line) instead of 8 rows' pieces,
-// and the postprocess, which has the same fragment layout, reads it back coalesced.
+// one (row block, head) is a run of floats where element e of thread t sits at
+// (e / V) · V · kNThreads + V · t + e mod V (dq_index; V = dq_vec, 4 on sm_90 at d ≤ 128, else 1).
+// A warp's reductions then cover 32 · V consecutive floats (whole 128-byte lines) instead of 8
+// rows' pieces, and the postprocess, which has the same fragment layout, reads it back coalesced.
+// The additions are reductions without a return value (red.global.add, REDG in SASS), V floats
+// per instruction.
 //
 // Per row block (kBlockM rows of one query head), with P and dS staged in shared memory so the
 // transposed products can read them back through ldmatrix.trans (warp arrangements per head dim in
@@ -34,7 +37,10 @@
 // (Mask::block_col_* — the transpose of the row walk, tests/cpp/test_mask.cpp). Key block n adds
 // its dQ part of row block m only after the counter of (batch, head, m) reaches n − n_lo, then
 // increments it: the additions happen in key order on every run. CTAs are dispatched in grid order
-// with the key block fastest, so the CTAs a block waits for are already resident or finished.
+// with the key block fastest, so the CTAs a block waits for are already resident or finished. The
+// turn is taken by an acquire load and passed by a release reduction (thread 0, after a barrier of
+// the CTA), not by __threadfence: with a fence after them, ptxas keeps every atomicAdd of the tile
+// as an ATOMG that waits for its old value (measured on sm_90a: 210 of them at d 128).
 #pragma once
 
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
@@ -51,6 +57,19 @@ namespace flashattn::cuda::sm80 {
 // 1 and 2 without spills; 3 spills 28 bytes, the compiler moving the P stores after the product.)
 #ifndef FLASHATTN_SM80_BWD_EARLY_P
 #define FLASHATTN_SM80_BWD_EARLY_P 0
+#endif
+
+// Tuning knob: floats per dQ reduction on sm_90 and newer at d ≤ 128 (4: red.global.add.v4.f32,
+// a quarter of the instructions; 1: one per float, as on sm_80, which has no vector reduction).
+// At d 256 the vector runs made the plain kernel spill (sm_90a: 32 bytes stored, 108 loaded), so
+// it stays 1 there.
+#ifndef FLASHATTN_SM80_BWD_DQ_VEC
+#define FLASHATTN_SM80_BWD_DQ_VEC 4
+#endif
+// Tuning knob, for A/B timing: 1 restores atomicAdd for dQ and __threadfence around the
+// deterministic turns (ATOMG in SASS, see the top of the file).
+#ifndef FLASHATTN_SM80_BWD_ATOMIC_DQ
+#define FLASHATTN_SM80_BWD_ATOMIC_DQ 0
 #endif
 
 // Rows per block of the pre- and postprocess kernels and the unit of the deterministic counters'
@@ -223,6 +242,51 @@ __device__ __forceinline__ float* dq_tile(const common::AttentionParams& p, floa
   return dq_accum + (row * p.heads + std::int64_t(head) * kBlockM) * kHeadDim;
 }
 
+// Floats per dQ reduction instruction (see the top of the file). Device code only: the main kernel
+// and the postprocess are compiled for the same architecture, so they agree on the layout.
+template <int kHeadDim>
+__device__ constexpr int dq_vec() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !FLASHATTN_SM80_BWD_ATOMIC_DQ
+  return kHeadDim <= 128 ? FLASHATTN_SM80_BWD_DQ_VEC : 1;
+#else
+  return 1;
+#endif
+}
+
+// Where element e of thread tid's dQ fragment sits in its tile.
+template <int kNThreads, int kVec>
+__device__ __forceinline__ int dq_index(int e, int tid) {
+  return (e / kVec) * (kVec * kNThreads) + kVec * tid + e % kVec;
+}
+
+// dst[0, kVec) += v[0, kVec), relaxed, no value returned (REDG).
+template <int kVec>
+__device__ __forceinline__ void dq_reduce(float* dst, const float* v) {
+#if FLASHATTN_SM80_BWD_ATOMIC_DQ
+  static_assert(kVec == 1);
+  atomicAdd(dst, v[0]);
+#else
+  if constexpr (kVec == 4) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v[0]), "f"(v[1]), "f"(v[2]),
+                 "f"(v[3]));
+  } else {
+    static_assert(kVec == 1);
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v[0]));
+  }
+#endif
+}
+
+// The deterministic turns (see the top of the file): an acquire load and a release increment at
+// GPU scope.
+__device__ __forceinline__ int load_acquire(const int* counter) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+__device__ __forceinline__ void increment_release(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // --- preprocess -----------------------------------------------------------------------------------
 // Grid (⌈max_seqlen_q / kBwdBlockM⌉, heads, batch), kBwdThreads threads: each warp takes 8 rows;
 // a lane holds 8 consecutive columns of dO and O per step.
@@ -274,7 +338,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   const float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_tile_row0(p, batch), head, m_start);
   CUTE_UNROLL
-  for (int e = 0; e < size(acc); ++e) acc(e) = tile[e * Traits::kNThreads + tid];
+  for (int e = 0; e < size(acc); ++e) acc(e) = tile[dq_index<Traits::kNThreads, dq_vec<kHeadDim>()>(e, tid)];
   Tensor acc_rc = make_tensor(acc.data(), rowcol_layout(acc.layout()));
   auto* dq = static_cast<Element*>(p.dq.data);
   CUTE_UNROLL
@@ -628,25 +692,47 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (counters == nullptr) return;
       counter = counters + (std::int64_t(batch) * p.heads + head) * m_blocks + m_block;
       const int rank = n_block - mask.block_col_begin(m_start) / kBlockN;
+#if FLASHATTN_SM80_BWD_ATOMIC_DQ
       if (tid == 0) {
         while (atomicAdd(counter, 0) != rank) __nanosleep(64);
       }
       __syncthreads();
       __threadfence();
+#else
+      if (tid == 0) {
+        while (load_acquire(counter) != rank) __nanosleep(64);
+      }
+      __syncthreads();
+#endif
     };
     auto pass_turn = [&]() {
       if (counter == nullptr) return;
+#if FLASHATTN_SM80_BWD_ATOMIC_DQ
       __threadfence();
       __syncthreads();
       if (tid == 0) atomicAdd(counter, 1);
+#else
+      __syncthreads();
+      if (tid == 0) increment_release(counter);
+#endif
     };
     // Rows past the sequence and columns past d hold zeros (zero dS rows, zero-filled K columns):
-    // the whole fragment is added, each atomic instruction covering one 128-byte line.
+    // the whole fragment is added, a warp's reduction instruction covering whole 128-byte lines.
+    // Slices [e_begin, e_end) are whole runs of kDqVec.
+    constexpr int kDqVec = dq_vec<kHeadDim>();
     auto add_dq = [&](float* tile, int e_begin, int e_end) __attribute__((always_inline)) {
       CUTE_UNROLL
-      for (int e = e_begin; e < e_end; ++e) atomicAdd(tile + e * Traits::kNThreads + tid, acc_dq(e));
+      for (int e = e_begin; e < e_end; e += kDqVec) {
+        float v[kDqVec];
+        CUTE_UNROLL
+        for (int i = 0; i < kDqVec; ++i) v[i] = acc_dq(e + i);
+        dq_reduce<kDqVec>(tile + dq_index<Traits::kNThreads, kDqVec>(e, tid), v);
+      }
     };
     constexpr int kDqElems = decltype(size(acc_dq))::value;
+    static_assert(kDqElems % kDqVec == 0);
+    // Elements per slice when the additions are spread over kSlices k-steps: whole runs.
+    auto per_slice = [](int slices) { return (kDqElems / kDqVec + slices - 1) / slices * kDqVec; };
 
     if constexpr (kSpreadDs) {
       // dS, rounded to Element (half the registers of the fp32 tile), goes to shared memory in
@@ -664,7 +750,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wait_turn();
       float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_row0, head, m_start);
       constexpr int kStepsK = decltype(size<2>(tdKrdSt))::value;
-      constexpr int kPerStep = (kDqElems + kStepsK - 1) / kStepsK;
+      constexpr int kPerStep = per_slice(kStepsK);
       gemm_ss_steps(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
                     thr_copy_dkv_b, [&](int k) __attribute__((always_inline)) {
                       __syncwarp();
@@ -682,7 +768,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_row0, head, m_start);
       constexpr int kStepsV = decltype(size<2>(tdVrPt))::value;
       constexpr int kSteps = kStepsV + decltype(size<2>(tdKrdSt))::value;
-      constexpr int kPerStep = (kDqElems + kSteps - 1) / kSteps;
+      constexpr int kPerStep = per_slice(kSteps);
       gemm_ss_steps(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
                     thr_copy_dkv_b, [&](int k) __attribute__((always_inline)) {
                       __syncwarp();

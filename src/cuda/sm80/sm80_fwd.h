@@ -52,7 +52,7 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
 // epilogue weigh more, and a second CTA on the SM hides them; with many, the bigger tile reads
 // K/V half as often. 0: never (one tile for all lengths). Unpacked, unpaged, not split-KV only.
 #ifndef FLASHATTN_SM80_FWD256_SHORT_KEYS
-#define FLASHATTN_SM80_FWD256_SHORT_KEYS 0
+#define FLASHATTN_SM80_FWD256_SHORT_KEYS 2048
 #endif
 constexpr FwdTile kFwdShortTile{64, 64, 4};
 constexpr bool fwd_has_short_tile(int head_dim) { return FLASHATTN_SM80_FWD256_SHORT_KEYS > 0 && head_dim > 128; }
