@@ -115,7 +115,7 @@ TEST(CudaSharedMemory, BackwardTakesTheFirstConfigurationThatFits) {
   expect_choice(128, false, kSmemA100, false, 2);
   expect_choice(256, false, kSmemA100, false, 1);  // 209 KiB with two stages, 144.5 with one
   expect_choice(256, true, kSmemA100, true, 1);    // 169 / 104.5 KiB
-  expect_choice(64, false, kSmemSm86, true, 2);    // 162 / 65 KiB
+  expect_choice(64, false, kSmemSm86, true, 2);    // 162 / 97 KiB
   expect_choice(128, false, kSmemSm86, true, 1);   // 161 / 113 / 80.5 KiB
   expect_choice(128, true, kSmemSm86, true, 1);
   // d 256 has nothing within 99 KiB (its smallest, full with one stage, is 104.5 KiB).
