@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import warnings
@@ -88,8 +89,9 @@ def test_dry_run_writes_json_and_report(compare, tmp_path):
 
     report = load("make_report")
     out = tmp_path / "docs" / "benchmarks.md"
-    assert report.main([str(path), "--out", str(out)]) == 0
+    assert report.main([str(path), "--out", str(out), "--earlier", "old.md", "the fp16 grid"]) == 0
     text = out.read_text()
+    assert "Not in these runs: the fp16 grid — see [old.md](old.md)" in text
     for heading in ("## The FlashAttention grid", "## Features", "## Decoding", "## Peak memory", "## Correctness",
                     "## CPU"):
         assert heading in text
@@ -120,10 +122,16 @@ def test_dry_run_sets_flashattn_bench_beside_the_script(compare, tmp_path):
     assert f"--backend cpu --threads 1 --warmup {compare.CPU_WARMUP['quick']} --repeats 3" in cpp["command"]
     assert cpp["tensors"] == "host" and cpp["threads"] == 1 and cpp["timer"] == "wall"
     assert cpp["runs"] == {"fwd": 3, "bwd": 3}
+    # Host configurations alternate rounds of the script's timing and the CLI's; each side's median
+    # of its rounds is compared, the first script round being the one the report's tables show.
+    assert cpp["rounds"] == compare.CPP_BENCH_ROUNDS["host"] > 1
     for direction in ("fwd", "bwd"):
         entry = cpp["directions"][direction]
-        assert entry["script_ms"] == case["results"]["flashattn"][direction]["ms"]
-        assert entry["cli_ms"] > 0 and entry["ratio"] == pytest.approx(entry["cli_ms"] / entry["script_ms"])
+        assert len(entry["script_rounds_ms"]) == len(entry["cli_rounds_ms"]) == cpp["rounds"]
+        assert entry["script_rounds_ms"][0] == case["results"]["flashattn"][direction]["ms"]
+        assert entry["script_ms"] == pytest.approx(statistics.median(entry["script_rounds_ms"]))
+        assert entry["cli_ms"] == pytest.approx(statistics.median(entry["cli_rounds_ms"])) and entry["cli_ms"] > 0
+        assert entry["ratio"] == pytest.approx(entry["cli_ms"] / entry["script_ms"])
         assert entry["agree"] == (abs(entry["ratio"] - 1) <= compare.AGREEMENT_TOLERANCE)
 
     report = load("make_report")
@@ -131,6 +139,7 @@ def test_dry_run_sets_flashattn_bench_beside_the_script(compare, tmp_path):
     assert report.main([str(tmp_path / "compare-cpu.json"), "--out", str(out)]) == 0
     text = out.read_text()
     assert "## flashattn-bench (C++) beside compare.py" in text and "agree within 5%" in text
+    assert f"{cpp['rounds']} rounds |" in text
     assert f"| {case['id'].split('/', 1)[1]} (b=1 h=2) | forward |" in text
 
 
