@@ -467,8 +467,9 @@ def cpp_section(runs, cases) -> list:
         p = c["params"]
         name = c["id"].split("/", 1)[1]
         config = f"{name} (b={p['b']} h={p['h']})"
+        rounds = f", {cpp['rounds']} rounds" if cpp.get("rounds", 1) > 1 else ""
         timing = (f"{cpp.get('timer', '?')}{', L2 flush' if cpp.get('l2_flush') else ''}, {cpp.get('warmup', '?')} "
-                  f"warm-up, {cpp.get('threads', '?')} threads" if "error" not in cpp
+                  f"warm-up, {cpp.get('threads', '?')} threads{rounds}" if "error" not in cpp
                   else f"error: {cpp['error'][:120].replace('|', '/')}")
         for dn, e in cpp["directions"].items():
             ms = [f"{e[k]:.3f}" if number(e.get(k)) else DASH for k in ("script_ms", "cli_ms")]
@@ -548,7 +549,8 @@ def check_summary(cases) -> list:
     return out + [""]
 
 
-def report(runs, img_files, img_link) -> str:
+def report(runs, img_files, img_link, earlier=()) -> str:
+    """earlier: (link, what) pairs — reports of earlier runs that hold cases these runs do not."""
     cases = merged_cases(runs)
     latest = runs[-1]
     cpu_timer = next((r["cpu_timer"] for r in reversed(runs) if r.get("cpu_timer")), None)
@@ -573,6 +575,8 @@ def report(runs, img_files, img_link) -> str:
         "(or by parts with `--cases`), then `python bench/make_report.py build/compare/*.json`.",
         "",
     ]
+    out += [f"Not in these runs: {what} — see [{link}]({link}), an earlier report." for link, what in earlier]
+    out += [""] if earlier else []
     out += check_summary(cases)
     if img_files is None:
         out += ["Plots: matplotlib was not importable when this report was made; none drawn.", ""]
@@ -589,6 +593,9 @@ def main(argv=None) -> int:
     p.add_argument("json", nargs="+", help="compare.py JSON files")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     p.add_argument("--img-dir", help="where the PNGs go (default: img/ beside --out)")
+    p.add_argument("--earlier", nargs=2, action="append", default=[], metavar=("REPORT", "WHAT"),
+                   help="link an earlier report (path relative to --out's folder) for the cases WHAT that these "
+                        "runs do not hold; repeatable")
     args = p.parse_args(argv)
     runs = load(args.json)
     img_dir = args.img_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "img")
@@ -596,7 +603,7 @@ def main(argv=None) -> int:
     if img_files is None:
         print("make_report.py: matplotlib is not importable; the report has no plots (pip install matplotlib)")
     img_link = os.path.relpath(img_dir, os.path.dirname(os.path.abspath(args.out)))
-    text = report(runs, img_files, img_link)
+    text = report(runs, img_files, img_link, [tuple(e) for e in args.earlier])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
