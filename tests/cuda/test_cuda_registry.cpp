@@ -100,8 +100,9 @@ void expect_choice(int head_dim, bool needs_full, int limit, bool full, int stag
   const sm80::BwdChoice got = sm80::bwd_choice(head_dim, needs_full, limit);
   EXPECT_EQ(got.full, full) << "d " << head_dim << " needs_full " << needs_full << " limit " << limit;
   EXPECT_EQ(got.stages, stages) << "d " << head_dim << " needs_full " << needs_full << " limit " << limit;
-  EXPECT_LE(sm80::bwd_smem_bytes(head_dim, sm80::bwd_tile(head_dim, got.full), got.stages), limit)
+  EXPECT_LE(sm80::bwd_smem_bytes(head_dim, sm80::bwd_tile(head_dim, got.full, got.small), got.stages), limit)
       << "d " << head_dim << " limit " << limit;
+  EXPECT_TRUE(!got.small || sm80::bwd_has_small(head_dim)) << "d " << head_dim << ": no small tile compiled";
 }
 
 // The backward takes the first configuration that fits: plain with 2 stages, 1 stage (d 256), then

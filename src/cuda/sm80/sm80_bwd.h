@@ -28,19 +28,23 @@ struct BwdTile {
 // on sm_90a the d 64 one spills 4 bytes per thread, the d 128 one 264). H200, dropout 0.1,
 // s 4k/16k: 128 keys run the backward 1.26–1.28× faster at both head dims (d 64 96 → 124 TFLOP/s,
 // d 128 144 → 182). d 64 takes it (97 KiB with two stages, within the 99 KiB of sm86/sm89); d 128
-// stays at 64 until a smaller fallback exists, since with 128 keys even one stage (128.5 KiB)
-// would leave those GPUs without a d 128 backward for softcap, ALiBi or dropout.
+// stays at 64 until the GPU has run its 128-key tiles with the fallback that 99 KiB GPUs need
+// (even one stage of 128 keys is 128.5 KiB): with 128, a 64 × 64 one-stage tile is compiled too
+// and taken where nothing else fits (bwd_has_small, bwd_choice).
 #ifndef FLASHATTN_SM80_BWD64_FULL_BLOCK_N
 #define FLASHATTN_SM80_BWD64_FULL_BLOCK_N 128
 #endif
 #ifndef FLASHATTN_SM80_BWD128_FULL_BLOCK_N
 #define FLASHATTN_SM80_BWD128_FULL_BLOCK_N 64
 #endif
-constexpr BwdTile bwd_tile(int head_dim, bool full) {
+// small: the d 128 full variant's fallback for GPUs whose shared memory its 128-key tile exceeds
+// (64 × 64; only compiled when FLASHATTN_SM80_BWD128_FULL_BLOCK_N is 128, bwd_has_small).
+constexpr BwdTile bwd_tile(int head_dim, bool full, bool small = false) {
   return head_dim <= 64    ? (full ? BwdTile{64, FLASHATTN_SM80_BWD64_FULL_BLOCK_N} : BwdTile{128, 128})
-         : head_dim <= 128 ? (full ? BwdTile{64, FLASHATTN_SM80_BWD128_FULL_BLOCK_N} : BwdTile{64, 128})
+         : head_dim <= 128 ? (full ? BwdTile{64, small ? 64 : FLASHATTN_SM80_BWD128_FULL_BLOCK_N} : BwdTile{64, 128})
                            : (full ? BwdTile{64, 32} : BwdTile{64, 64});
 }
+constexpr bool bwd_has_small(int head_dim) { return head_dim > 64 && head_dim <= 128 && FLASHATTN_SM80_BWD128_FULL_BLOCK_N > 64; }
 
 // Shared memory of a backward tile, in bytes (BwdTraits::kSmemBytes, checked there): `stages`
 // buffers of the Q and dO tiles and their row statistics (lse, softmax_d), the K and V tiles, and
@@ -56,10 +60,12 @@ constexpr int bwd_smem_bytes(int head_dim, BwdTile t, int stages) {
 // 1 (d ≥ 128). Per block: d 64 162 / 97 KiB (plain / full, 2 stages); d 128 161 / 113 / 80.5 (full
 // 1 stage); d 256 209 / 144.5 (plain 1 stage) / 169 / 104.5 — so an H100 runs every plain tile, an
 // A100 (163 KiB) all but d 256's second stage, and the 99 KiB GPUs (sm86/sm89) the full ones up to
-// d 128 and no d 256 backward.
+// d 128 and no d 256 backward. With FLASHATTN_SM80_BWD128_FULL_BLOCK_N = 128 the d 128 full tiles
+// are 64 × 128 (161 / 128.5 KiB) and a 64 × 64 one-stage tile (80.5 KiB) comes last (bwd_has_small).
 constexpr bool bwd_has_one_stage(int head_dim, bool full) { return head_dim > 128 || (full && head_dim > 64); }
 constexpr int bwd_min_smem_bytes(int head_dim) {
-  return bwd_smem_bytes(head_dim, bwd_tile(head_dim, true), bwd_has_one_stage(head_dim, true) ? 1 : 2);
+  return bwd_smem_bytes(head_dim, bwd_tile(head_dim, true, bwd_has_small(head_dim)),
+                        bwd_has_one_stage(head_dim, true) ? 1 : 2);
 }
 
 // The configuration the launcher runs: the first of that order that fits `smem_limit` bytes
@@ -68,6 +74,7 @@ constexpr int bwd_min_smem_bytes(int head_dim) {
 struct BwdChoice {
   bool full;
   int stages;
+  bool small = false;  // bwd_tile's small fallback (one stage)
 };
 constexpr BwdChoice bwd_choice(int head_dim, bool needs_full, int smem_limit) {
   if (!needs_full) {
@@ -76,10 +83,13 @@ constexpr BwdChoice bwd_choice(int head_dim, bool needs_full, int smem_limit) {
       return {false, 1};
     }
   }
-  if (bwd_has_one_stage(head_dim, true) && bwd_smem_bytes(head_dim, bwd_tile(head_dim, true), 2) > smem_limit) {
-    return {true, 1};
+  if (!bwd_has_one_stage(head_dim, true) || bwd_smem_bytes(head_dim, bwd_tile(head_dim, true), 2) <= smem_limit) {
+    return {true, 2};
   }
-  return {true, 2};
+  if (bwd_has_small(head_dim) && bwd_smem_bytes(head_dim, bwd_tile(head_dim, true), 1) > smem_limit) {
+    return {true, 1, true};
+  }
+  return {true, 1};
 }
 
 // Where the backward's scratch lives (device memory from the caller's workspace).

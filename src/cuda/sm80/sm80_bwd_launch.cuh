@@ -59,24 +59,24 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 #ifndef FLASHATTN_SM80_BWD_PLAIN_SCOREMOD  // softcap and ALiBi in the plain variant; dropout alone takes the full one
 #define FLASHATTN_SM80_BWD_PLAIN_SCOREMOD 0
 #endif
-template <class Element, int kHeadDim, bool kFull, int kStages>
+template <class Element, int kHeadDim, bool kFull, int kStages, bool kSmall = false>
 struct BwdConfig;
-template <class Element, bool kFull, int kStages>
-struct BwdConfig<Element, 64, kFull, kStages> {
+template <class Element, bool kFull, int kStages, bool kSmall>
+struct BwdConfig<Element, 64, kFull, kStages, kSmall> {
   static constexpr BwdTile kTile = bwd_tile(64, kFull);
   using Traits = BwdTraits<Element, 64, kTile.block_m, kTile.block_n, kFull ? 2 : FLASHATTN_SM80_BWD64_SDP_WARPS_M, 4, 4,
                            kStages, !kFull && FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
                            !kFull && FLASHATTN_SM80_BWD64_LATE_LOAD != 0>;
 };
-template <class Element, bool kFull, int kStages>
-struct BwdConfig<Element, 128, kFull, kStages> {
-  static constexpr BwdTile kTile = bwd_tile(128, kFull);
+template <class Element, bool kFull, int kStages, bool kSmall>
+struct BwdConfig<Element, 128, kFull, kStages, kSmall> {
+  static constexpr BwdTile kTile = bwd_tile(128, kFull, kSmall);
   using Traits = BwdTraits<Element, 128, kTile.block_m, kTile.block_n, 2, kFull ? 4 : FLASHATTN_SM80_BWD128_DKV_WARPS_N,
                            kFull ? 2 : FLASHATTN_SM80_BWD128_DQ_WARPS_M, kStages,
                            !kFull && FLASHATTN_SM80_BWD128_SPREAD_DQ != 0, !kFull && FLASHATTN_SM80_BWD128_LATE_LOAD != 0>;
 };
-template <class Element, bool kFull, int kStages>
-struct BwdConfig<Element, 256, kFull, kStages> {
+template <class Element, bool kFull, int kStages, bool kSmall>
+struct BwdConfig<Element, 256, kFull, kStages, kSmall> {
   static constexpr BwdTile kTile = bwd_tile(256, kFull);
   using Traits = BwdTraits<Element, 256, kTile.block_m, kTile.block_n, 4, 2, 2, kStages, true, true>;
 };
@@ -103,11 +103,11 @@ cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& 
 
 // The configuration of (Element, kHeadDim, kFull, kStages), its shared memory checked against the
 // host's bwd_smem_bytes.
-template <class Element, int kHeadDim, bool kFull, int kStages>
-using BwdTraitsOf = typename BwdConfig<Element, kHeadDim, kFull, kStages>::Traits;
-template <class Traits, int kHeadDim, bool kFull>
+template <class Element, int kHeadDim, bool kFull, int kStages, bool kSmall = false>
+using BwdTraitsOf = typename BwdConfig<Element, kHeadDim, kFull, kStages, kSmall>::Traits;
+template <class Traits, int kHeadDim, bool kFull, bool kSmall = false>
 constexpr bool kBwdSmemAgrees =
-    Traits::kSmemBytes == bwd_smem_bytes(kHeadDim, bwd_tile(kHeadDim, kFull), Traits::kStages);
+    Traits::kSmemBytes == bwd_smem_bytes(kHeadDim, bwd_tile(kHeadDim, kFull, kSmall), Traits::kStages);
 
 // The configuration bwd_choice (sm80_bwd.h) picks for p on this device.
 template <class Element, int kHeadDim>
@@ -128,6 +128,11 @@ cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratc
       if (choice.stages == 1) return launch_bwd_main<Plain1, false>(p, ws, rng_state, stream);
     }
     return launch_bwd_main<Plain2, false>(p, ws, rng_state, stream);
+  }
+  if constexpr (bwd_has_small(kHeadDim)) {
+    using Small1 = BwdTraitsOf<Element, kHeadDim, true, 1, true>;
+    static_assert(kBwdSmemAgrees<Small1, kHeadDim, true, true>, "bwd_smem_bytes agrees with the kernel");
+    if (choice.small) return launch_bwd_main<Small1, true>(p, ws, rng_state, stream);
   }
   if constexpr (bwd_has_one_stage(kHeadDim, true)) {
     using Full1 = BwdTraitsOf<Element, kHeadDim, true, 1>;
