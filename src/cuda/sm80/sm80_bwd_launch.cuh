@@ -30,7 +30,7 @@ static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "h
 // behind the burst of 32 atomics per thread. d 64 spreads them as well, with its S/dP warps as
 // 2 × 4 (4 bytes of spills instead of 100): +4.7% on the H200 over the plain order with 4 × 2.
 // With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
-// and the Philox state need registers): d 64 and d 128 to 64 × 64, d 256 to 64 × 32.
+// and the Philox state need registers): d 64 to 64 × 128, d 128 to 64 × 64, d 256 to 64 × 32.
 //
 // Tuning knobs of the plain variant's schedule (kSpreadDq, kLateLoad per head dim), compile
 // definitions with the defaults below, so that scripts/gpu-variants can time alternatives side by
