@@ -72,6 +72,13 @@ namespace flashattn::cuda::sm80 {
 #define FLASHATTN_SM80_BWD_ATOMIC_DQ 0
 #endif
 
+// Tuning knob: 1 gives the full variant's S/dP product paired MMA tiles (BwdTraits::kPairedN), one
+// Philox call per 16 × 16 dropout block instead of two. Off until the GPU has checked its mask
+// bit for bit and timed it.
+#ifndef FLASHATTN_SM80_BWD_PAIRED_DROPOUT
+#define FLASHATTN_SM80_BWD_PAIRED_DROPOUT 0
+#endif
+
 // Rows per block of the pre- and postprocess kernels and the unit of the deterministic counters'
 // layout; the main kernel's kBlockM is a multiple of it.
 constexpr int kBwdBlockM = 64;
@@ -88,9 +95,15 @@ constexpr int kBwdThreads = 256;
 // atomics and ldmatrix share the load/store unit's queue; the cp.async writes share the shared-memory
 // bandwidth). See BwdConfig for where they are on.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ,
-          int kStages_, bool kSpreadDq_ = false, bool kLateLoad_ = false>
+          int kStages_, bool kSpreadDq_ = false, bool kLateLoad_ = false, bool kPairedN_ = false>
 struct BwdTraits {
   using Element = Element_;
+  // kPairedN: the S/dP product's N permutation gives each warp two adjacent 8-column MMA tiles (a
+  // whole 16 × 16 block, columns 16w … 16w + 15 of each 16·warps-wide tile) instead of the default
+  // interleaving (warp w: columns 8w … 8w + 7 and 8·warps + 8w …), so that one Philox call serves
+  // the 8 dropout elements a thread holds of a block (docs/dropout.md) instead of two calls using 4
+  // bits each. Every other use of the S/dP fragments goes by their coordinates.
+  static constexpr bool kPairedN = kPairedN_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -108,11 +121,16 @@ struct BwdTraits {
   using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                      MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
                                      MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
-  // Each warp's tile is 16 wide along N, so B operands load with ldmatrix.x4.
-  template <int kWarpsM>
+  // Each warp's tile is 16 wide along N (two 8-column MMA tiles, interleaved with the other
+  // warps' unless paired), so B operands load with ldmatrix.x4.
+  template <int kWarpsM, bool kPaired = false>
   using Mma = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsM>, Int<kNWarps / kWarpsM>, _1>>,
-                       Tile<Int<16 * kWarpsM>, Int<16 * (kNWarps / kWarpsM)>, _16>>;
-  using TiledMmaSdP = Mma<kWarpsMSdP>;  // (kBlockM, kBlockN) += (kBlockM, D) · (kBlockN, D)ᵀ
+                       Tile<Int<16 * kWarpsM>,
+                            std::conditional_t<kPaired,
+                                               Layout<Shape<_8, Int<kNWarps / kWarpsM>, _2>, Stride<_1, _16, _8>>,
+                                               Int<16 * (kNWarps / kWarpsM)>>,
+                            _16>>;
+  using TiledMmaSdP = Mma<kWarpsMSdP, kPairedN>;  // (kBlockM, kBlockN) += (kBlockM, D) · (kBlockN, D)ᵀ
   using TiledMmadKV = Mma<kWarpsNdKV>;  // (kBlockN, D) += (kBlockN, kBlockM) · (D, kBlockM)ᵀ
   using TiledMmadQ = Mma<kWarpsMdQ>;    // (kBlockM, D) += (kBlockM, kBlockN) · (D, kBlockN)ᵀ
   static_assert(kBlockM % (16 * kWarpsMSdP) == 0 && kBlockN % (16 * (kNWarps / kWarpsMSdP)) == 0);
@@ -644,10 +662,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           lo[a] = mask.col_begin(m_start + row) - n_start;
           hi[a] = mask.col_end(m_start + row) - n_start;
         }
+        static_assert(!Traits::kPairedN || kMmaN % 2 == 0, "paired MMA tiles come in pairs");
+        std::uint32_t keep_bits = 0xffu;
         CUTE_UNROLL
         for (int n = 0; n < kMmaN; ++n) {
-          std::uint32_t keep_bits = 0xffu;
-          if (use_dropout) {
+          // Paired (Traits::kPairedN): MMA tiles 2k and 2k + 1 are the two halves of one 16 × 16
+          // block, the same Philox call; the bits are picked by coordinates below either way.
+          if (use_dropout && (!Traits::kPairedN || n % 2 == 0)) {
             const int i0 = m_start + get<0>(cS_rc(2 * m, 2 * n));
             const int j0 = n_start + get<1>(cS_rc(2 * m, 2 * n));
             keep_bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
