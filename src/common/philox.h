@@ -78,10 +78,16 @@ FA_HOST_DEVICE std::uint32_t dropout_keep_bits(const DropoutParams& dp, std::uin
 }
 
 // Element (i, j) of a 16×16 block: its lane and its bit within the lane's 8.
-FA_HOST_DEVICE int dropout_lane(int i, int j) { return 4 * (i & 7) + ((j & 7) >> 1); }
-FA_HOST_DEVICE int dropout_element(int i, int j) {
+FA_HOST_DEVICE constexpr int dropout_lane(int i, int j) { return 4 * (i & 7) + ((j & 7) >> 1); }
+FA_HOST_DEVICE constexpr int dropout_element(int i, int j) {
   return 4 * ((j >> 3) & 1) + 2 * ((i >> 3) & 1) + (j & 1);
 }
+// The element number of (i0 + di, j0 + dj) for a lane's first element (i0, j0) — i0 mod 16 < 8,
+// j0 mod 16 < 8 and even, the corner where a thread's MMA fragment of the block starts — and the
+// offsets of its other elements, di ∈ {0, 8}, dj ∈ {0, 1, 8, 9}: it depends on the offsets alone,
+// so a kernel whose offsets are compile-time constants gets a constant instead of computing it
+// from each element's coordinates.
+FA_HOST_DEVICE constexpr int dropout_element_at(int di, int dj) { return dropout_element(di, dj); }
 
 // keep_ij for one element (the reference's way: one Philox call per element, 7 of 8 bits unused).
 FA_HOST_DEVICE bool dropout_keep(const DropoutParams& dp, std::uint64_t stream, int i, int j) {

@@ -142,6 +142,24 @@ TEST(DropoutMask, ElementAndLaneViewsAgree) {
   for (int s : seen) EXPECT_EQ(s, 1);  // the lanes partition each block
 }
 
+// The kernels take an element's number from its offset to its lane's first element
+// (dropout_element_at), a constant where the offsets are: the same number as its coordinates give,
+// for every lane of blocks anywhere in the matrix.
+TEST(DropoutMask, ElementNumberFromTheOffsetToTheLanesFirstElement) {
+  for (int bi : {0, 1, 7, 1000})
+    for (int bj : {0, 3, 64, 4095})
+      for (int lane = 0; lane < 32; ++lane) {
+        const int i0 = 16 * bi + lane / 4, j0 = 16 * bj + 2 * (lane % 4);
+        for (int di : {0, 8})
+          for (int dj : {0, 1, 8, 9}) {
+            EXPECT_EQ(c::dropout_element_at(di, dj), c::dropout_element(i0 + di, j0 + dj))
+                << "block (" << bi << ", " << bj << ") lane " << lane << " offset (" << di << ", " << dj << ")";
+            EXPECT_EQ(c::dropout_lane(i0 + di, j0 + dj), lane);
+          }
+      }
+  static_assert(c::dropout_element_at(8, 9) == 7 && c::dropout_element_at(0, 1) == 1);
+}
+
 // --- the mask through the public API -----------------------------------------------------------
 
 // With v one-hot (v_j = e_j, sk == dv) and small scores, out_ij = keep_ij · p_ij / (1 − p) with

@@ -667,7 +667,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         CUTE_UNROLL
         for (int n = 0; n < kMmaN; ++n) {
           // Paired (Traits::kPairedN): MMA tiles 2k and 2k + 1 are the two halves of one 16 × 16
-          // block, the same Philox call; the bits are picked by coordinates below either way.
+          // block, the same Philox call.
           if (use_dropout && (!Traits::kPairedN || n % 2 == 0)) {
             const int i0 = m_start + get<0>(cS_rc(2 * m, 2 * n));
             const int j0 = n_start + get<1>(cS_rc(2 * m, 2 * n));
@@ -690,6 +690,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               float dprob = dp(mi, ni);
               float z = prob;
               if (use_dropout) {
+                // (By coordinates: interleaved, a tile may be a block's second half. Paired, the
+                // offsets to the lane's first element would do, as in the forward, but compiled
+                // to 40 more instructions here on sm_90a.)
                 const bool keep = (keep_bits >> common::dropout_element(m_start + row, n_start + col)) & 1u;
                 z = keep ? prob * dropout.keep_scale : 0.0f;
                 dprob = keep ? dprob * dropout.keep_scale : 0.0f;

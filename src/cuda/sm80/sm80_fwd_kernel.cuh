@@ -688,7 +688,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
               CUTE_UNROLL
               for (int c = 0; c < 4; ++c) {
                 const int mi = 2 * m + h, ni = 4 * nb + c;
-                const int e = common::dropout_element(seq_row(mi, ni), seq_col(mi, ni));
+                const int e = common::dropout_element_at(seq_row(mi, ni) - i0, seq_col(mi, ni) - j0);
                 if (!((bits >> e) & 1u)) s(mi, ni) = 0.0f;
               }
             }
