@@ -4,8 +4,10 @@ the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16,
 16384 tokens, heads·d = 2048, q/k/v (b, h, s, d) contiguous, CUDA events, median of 30 after 5
 warm-up calls; the backward is autograd's backward of one forward (retain_graph); backward FLOPs
 = 2.5 × forward, halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
+--l2-flush 1 zeroes a 256 MiB buffer before every timed call (outside the events), as
+flashattn_cuda_bench --l2-flush 1 and bench/compare.py do.
 
-  python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 [--dropout 0.1] --json torch.json
+  python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 [--dropout 0.1] [--l2-flush 1] --json torch.json
 """
 
 import argparse
@@ -25,8 +27,10 @@ def main():
     ap.add_argument("--seqlens", type=ints, default=[1024, 4096])
     ap.add_argument("--causal", type=ints, default=[0, 1])
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (the forward as well)")
+    ap.add_argument("--l2-flush", type=int, choices=(0, 1), default=0, help="clear the L2 before every timed call")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if args.l2_flush else None
     rows = []
     tokens, width = 16384, 2048
     for d in args.dims:
@@ -49,6 +53,8 @@ def main():
                             run()
                         times = []
                         for _ in range(30):
+                            if flush is not None:
+                                flush.zero_()
                             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                             start.record()
                             run()
@@ -58,7 +64,7 @@ def main():
                         ms = sorted(times)[len(times) // 2]
                         flops = (2.5 if name == "bwd" else 1.0) * 4 * b * h * s * s * d / (2 if causal else 1)
                         rows.append(dict(impl="torch_sdpa_flash", pass_=name, dtype="bf16", d=d, seqlen=s, batch=b,
-                                         heads=h, causal=causal, dropout=args.dropout, ms=ms,
+                                         heads=h, causal=causal, dropout=args.dropout, l2_flush=bool(flush is not None), ms=ms,
                                          tflops=flops / (ms * 1e-3) / 1e12))
                         print(f"torch sdpa flash {name} bf16 d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
                               f"{rows[-1]['tflops']:.1f} TFLOP/s", flush=True)

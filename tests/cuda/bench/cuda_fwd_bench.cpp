@@ -10,12 +10,13 @@
 // dim of --dims; reported in GB/s of the minimum traffic (K and V read once, q read, out written),
 // with the L2 cleared before every timed call.
 //
-// --dropout P and --softcap X time the grid with those on (the kernels' full variant).
+// --dropout P and --softcap X time the grid with those on (the kernels' full variant). --l2-flush 1
+// clears the L2 before every timed call of the grid too, as bench/compare.py's timing does.
 //
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 //                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X]
 //                  [--tokens 16384] [--width 2048]
-//                  [--repeats 30] [--warmup 5] [--json FILE]
+//                  [--repeats 30] [--warmup 5] [--l2-flush 0|1] [--json FILE]
 //                  [--decode 1:131072:0,32:32768:16,...] [--decode-sq 1] [--decode-heads 32:8]
 #include <cuda_runtime.h>
 
@@ -25,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -71,6 +73,7 @@ struct Args {
   int width = 2048;
   int repeats = 30;
   int warmup = 5;
+  bool l2_flush = false;  // the grid; decoding always clears it
   std::string json;
   struct Decode {
     int batch, context, page;
@@ -106,6 +109,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--width") a.width = std::stoi(v);
     else if (flag == "--repeats") a.repeats = std::stoi(v);
     else if (flag == "--warmup") a.warmup = std::stoi(v);
+    else if (flag == "--l2-flush") a.l2_flush = v == "1";
     else if (flag == "--json") a.json = v;
     else if (flag == "--decode") {
       for (const std::string& item : str_list(v)) {
@@ -172,6 +176,18 @@ double median_ms(int warmup, int repeats, Call&& call, Before&& before_each) {
   return ms[ms.size() / 2];
 }
 
+// A buffer larger than the L2 of any current GPU, cleared before a timed call so that the call
+// starts with its inputs in device memory only.
+struct L2Flush {
+  static constexpr std::size_t kBytes = std::size_t(256) << 20;
+  void* buffer = nullptr;
+  L2Flush() { check(cudaMalloc(&buffer, kBytes), "cudaMalloc"); }
+  ~L2Flush() { cudaFree(buffer); }
+  L2Flush(const L2Flush&) = delete;
+  L2Flush& operator=(const L2Flush&) = delete;
+  void operator()() const { check(cudaMemsetAsync(buffer, 0, kBytes), "cudaMemsetAsync"); }
+};
+
 // One decoding case: q (b, sq, h, d) against a cache of `context` keys per sequence, contiguous
 // (b, context, hk, d) or paged (pages, page, hk, d) with a shuffled block table. Returns the JSON
 // object of the result.
@@ -222,19 +238,16 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   const std::size_t ws_bytes = flashattn::cuda::forward_workspace_size(p);
   void* ws = nullptr;
   if (ws_bytes > 0) check(cudaMalloc(&ws, ws_bytes), "cudaMalloc");
-  constexpr std::size_t kFlushBytes = std::size_t(256) << 20;  // above the L2 of any current GPU
-  void* flush = nullptr;
-  check(cudaMalloc(&flush, kFlushBytes), "cudaMalloc");
+  const L2Flush flush;
   const double ms = median_ms(
-      args.warmup, args.repeats, [&] { flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes); },
-      [&] { check(cudaMemsetAsync(flush, 0, kFlushBytes), "cudaMemsetAsync"); });
+      args.warmup, args.repeats, [&] { flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes); }, flush);
   check(cudaGetLastError(), "kernel");
   const double bytes = 2.0 * double(b) * dc.context * hk * d * 2 + 2.0 * double(nq) * 2;
   const double gbps = bytes / (ms * 1e-3) / 1e9;
   const int splits = ws_bytes > 0 ? flashattn::cuda::forward_num_splits(p) : 1;
   std::printf("flashattn sm80 decode %s d=%d b=%d sq=%d h=%d hk=%d context=%d page=%d splits=%d: %.4f ms, %.0f GB/s\n",
               args.storage == c::Storage::f16 ? "f16" : "bf16", d, b, sq, h, hk, dc.context, dc.page, splits, ms, gbps);
-  for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), ws, flush}) cudaFree(ptr);
+  for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), ws}) cudaFree(ptr);
   std::ostringstream js;
   js << "{\"impl\": \"flashattn_sm80\", \"pass\": \"decode\", \"dtype\": \""
      << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d << ", \"seqlen\": " << dc.context
@@ -269,6 +282,7 @@ int main(int argc, char** argv) try {
       first = false;
     }
   }
+  const std::unique_ptr<L2Flush> grid_flush = args.l2_flush ? std::make_unique<L2Flush>() : nullptr;
   for (int d : args.decode.empty() ? args.dims : std::vector<int>{}) {
     for (int s : args.seqlens) {
       const int b = std::max(1, args.tokens / s), h = std::max(1, args.width / d);
@@ -331,7 +345,8 @@ int main(int argc, char** argv) try {
               flashattn::cuda::forward(p, nullptr);
             }
           };
-          const double median = median_ms(args.warmup, args.repeats, call, [] {});
+          const double median = args.l2_flush ? median_ms(args.warmup, args.repeats, call, *grid_flush)
+                                              : median_ms(args.warmup, args.repeats, call, [] {});
           cudaFree(workspace);
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
           const double tflops = flops / (median * 1e-3) / 1e12;
@@ -342,7 +357,8 @@ int main(int argc, char** argv) try {
                << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
                << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
                << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
-               << ", \"softcap\": " << args.softcap << ", \"ms\": " << median
+               << ", \"softcap\": " << args.softcap << ", \"l2_flush\": " << (args.l2_flush ? "true" : "false")
+               << ", \"ms\": " << median
                << ", \"tflops\": " << tflops << "}";
           first = false;
         }
