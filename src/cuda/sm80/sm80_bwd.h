@@ -26,16 +26,16 @@ struct BwdTile {
 // Tuning knobs (compile definitions; scripts/gpu-variants times them): the key tile of the full
 // variant at d 64 and at d 128 — 64, or 128 as FA2 keeps with dropout (64 × 128, more registers:
 // on sm_90a the d 64 one spills 4 bytes per thread, the d 128 one 264). H200, dropout 0.1,
-// s 4k/16k: 128 keys run the backward 1.26–1.28× faster at both head dims (d 64 96 → 124 TFLOP/s,
-// d 128 144 → 182). d 64 takes it (97 KiB with two stages, within the 99 KiB of sm86/sm89); d 128
-// stays at 64 until the GPU has run its 128-key tiles with the fallback that 99 KiB GPUs need
-// (even one stage of 128 keys is 128.5 KiB): with 128, a 64 × 64 one-stage tile is compiled too
-// and taken where nothing else fits (bwd_has_small, bwd_choice).
+// s 4k/16k, paired dropout tiles: 128 at both. d 64: 97 KiB with two stages, within the 99 KiB of
+// sm86/sm89. d 128: 150–165 → 191–220 TFLOP/s (×1.33; ALiBi 168 → 227, softcap 157 → 204), but its
+// 128-key tile needs 128.5 KiB even with one stage, so a 64 × 64 one-stage tile is compiled beside
+// it and taken where nothing else fits, the 99 KiB GPUs (bwd_has_small, bwd_choice; run on the
+// H200 with its shared-memory limit capped by SmallSharedMemoryTiles).
 #ifndef FLASHATTN_SM80_BWD64_FULL_BLOCK_N
 #define FLASHATTN_SM80_BWD64_FULL_BLOCK_N 128
 #endif
 #ifndef FLASHATTN_SM80_BWD128_FULL_BLOCK_N
-#define FLASHATTN_SM80_BWD128_FULL_BLOCK_N 64
+#define FLASHATTN_SM80_BWD128_FULL_BLOCK_N 128
 #endif
 // small: the d 128 full variant's fallback for GPUs whose shared memory its 128-key tile exceeds
 // (64 × 64; only compiled when FLASHATTN_SM80_BWD128_FULL_BLOCK_N is 128, bwd_has_small).
@@ -57,11 +57,12 @@ constexpr int bwd_smem_bytes(int head_dim, BwdTile t, int stages) {
 // The launcher takes the first configuration that fits a block's shared memory on the device
 // (sm80_smem.h): the plain variant with 2 stages, then with 1 stage (d 256), then the full variant
 // (whose softcap, ALiBi and dropout are off at run time when p has none) with 2 stages, then with
-// 1 (d ≥ 128). Per block: d 64 162 / 97 KiB (plain / full, 2 stages); d 128 161 / 113 / 80.5 (full
-// 1 stage); d 256 209 / 144.5 (plain 1 stage) / 169 / 104.5 — so an H100 runs every plain tile, an
-// A100 (163 KiB) all but d 256's second stage, and the 99 KiB GPUs (sm86/sm89) the full ones up to
-// d 128 and no d 256 backward. With FLASHATTN_SM80_BWD128_FULL_BLOCK_N = 128 the d 128 full tiles
-// are 64 × 128 (161 / 128.5 KiB) and a 64 × 64 one-stage tile (80.5 KiB) comes last (bwd_has_small).
+// 1 (d ≥ 128), then (d 128, bwd_has_small) a 64 × 64 full tile with 1 stage. Per block: d 64 162 /
+// 97 KiB (plain / full, 2 stages); d 128 161 / 161 / 128.5 (full 1 stage) / 80.5 (the small tile);
+// d 256 209 / 144.5 (plain 1 stage) / 169 / 104.5 — so an H100 runs every plain tile, an A100
+// (163 KiB) all but d 256's second stage, and the 99 KiB GPUs (sm86/sm89) d 64, d 128 through the
+// small tile and no d 256 backward. FLASHATTN_SM80_BWD128_FULL_BLOCK_N = 64 makes the d 128 full
+// tiles 64 × 64 (113 / 80.5 KiB) and drops the small one.
 constexpr bool bwd_has_one_stage(int head_dim, bool full) { return head_dim > 128 || (full && head_dim > 64); }
 constexpr int bwd_min_smem_bytes(int head_dim) {
   return bwd_smem_bytes(head_dim, bwd_tile(head_dim, true, bwd_has_small(head_dim)),
