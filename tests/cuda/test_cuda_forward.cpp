@@ -381,31 +381,35 @@ TEST_P(CudaForward, SmallSharedMemoryTiles) {
   EXPECT_TRUE(check_forward(p, r));
 }
 
-// d 256: rows that see few keys take the short-sequence tile where the build has it
-// (FLASHATTN_SM80_FWD256_SHORT_KEYS), the others the plain tile — both against the reference,
-// dense and causal, on either side of the threshold.
-TEST_P(CudaForward, ShortSequenceTileAtD256) {
+// Rows that see few keys take the short-sequence tile of their head dim where the build has it
+// (FLASHATTN_SM80_FWD<d>_SHORT_KEYS: on by default at d 256), the others the plain tile — both
+// against the reference, dense and causal, on either side of the threshold.
+TEST_P(CudaForward, ShortSequenceTile) {
   FA_SKIP_WITHOUT_GPU();
   namespace sm80 = flashattn::cuda::sm80;
-  const int threshold = FLASHATTN_SM80_FWD256_SHORT_KEYS > 0 ? FLASHATTN_SM80_FWD256_SHORT_KEYS : 2048;
-  std::vector<bool> took_short;
-  for (bool causal : {false, true}) {
-    for (int keys : {threshold / 3, 2 * threshold + 200}) {
-      AttnConfig cfg = base(256, 70, keys);
-      cfg.heads_k = cfg.heads;
-      cfg.opt.causal = causal;
-      const ParamsHook chosen = [&took_short, threshold](c::AttentionParams& dp, DeviceArena&) {
-        const bool short_tile = sm80::fwd_runs_short(dp, 256);
-        EXPECT_EQ(short_tile, sm80::fwd_has_short_tile(256) && sm80::fwd_keys_per_row(dp) <= threshold);
-        took_short.push_back(short_tile);
-      };
-      expect_matches(cfg, chosen);
+  for (int d : {64, 128, 256}) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    // Where the build leaves the tile out, the same lengths check that the plain tile serves them.
+    const int threshold = sm80::fwd_has_short_tile(d) ? sm80::fwd_short_keys(d) : 2048;
+    std::vector<bool> took_short;
+    for (bool causal : {false, true}) {
+      for (int keys : {threshold / 3, 2 * threshold + 200}) {
+        AttnConfig cfg = base(d, 70, keys);
+        cfg.heads_k = cfg.heads;
+        cfg.opt.causal = causal;
+        const ParamsHook chosen = [&took_short, threshold, d](c::AttentionParams& dp, DeviceArena&) {
+          const bool short_tile = sm80::fwd_runs_short(dp, d);
+          EXPECT_EQ(short_tile, sm80::fwd_has_short_tile(d) && sm80::fwd_keys_per_row(dp) <= threshold);
+          took_short.push_back(short_tile);
+        };
+        expect_matches(cfg, chosen);
+      }
     }
+    ASSERT_EQ(took_short.size(), 4u);
+    // The first case of each mask is short, the second long: with the tile compiled in, both ran.
+    for (int i : {0, 2}) EXPECT_EQ(took_short[i], sm80::fwd_has_short_tile(d));
+    for (int i : {1, 3}) EXPECT_FALSE(took_short[i]);
   }
-  ASSERT_EQ(took_short.size(), 4u);
-  // The first case of each mask is short, the second long: with the tile compiled in, both ran.
-  for (int i : {0, 2}) EXPECT_EQ(took_short[i], sm80::fwd_has_short_tile(256));
-  for (int i : {1, 3}) EXPECT_FALSE(took_short[i]);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, testing::Values(DType::f16, DType::bf16),

@@ -145,9 +145,9 @@ TEST(CudaSharedMemory, ForwardTakesTheFullTileWhereThePlainOneDoesNotFit) {
   }
 }
 
-// The keys a row sees, which decide the d 256 forward's short-sequence tile (fwd_runs_short):
+// The keys a row sees, which decide the forward's short-sequence tiles (fwd_runs_short):
 // the sequence, its average when causal, a window's width; the tile itself only where the
-// build enables it (FLASHATTN_SM80_FWD256_SHORT_KEYS), never paged.
+// build enables it (FLASHATTN_SM80_FWD<d>_SHORT_KEYS), never paged.
 TEST(CudaSharedMemory, ShortSequenceTileFollowsTheKeysPerRow) {
   c::AttentionParams p = aligned_params(c::Storage::bf16, 256);
   p.max_seqlen_q = p.max_seqlen_k = 4001;
@@ -166,11 +166,20 @@ TEST(CudaSharedMemory, ShortSequenceTileFollowsTheKeysPerRow) {
   p.window_left = 9000;  // wider than the sequence
   EXPECT_EQ(sm80::fwd_keys_per_row(p), 4001);
   p.window_left = p.window_right = -1;
-  EXPECT_FALSE(sm80::fwd_runs_short(p, 128));  // d 256 only
-  p.max_seqlen_k = 64;
-  EXPECT_EQ(sm80::fwd_runs_short(p, 256), sm80::fwd_has_short_tile(256));
-  EXPECT_FALSE(sm80::fwd_runs_short(p, 64));
-  EXPECT_FALSE(sm80::fwd_runs_short(p, 128));
+  for (int d : {64, 128, 256}) {
+    // 4001 keys per row are more than any threshold the knobs' comments suggest; 64 fewer than any.
+    p.max_seqlen_k = 4001;
+    EXPECT_EQ(sm80::fwd_runs_short(p, d), sm80::fwd_has_short_tile(d) && sm80::fwd_short_keys(d) >= 4001) << d;
+    p.max_seqlen_k = 64;
+    EXPECT_EQ(sm80::fwd_runs_short(p, d), sm80::fwd_has_short_tile(d)) << d;
+    p.block_table = reinterpret_cast<const std::int32_t*>(&p);  // any non-null table: paged
+    EXPECT_FALSE(sm80::fwd_runs_short(p, d)) << d;
+    p.block_table = nullptr;
+  }
+  // The d 256 tile is on by default; at d 64 and d 128 it follows the knobs (off by default).
+  EXPECT_EQ(sm80::fwd_has_short_tile(256), FLASHATTN_SM80_FWD256_SHORT_KEYS > 0);
+  EXPECT_EQ(sm80::fwd_has_short_tile(128), FLASHATTN_SM80_FWD128_SHORT_KEYS > 0);
+  EXPECT_EQ(sm80::fwd_has_short_tile(64), FLASHATTN_SM80_FWD64_SHORT_KEYS > 0);
 }
 
 // Where no configuration fits, the call is refused with the reason; the others are served.

@@ -45,17 +45,49 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
                                    : FwdTile{FLASHATTN_SM80_FWD256_BLOCK_M, 64, FLASHATTN_SM80_FWD256_BLOCK_M / 16});
 }
 
-// The d 256 forward's tile for short sequences (knob FLASHATTN_SM80_FWD256_SHORT_KEYS, a compile
-// definition; scripts/gpu-variants times it): 64 rows × 64 keys with 4 warps (96 KiB, two CTAs per
-// SM on an H100/H200) where each row sees at most that many keys (fwd_keys_per_row), the 128-row
-// tile above beyond. With few key tiles per CTA its prologue and
-// epilogue weigh more, and a second CTA on the SM hides them; with many, the bigger tile reads
-// K/V half as often. 0: never (one tile for all lengths). Unpacked, unpaged, not split-KV only.
+// The forward's tiles for short sequences (compile definitions; scripts/gpu-variants times them):
+// 64 rows with 4 warps where each row sees at most FLASHATTN_SM80_FWD<d>_SHORT_KEYS keys
+// (fwd_keys_per_row), the plain tile above beyond; 0: never (one tile for all lengths). With few
+// key tiles per CTA its prologue and epilogue weigh more, and more CTAs per SM hide them; with
+// many, the bigger tile reads K/V half as often. Unpacked, unpaged, not split-KV only.
+//   d 256: 64 × 64 (96 KiB, two CTAs per SM on an H100/H200). H200, bf16: ×1.08 at s ≤ 2048.
+//   d 64, d 128: 64 × FLASHATTN_SM80_FWD64_SHORT_BLOCK_N and 64 × 64 (24 and 48 KiB), their
+//   registers capped for FLASHATTN_SM80_FWD<d>_SHORT_MIN_BLOCKS CTAs per SM (__launch_bounds__;
+//   1: no cap). Uncapped on sm_90a they take 162 (d 64) and 200 registers (d 128) — three and
+//   two CTAs per SM; capped without spills at 4 (d 64, 64 keys: 128 registers) and 3 (d 128, 168;
+//   d 64 with 128 keys: 168). Off until timed beside the plain tiles.
 #ifndef FLASHATTN_SM80_FWD256_SHORT_KEYS
 #define FLASHATTN_SM80_FWD256_SHORT_KEYS 2048
 #endif
-constexpr FwdTile kFwdShortTile{64, 64, 4};
-constexpr bool fwd_has_short_tile(int head_dim) { return FLASHATTN_SM80_FWD256_SHORT_KEYS > 0 && head_dim > 128; }
+#ifndef FLASHATTN_SM80_FWD128_SHORT_KEYS
+#define FLASHATTN_SM80_FWD128_SHORT_KEYS 0
+#endif
+#ifndef FLASHATTN_SM80_FWD64_SHORT_KEYS
+#define FLASHATTN_SM80_FWD64_SHORT_KEYS 0
+#endif
+#ifndef FLASHATTN_SM80_FWD64_SHORT_BLOCK_N
+#define FLASHATTN_SM80_FWD64_SHORT_BLOCK_N 64
+#endif
+#ifndef FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS
+#define FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS 1
+#endif
+#ifndef FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS
+#define FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS 1
+#endif
+constexpr int fwd_short_keys(int head_dim) {
+  return head_dim <= 64    ? FLASHATTN_SM80_FWD64_SHORT_KEYS
+         : head_dim <= 128 ? FLASHATTN_SM80_FWD128_SHORT_KEYS
+                           : FLASHATTN_SM80_FWD256_SHORT_KEYS;
+}
+constexpr FwdTile fwd_short_tile(int head_dim) {
+  return FwdTile{64, head_dim <= 64 ? FLASHATTN_SM80_FWD64_SHORT_BLOCK_N : 64, 4};
+}
+// CTAs per SM that the short tile's registers are capped for (the d 256 one is held to two by its
+// shared memory anyway).
+constexpr int fwd_short_min_blocks(int head_dim) {
+  return head_dim <= 64 ? FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS : head_dim <= 128 ? FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS : 1;
+}
+constexpr bool fwd_has_short_tile(int head_dim) { return fwd_short_keys(head_dim) > 0; }
 
 // The tile of the GQA-packed kernel (decoding: a few packed rows against a long cache). Knob
 // FLASHATTN_SM80_FWD_PACKED_TILE (scripts/gpu-variants times it): 0 takes the plain tile; 1 a
@@ -107,9 +139,9 @@ inline int fwd_pack(const common::AttentionParams& p, int block_m) {
   return packed_blocks < separate_blocks ? g : 1;
 }
 
-// Whether the plain, unpacked, unpaged forward of p at head_dim takes kFwdShortTile: the keys a
+// Whether the plain, unpacked, unpaged forward of p at head_dim takes fwd_short_tile: the keys a
 // row sees (fwd_keys_per_row: the whole sequence; causal on average; a window its width) are at
-// most FLASHATTN_SM80_FWD256_SHORT_KEYS. The caller has ruled out the full variant and packing.
+// most fwd_short_keys(head_dim). The caller has ruled out the full variant and packing.
 inline std::int64_t fwd_keys_per_row(const common::AttentionParams& p) {
   std::int64_t keys = p.max_seqlen_k;
   // Causal, bottom-right aligned: row i of sq sees sk − sq + 1 + i keys, on average sk − (sq − 1) / 2.
@@ -120,7 +152,7 @@ inline std::int64_t fwd_keys_per_row(const common::AttentionParams& p) {
   return keys;
 }
 inline bool fwd_runs_short(const common::AttentionParams& p, int head_dim) {
-  return fwd_has_short_tile(head_dim) && !p.is_paged() && fwd_keys_per_row(p) <= FLASHATTN_SM80_FWD256_SHORT_KEYS;
+  return fwd_has_short_tile(head_dim) && !p.is_paged() && fwd_keys_per_row(p) <= fwd_short_keys(head_dim);
 }
 
 // Shared memory of a forward tile, in bytes (FwdTraits::kSmemBytes, checked there): the Q tile,

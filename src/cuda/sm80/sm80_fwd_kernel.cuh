@@ -32,7 +32,8 @@ constexpr float kInf = __builtin_huge_valf();
 // --- compile-time shape of one kernel -----------------------------------------------------------
 // Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim (d and dv
 // both ≤ it; smaller multiples of 8 run with predicated loads and stores).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// kMinBlocks: CTAs per SM that __launch_bounds__ caps the registers for (1: no cap).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocks_ = 1>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -40,6 +41,7 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMinBlocks = kMinBlocks_;
 
   static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one swizzle atom)");
   static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA tiles");
@@ -357,7 +359,7 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 // out and lse, its normalised fp32 partial O and its lse into `split` (a share with no visible key
 // for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
 template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged, bool kPacked, bool kScoreMod = false>
-__global__ void __launch_bounds__(Traits::kNThreads, 1)
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
                const std::uint64_t* rng_state, int pack_arg) {
   using Element = typename Traits::Element;

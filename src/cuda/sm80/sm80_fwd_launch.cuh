@@ -30,8 +30,10 @@ struct FwdConfig {
   using Traits = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.warps>;
   static constexpr FwdTile kPackedTile = fwd_tile_packed(kHeadDim);
   using PackedTraits = FwdTraits<Element, kHeadDim, kPackedTile.block_m, kPackedTile.block_n, kPackedTile.warps>;
-  // Short sequences at d 256 (fwd_runs_short; instantiated only where fwd_has_short_tile).
-  using ShortTraits = FwdTraits<Element, kHeadDim, kFwdShortTile.block_m, kFwdShortTile.block_n, kFwdShortTile.warps>;
+  // Short sequences (fwd_runs_short; instantiated only where fwd_has_short_tile).
+  static constexpr FwdTile kShortTile = fwd_short_tile(kHeadDim);
+  using ShortTraits = FwdTraits<Element, kHeadDim, kShortTile.block_m, kShortTile.block_n, kShortTile.warps,
+                                fwd_short_min_blocks(kHeadDim)>;
   static_assert(Traits::kSmemBytes == fwd_smem_bytes(kHeadDim, kTile) &&
                     PackedTraits::kSmemBytes == fwd_smem_bytes(kHeadDim, kPackedTile),
                 "fwd_smem_bytes (host side) agrees with the kernel's shared memory");
@@ -66,7 +68,7 @@ cudaError_t launch_fwd_kernel(const common::AttentionParams& p, const SplitKvPar
                                                                                          stream);
     }
     if constexpr (!kSplit && !kPaged && fwd_has_short_tile(Config::Traits::kHeadDim)) {
-      static_assert(Config::ShortTraits::kSmemBytes == fwd_smem_bytes(Config::Traits::kHeadDim, kFwdShortTile));
+      static_assert(Config::ShortTraits::kSmemBytes == fwd_smem_bytes(Config::Traits::kHeadDim, Config::kShortTile));
       if (fwd_runs_short(p, Config::Traits::kHeadDim)) {
         return launch_fwd_grid<typename Config::ShortTraits, false, false, false, false>(p, split, rng_state, 1,
                                                                                           stream);
