@@ -107,6 +107,15 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
+// Tuning knob (a compile definition; scripts/gpu-variants times it): 1 issues the V load of a
+// block's first key tile in the prologue, beside Q and K, instead of after the first barrier —
+// its latency then overlaps theirs rather than following them, which matters where a block has
+// few key tiles (short sequences, the low row blocks of a causal mask). Not yet timed.
+#ifndef FLASHATTN_SM80_FWD_EARLY_V
+#define FLASHATTN_SM80_FWD_EARLY_V 0
+#endif
+constexpr bool kEarlyFirstV = FLASHATTN_SM80_FWD_EARLY_V != 0;
+
 // x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
 // built on it stay "base + constant" inside the key loop instead of being hoisted out as one
 // loop-invariant register per accumulator element (which spills).
@@ -547,6 +556,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     // rest need no per-element masking.
     load_kv(k_base, p.k, k_row0_offset, p.head_dim, sK, n_block_max - 1, std::true_type{});
     cp_async_fence();
+    // kEarlyFirstV: the first tile's V in flight with Q and K (sV is free until then), in a group
+    // of its own with the next tile's page entries; the first key tile then waits for all but it.
+    if constexpr (kEarlyFirstV) {
+      load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block_max - 1, std::true_type{});
+      if (n_block_max - 1 > n_block_min) prefetch_pages(n_block_max - 2);
+      cp_async_fence();
+    }
 
     // One key tile. kMasked (a std::bool_constant) compiles the per-element mask in or out: the
     // loop below calls the masked copy only for tiles that are not wholly visible, so the common
@@ -554,16 +570,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     // into predicated instructions that still cost issue slots on every tile).
     auto key_tile = [&](int n_block, auto kMasked) {
       const int n_start = n_block * kBlockN;
+      const bool first = n_block == n_block_max - 1;  // uniform: the block's first key tile
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2,2), MMA_M, MMA_N)
       clear(acc_s);
 
-      // K(n) has landed, and every warp has finished reading V(n+1): V(n) may overwrite it.
-      cp_async_wait<0>();
-      __syncthreads();
-      load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block, kMasked);
-      // The next tile's page entries land with V(n), before the barrier that precedes K(n−1).
-      if (n_block > n_block_min) prefetch_pages(n_block - 1);
-      cp_async_fence();
+      if (kEarlyFirstV && first) {
+        cp_async_wait<1>();  // Q and K(n) have landed; V(n) (the prologue's last group) may not have
+        __syncthreads();
+      } else {
+        // K(n) has landed, and every warp has finished reading V(n+1): V(n) may overwrite it.
+        cp_async_wait<0>();
+        __syncthreads();
+        load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block, kMasked);
+        // The next tile's page entries land with V(n), before the barrier that precedes K(n−1).
+        if (n_block > n_block_min) prefetch_pages(n_block - 1);
+        cp_async_fence();
+      }
 
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_q, copy_k, thr_copy_q, thr_copy_k);
 
@@ -637,6 +659,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       constexpr int kRowChains = FLASHATTN_SM80_FWD_ROW_CHAINS > 0 ? FLASHATTN_SM80_FWD_ROW_CHAINS
                                  : (Traits::kHeadDim == 128 ? 4 : 1);
       static_assert(kRowChains >= 1 && decltype(size<1>(s))::value % kRowChains == 0, "chains divide the row");
+      float correction[kRows];  // exp2(old max − new max) of each row, for O
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
         float max_part[kRowChains];
@@ -652,11 +675,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         // exp2(−∞ − (−∞)) = NaN out and gives p = 0.
         const float max_scaled = tile_max == -kInf ? 0.0f : tile_max * score_to_log2;
         const float old_scaled = row_max[mi] == -kInf ? -kInf : row_max[mi] * score_to_log2;
-        const float correction = exp2_ftz(old_scaled - max_scaled);
+        correction[mi] = exp2_ftz(old_scaled - max_scaled);
         row_max[mi] = tile_max;
-        row_sum[mi] *= correction;
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= correction;
+        row_sum[mi] *= correction[mi];
         float sum_part[kRowChains];
         CUTE_UNROLL
         for (int c = 0; c < kRowChains; ++c) sum_part[c] = 0.0f;
@@ -670,6 +691,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         CUTE_UNROLL
         for (int c = 1; c < kRowChains; ++c) sum += sum_part[c];
         row_sum[mi] += sum;
+      }
+      // O is still zero after the block's first tile (which FA2 skips this for too): a uniform
+      // branch around kRows × dv / 4 multiplies per thread, which weigh most where a block has few
+      // key tiles.
+      if (!first) {
+        CUTE_UNROLL
+        for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= correction[mi];
+        }
       }
 
       // Dropout after the row sums (lse excludes it); 1 / (1 − p) is applied with the final
@@ -792,8 +823,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     }
   }
 
-  // Every warp is done with sQ (the last QKᵀ product) before it becomes the O staging tile.
-  __syncthreads();
+  // sQ becomes the O staging tile: every warp finished reading it (the last QKᵀ product) before
+  // the barrier that followed that product in the key loop (a block without key tiles never
+  // loaded it).
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutQ{});  // (kBlockM, D)
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
