@@ -2,7 +2,7 @@
 """bench/sdpa_flash_grid.py — PyTorch's FlashAttention-2 (SDPA restricted to the flash backend) on
 the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16, batch·seqlen =
 16384 tokens, heads·d = 2048, q/k/v (b, h, s, d) contiguous, CUDA events, median of 30 after 5
-warm-up calls; the backward is autograd's backward of one forward (retain_graph); backward FLOPs
+warm-up calls (all enqueued before one synchronisation, so the host's dispatch is not timed); the backward is autograd's backward of one forward (retain_graph); backward FLOPs
 = 2.5 × forward, halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
 --l2-flush 1 zeroes a 256 MiB buffer before every timed call (outside the events), as
 flashattn_cuda_bench --l2-flush 1 and bench/compare.py do.
@@ -51,7 +51,9 @@ def main():
                     for name, run in passes.items():
                         for _ in range(5):
                             run()
-                        times = []
+                        # All 30 timed calls enqueued before one synchronisation, as do_bench does:
+                        # the host stays ahead, so its dispatch time is not timed as idle GPU.
+                        events = []
                         for _ in range(30):
                             if flush is not None:
                                 flush.zero_()
@@ -59,9 +61,9 @@ def main():
                             start.record()
                             run()
                             stop.record()
-                            stop.synchronize()
-                            times.append(start.elapsed_time(stop))
-                        ms = sorted(times)[len(times) // 2]
+                            events.append((start, stop))
+                        torch.cuda.synchronize()
+                        ms = sorted(e0.elapsed_time(e1) for e0, e1 in events)[len(events) // 2]
                         flops = (2.5 if name == "bwd" else 1.0) * 4 * b * h * s * s * d / (2 if causal else 1)
                         rows.append(dict(impl="torch_sdpa_flash", pass_=name, dtype="bf16", d=d, seqlen=s, batch=b,
                                          heads=h, causal=causal, dropout=args.dropout, l2_flush=bool(flush is not None), ms=ms,
