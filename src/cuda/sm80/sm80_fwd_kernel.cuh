@@ -758,8 +758,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     const float sum = quad_sum(row_sum[mi]);
     // No visible key: out = 0, lse = +∞ (SPEC §2.5), never NaN.
     const bool empty = !(sum > 0.0f);
-    const float inv = empty ? 0.0f : keep_scale / sum;
-    lse[mi] = empty ? kInf : (row_max[mi] * score_to_log2 + log2f(sum)) * kLn2;
+    // sum ≥ 1 (the row's max contributes exp2(0)): the approximate reciprocal and log2 (MUFU, 2 ulp
+    // and 2^-22 absolute) are far inside fp32 accuracy here, where IEEE division and log2f took
+    // some 40 instructions per row, a slow-path call included.
+    const float inv = empty ? 0.0f : __fdividef(keep_scale, sum);
+    lse[mi] = empty ? kInf : (row_max[mi] * score_to_log2 + __log2f(sum)) * kLn2;
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= inv;
   }
@@ -827,15 +830,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // the barrier that followed that product in the key loop (a block without key tiles never
   // loaded it).
   Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutQ{});  // (kBlockM, D)
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+  {
+    // The staging stores address sO directly: the layout's swizzle XORs a row's r mod 8 into bits
+    // 3–5 of its offset, and every element of this thread has the row r0 + Δr (Δr ∈ 8ℤ) and the
+    // column c0 + 8k (the pair's first; c0 = 2 · (lane mod 4) < 8), so that term is the thread's
+    // constant g = r0 mod 8:
+    //   offset(r0 + Δr, c0 + 8k) = (base ⊕ 8 · (k mod 8)) + 512 · Δr / 8 + kBlockM · 64 · ⌊k / 8⌋,
+    //   base = 64g + c0 + 512 · ⌊r0 / 8⌋ + 8g,
+    // one XOR per column chunk instead of the swizzle and the atom arithmetic per element.
+    // (Checked on the host against CuTe's layout for every thread of every forward tile shape.)
+    static_assert(std::is_same_v<typename Traits::SmemLayoutAtom,
+                                 decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}))>,
+                  "the addressing below is that of this atom");
+    const int r0 = get<0>(cO_rc(0, 0));
+    const int c0 = get<1>(cO_rc(0, 0));
+    const int g = r0 & 7;
+    const int base = g * 64 + c0 + (r0 >> 3) * 512 + (g << 3);
+    Element* const o_smem = reinterpret_cast<Element*>(smem);  // sQ's bytes
     CUTE_UNROLL
-    for (int ni = 0; ni < size<1>(acc_o_rc); ni += 2) {
-      // Elements ni, ni+1 are columns c, c+1 of one row: one 32-bit shared store.
-      const Element pair[2] = {static_cast<Element>(acc_o_rc(mi, ni)), static_cast<Element>(acc_o_rc(mi, ni + 1))};
-      std::uint32_t packed;
-      std::memcpy(&packed, pair, sizeof packed);
-      *reinterpret_cast<std::uint32_t*>(&sO(get<0>(cO_rc(mi, ni)), get<1>(cO_rc(mi, ni)))) = packed;
+    for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(acc_o_rc); ni += 2) {
+        // Elements ni, ni+1 are columns c, c+1 of one row: one 32-bit shared store.
+        const Element pair[2] = {static_cast<Element>(acc_o_rc(mi, ni)), static_cast<Element>(acc_o_rc(mi, ni + 1))};
+        std::uint32_t packed;
+        std::memcpy(&packed, pair, sizeof packed);
+        const int dr = get<0>(cO_rc(mi, ni)) - r0;  // compile-time, a multiple of 8
+        const int k = (get<1>(cO_rc(mi, ni)) - c0) >> 3;  // compile-time
+        const int offset = (base ^ ((k & 7) << 3)) + (dr >> 3) * 512 + (k >> 3) * (kBlockM * 64);
+        *reinterpret_cast<std::uint32_t*>(o_smem + offset) = packed;
+      }
     }
   }
   __syncthreads();
