@@ -92,8 +92,13 @@ struct AttentionParams {
 
   // Element offset of row i, head hh of sequence b in a q-like tensor (q, out, dout, dq).
   FA_HOST_DEVICE std::int64_t q_offset(const RowHeadTensor& t, int b, int i, int hh) const {
+    return q_offset_at(t, b, q_row0(b), i, hh);
+  }
+  // The same with row0 = q_row0(b) read by the caller: a kernel reads cu_seqlens once, instead of
+  // one dependent global load per offset it takes.
+  FA_HOST_DEVICE std::int64_t q_offset_at(const RowHeadTensor& t, int b, std::int64_t row0, int i, int hh) const {
     const std::int64_t batch = is_varlen() ? 0 : std::int64_t(b) * t.batch_stride;
-    return batch + (q_row0(b) + i) * t.row_stride + std::int64_t(hh) * t.head_stride;
+    return batch + (row0 + i) * t.row_stride + std::int64_t(hh) * t.head_stride;
   }
   // Element offset of key row j, kv head hk of sequence b in a k-like tensor (k, v, dk, dv);
   // follows the page table for paged caches.
@@ -103,25 +108,37 @@ struct AttentionParams {
       return page * t.batch_stride + std::int64_t(j % page_size) * t.row_stride +
              std::int64_t(hk) * t.head_stride;
     }
-    const std::int64_t batch = is_varlen() ? 0 : std::int64_t(kv_batch(b)) * t.batch_stride;
-    return batch + (k_row0(b) + j) * t.row_stride + std::int64_t(hk) * t.head_stride;
+    return k_offset_at(t, kv_batch(b), k_row0(b), j, hk);
+  }
+  // The unpaged k_offset with kv_b = kv_batch(b) and row0 = k_row0(b) read by the caller.
+  FA_HOST_DEVICE std::int64_t k_offset_at(const RowHeadTensor& t, int kv_b, std::int64_t row0, int j, int hk) const {
+    const std::int64_t batch = is_varlen() ? 0 : std::int64_t(kv_b) * t.batch_stride;
+    return batch + (row0 + j) * t.row_stride + std::int64_t(hk) * t.head_stride;
   }
   // Index of (b, hh, i) in lse / softmax_d.
-  FA_HOST_DEVICE std::int64_t lse_index(int b, int hh, int i) const {
-    return is_varlen() ? std::int64_t(hh) * lse_head_stride + q_row0(b) + i
+  FA_HOST_DEVICE std::int64_t lse_index(int b, int hh, int i) const { return lse_index_at(b, q_row0(b), hh, i); }
+  // The same with row0 = q_row0(b) read by the caller.
+  FA_HOST_DEVICE std::int64_t lse_index_at(int b, std::int64_t row0, int hh, int i) const {
+    return is_varlen() ? std::int64_t(hh) * lse_head_stride + row0 + i
                        : std::int64_t(b) * lse_batch_stride + std::int64_t(hh) * lse_head_stride + i;
   }
 
-  FA_HOST_DEVICE Mask mask(int b) const {
-    return make_mask(causal, window_left, window_right, max_seqlen_k, seqlen_q(b), seqlen_k(b));
+  FA_HOST_DEVICE Mask mask(int b) const { return mask_for(seqlen_q(b), seqlen_k(b)); }
+  // The mask of a sequence of sq queries and sk keys (seqlen_q(b), seqlen_k(b) read by the caller).
+  FA_HOST_DEVICE Mask mask_for(int sq, int sk) const {
+    return make_mask(causal, window_left, window_right, max_seqlen_k, sq, sk);
   }
   template <class Acc>
   FA_HOST_DEVICE ScoreMod<Acc> score_mod(int b, int hh) const {
+    return score_mod_for<Acc>(b, hh, seqlen_q(b), seqlen_k(b));
+  }
+  template <class Acc>
+  FA_HOST_DEVICE ScoreMod<Acc> score_mod_for(int b, int hh, int sq, int sk) const {
     ScoreMod<Acc> m;
     m.scale = Acc(softmax_scale);
     m.softcap = Acc(softcap);
     m.alibi_slope = alibi_slopes ? Acc(alibi_slopes[std::int64_t(b) * alibi_batch_stride + hh]) : Acc(0);
-    m.diag_offset = (long long)seqlen_k(b) - seqlen_q(b);
+    m.diag_offset = (long long)sk - sq;
     return m;
   }
   // Stream index of the dropout counter (docs/dropout.md).

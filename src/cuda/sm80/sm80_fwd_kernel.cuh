@@ -390,8 +390,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const int kv_head = pack > 1 ? blockIdx.y : blockIdx.y / p.group_size();
   const int head = blockIdx.y;  // the query head when pack = 1 (the only case that reads it as one)
 
+  // The sequence's lengths and first rows, read once (varlen and KV caches: global loads that the
+  // offsets below would otherwise each repeat, dependent loads before the first tile's copies).
   const int seqlen_q = p.seqlen_q(batch);
   const int seqlen_k = p.seqlen_k(batch);
+  const std::int64_t q_row0 = p.q_row0(batch);
   const int m_start = m_block * kBlockM;
   if (m_start >= seqlen_q * pack) return;  // varlen: this sequence is shorter than the grid
   const int rows_here = min(kBlockM, seqlen_q * pack - m_start);
@@ -406,7 +409,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const int q_begin = row_query(m_start);
   const int q_end = row_query(m_start + rows_here - 1) + 1;
 
-  const common::Mask mask = p.mask(batch);
+  const common::Mask mask = p.mask_for(seqlen_q, seqlen_k);
   // Key tiles that hold a key visible to some row of this block (the union of the row ranges);
   // split-KV: this CTA's share of them, ⌈tiles / num_splits⌉ each (the last ones may be short or
   // empty).
@@ -455,8 +458,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       }
     }
   };
-  const std::int64_t k_row0_offset = kPaged ? 0 : p.k_offset(p.k, batch, 0, kv_head);
-  const std::int64_t v_row0_offset = kPaged ? 0 : p.k_offset(p.v, batch, 0, kv_head);
+  const std::int64_t k_row0 = kPaged ? 0 : p.k_row0(batch);
+  const int kv_batch = kPaged ? 0 : p.kv_batch(batch);
+  const std::int64_t k_row0_offset = kPaged ? 0 : p.k_offset_at(p.k, kv_batch, k_row0, 0, kv_head);
+  const std::int64_t v_row0_offset = kPaged ? 0 : p.k_offset_at(p.v, kv_batch, k_row0, 0, kv_head);
   // kMayBeShort (a std::bool_constant): whether the tile can end past seqlen_k — only the last
   // tile can, and it is never wholly visible, so only the prologue's K load and the masked tile
   // step's V load need the row check.
@@ -500,6 +505,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     row_sum[r] = 0.0f;
   }
 
+  // Scores reach exp2 through one multiplier: the plain path keeps raw q·k and folds
+  // softmax_scale · log2(e) into it; with softcap or ALiBi the ScoreMod of src/common produces
+  // natural-log scores first, and only log2(e) is left.
+  const TileScoreMod mod(p.score_mod_for<float>(batch, head, seqlen_q, seqlen_k), kScoreModAndDropout || kScoreMod);
+  const float score_to_log2 = mod.out_scale * kLog2e;
+
   if (n_block_min < n_block_max) {
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);            // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma.partition_fragment_B(sK);            // (MMA, MMA_N, MMA_K)
@@ -514,12 +525,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     auto copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
     auto thr_copy_v = copy_v.get_thread_slice(tid);
     Tensor tOsVt = thr_copy_v.partition_S(sVt);
-
-    // Scores reach exp2 through one multiplier: the plain path keeps raw q·k and folds
-    // softmax_scale · log2(e) into it; with softcap or ALiBi the ScoreMod of src/common produces
-    // natural-log scores first, and only log2(e) is left.
-    const TileScoreMod mod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod);
-    const float score_to_log2 = mod.out_scale * kLog2e;
 
     const bool use_dropout = kScoreModAndDropout && p.dropout_p > 0.0f;
     common::DropoutParams dropout = p.dropout;
@@ -540,12 +545,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     // Unpacked, the block's rows are evenly spaced (dense and varlen): one offset for the tile;
     // packed rows each take their (query row, head) offset.
     if constexpr (!kPacked) {
-      load_strided_tile<Traits, kBlockM>(q_base + p.q_offset(p.q, batch, m_start, head), p.q.row_stride, sQ,
+      load_strided_tile<Traits, kBlockM>(q_base + p.q_offset_at(p.q, batch, q_row0, m_start, head), p.q.row_stride, sQ,
                                          rows_here, p.head_dim, tid);
     } else {
       load_tile<Traits, kBlockM>(
           q_base, sQ, rows_here, p.head_dim,
-          [&](int r) { return p.q_offset(p.q, batch, row_query(m_start + r), row_head(m_start + r)); }, tid);
+          [&](int r) { return p.q_offset_at(p.q, batch, q_row0, row_query(m_start + r), row_head(m_start + r)); }, tid);
     }
     if constexpr (kPaged) {
       cp_async_fence();    // Q, a group of its own
@@ -749,7 +754,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
 
   // --- epilogue: normalise, lse, O through shared memory -------------------------------------
   const float keep_scale = kScoreModAndDropout && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f;
-  const float score_to_log2 = TileScoreMod(p.score_mod<float>(batch, head), kScoreModAndDropout || kScoreMod).out_scale * kLog2e;
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
   float lse[kRows];
@@ -811,7 +815,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // row: the stores may alias it as far as the compiler knows).
   if (p.lse != nullptr && (tid & 3) == 0) {
     if constexpr (!kPacked) {
-      float* const lse_rows = p.lse + p.lse_index(batch, head, m_start);
+      float* const lse_rows = p.lse + p.lse_index_at(batch, q_row0, head, m_start);
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         const int row = get<0>(cO_rc(mi, 0));
@@ -821,7 +825,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         const int row = get<0>(cO_rc(mi, 0));
-        if (row < rows_here) p.lse[p.lse_index(batch, row_head(m_start + row), row_query(m_start + row))] = lse[mi];
+        if (row < rows_here) {
+          p.lse[p.lse_index_at(batch, q_row0, row_head(m_start + row), row_query(m_start + row))] = lse[mi];
+        }
       }
     }
   }
@@ -885,12 +891,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     }
   };
   if constexpr (!kPacked) {
-    Element* const out_rows = out_base + p.q_offset(p.out, batch, m_start, head);
+    Element* const out_rows = out_base + p.q_offset_at(p.out, batch, q_row0, m_start, head);
     const std::int64_t row_stride = p.out.row_stride;
     store_rows([&](int row) { return out_rows + row * row_stride; });
   } else {
     store_rows([&](int row) {
-      return out_base + p.q_offset(p.out, batch, row_query(m_start + row), row_head(m_start + row));
+      return out_base + p.q_offset_at(p.out, batch, q_row0, row_query(m_start + row), row_head(m_start + row));
     });
   }
 }
