@@ -2,8 +2,9 @@
 """bench/sdpa_flash_grid.py — PyTorch's FlashAttention-2 (SDPA restricted to the flash backend) on
 the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16, batch·seqlen =
 16384 tokens, heads·d = 2048, q/k/v (b, h, s, d) contiguous, CUDA events, median of 30 after 5
-warm-up calls (all enqueued before one synchronisation, so the host's dispatch is not timed); the backward is autograd's backward of one forward (retain_graph); backward FLOPs
-= 2.5 × forward, halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
+warm-up calls (all enqueued before one synchronisation, so the host's dispatch is not timed); the
+backward is autograd's backward of one forward (retain_graph); backward FLOPs = 2.5 × forward,
+halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
 --l2-flush 1 zeroes a 256 MiB buffer before every timed call (outside the events), as
 flashattn_cuda_bench --l2-flush 1 and bench/compare.py do.
 

@@ -85,7 +85,9 @@ constexpr FwdTile fwd_short_tile(int head_dim) {
 // CTAs per SM that the short tile's registers are capped for (the d 256 one is held to two by its
 // shared memory anyway).
 constexpr int fwd_short_min_blocks(int head_dim) {
-  return head_dim <= 64 ? FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS : head_dim <= 128 ? FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS : 1;
+  return head_dim <= 64    ? FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS
+         : head_dim <= 128 ? FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS
+                           : 1;
 }
 constexpr bool fwd_has_short_tile(int head_dim) { return fwd_short_keys(head_dim) > 0; }
 
