@@ -50,29 +50,33 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
 // (fwd_keys_per_row), the plain tile above beyond; 0: never (one tile for all lengths). With few
 // key tiles per CTA its prologue and epilogue weigh more, and more CTAs per SM hide them; with
 // many, the bigger tile reads K/V half as often. Unpacked, unpaged, not split-KV only.
-//   d 256: 64 × 64 (96 KiB, two CTAs per SM on an H100/H200). H200, bf16: ×1.08 at s ≤ 2048.
+//   d 256: 64 × 64 (96 KiB, two CTAs per SM on an H100/H200). H200, bf16, L2 flushed: ×1.08 at
+//   s ≤ 2048; at s 4096 ×1.02 (4096 keys) and ×1.06 (causal, 2049 keys on average).
 //   d 64, d 128: 64 × FLASHATTN_SM80_FWD64_SHORT_BLOCK_N and 64 × 64 (24 and 48 KiB), their
 //   registers capped for FLASHATTN_SM80_FWD<d>_SHORT_MIN_BLOCKS CTAs per SM (__launch_bounds__;
 //   1: no cap). Uncapped on sm_90a they take 162 (d 64) and 200 registers (d 128) — three and
 //   two CTAs per SM; capped without spills at 4 (d 64, 64 keys: 128 registers) and 3 (d 128, 168;
-//   d 64 with 128 keys: 168). Off until timed beside the plain tiles.
+//   d 64 with 128 keys: 168). H200, bf16: causal s 512 (257 keys per row on average) ×1.15 at
+//   d 64 and ×1.08 at d 128; but 512 keys without a mask ×0.92 / ×0.95 (the plain tile's causal
+//   blocks are what is uneven there, not the count of key tiles), causal s 1024 (513) ×1.01, and
+//   from 2048 keys ×0.89–0.97 — hence 384.
 #ifndef FLASHATTN_SM80_FWD256_SHORT_KEYS
-#define FLASHATTN_SM80_FWD256_SHORT_KEYS 2048
+#define FLASHATTN_SM80_FWD256_SHORT_KEYS 4096
 #endif
 #ifndef FLASHATTN_SM80_FWD128_SHORT_KEYS
-#define FLASHATTN_SM80_FWD128_SHORT_KEYS 0
+#define FLASHATTN_SM80_FWD128_SHORT_KEYS 384
 #endif
 #ifndef FLASHATTN_SM80_FWD64_SHORT_KEYS
-#define FLASHATTN_SM80_FWD64_SHORT_KEYS 0
+#define FLASHATTN_SM80_FWD64_SHORT_KEYS 384
 #endif
 #ifndef FLASHATTN_SM80_FWD64_SHORT_BLOCK_N
 #define FLASHATTN_SM80_FWD64_SHORT_BLOCK_N 64
 #endif
 #ifndef FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS
-#define FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS 1
+#define FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS 4
 #endif
 #ifndef FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS
-#define FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS 1
+#define FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS 3
 #endif
 constexpr int fwd_short_keys(int head_dim) {
   return head_dim <= 64    ? FLASHATTN_SM80_FWD64_SHORT_KEYS

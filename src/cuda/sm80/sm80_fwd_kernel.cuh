@@ -110,9 +110,11 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 // Tuning knob (a compile definition; scripts/gpu-variants times it): 1 issues the V load of a
 // block's first key tile in the prologue, beside Q and K, instead of after the first barrier —
 // its latency then overlaps theirs rather than following them, which matters where a block has
-// few key tiles (short sequences, the low row blocks of a causal mask). Not yet timed.
+// few key tiles (short sequences, the low row blocks of a causal mask). H200, bf16, with the
+// short tiles: ×1.003 over d 64/128/256 × s 512…4096 × causal or not (within noise, never a
+// loss beyond it); on by default.
 #ifndef FLASHATTN_SM80_FWD_EARLY_V
-#define FLASHATTN_SM80_FWD_EARLY_V 0
+#define FLASHATTN_SM80_FWD_EARLY_V 1
 #endif
 constexpr bool kEarlyFirstV = FLASHATTN_SM80_FWD_EARLY_V != 0;
 
