@@ -118,6 +118,17 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 #endif
 constexpr bool kEarlyFirstV = FLASHATTN_SM80_FWD_EARLY_V != 0;
 
+// Tuning knob: 1 rescales O after a key tile only where the tile raised the max of some row of
+// the warp (a vote; the branch is warp-uniform). A row whose max stayed put has correction
+// exp2(0) = 1, which this takes exactly instead of from the MUFU, so the result is the same
+// algorithm; on long sequences the max of most rows settles within a few tiles, and the
+// kRows × dv / 4 multiplies per thread and tile (128 at d 128 and d 256, 64 at d 64), which stand
+// between the softmax and the P·V product, are then skipped. Not yet timed.
+#ifndef FLASHATTN_SM80_FWD_LAZY_RESCALE
+#define FLASHATTN_SM80_FWD_LAZY_RESCALE 0
+#endif
+constexpr bool kLazyRescale = FLASHATTN_SM80_FWD_LAZY_RESCALE != 0;
+
 // x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
 // built on it stay "base + constant" inside the key loop instead of being hoisted out as one
 // loop-invariant register per accumulator element (which spills).
@@ -667,6 +678,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
                                  : (Traits::kHeadDim == 128 ? 4 : 1);
       static_assert(kRowChains >= 1 && decltype(size<1>(s))::value % kRowChains == 0, "chains divide the row");
       float correction[kRows];  // exp2(old max − new max) of each row, for O
+      bool any_max_grew = false;  // kLazyRescale: whether one of this thread's rows got a new max
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
         float max_part[kRowChains];
@@ -683,6 +695,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         const float max_scaled = tile_max == -kInf ? 0.0f : tile_max * score_to_log2;
         const float old_scaled = row_max[mi] == -kInf ? -kInf : row_max[mi] * score_to_log2;
         correction[mi] = exp2_ftz(old_scaled - max_scaled);
+        if constexpr (kLazyRescale) {
+          // (−∞ staying −∞: O and the sum are still zero, and 1 keeps them so)
+          const bool grew = tile_max > row_max[mi];
+          any_max_grew |= grew;
+          if (!grew) correction[mi] = 1.0f;
+        }
         row_max[mi] = tile_max;
         row_sum[mi] *= correction[mi];
         float sum_part[kRowChains];
@@ -702,7 +720,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       // O is still zero after the block's first tile (which FA2 skips this for too): a uniform
       // branch around kRows × dv / 4 multiplies per thread, which weigh most where a block has few
       // key tiles.
-      if (!first) {
+      bool rescale = !first;
+      if constexpr (kLazyRescale) rescale = rescale && __any_sync(0xffffffffu, any_max_grew);
+      if (rescale) {
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
           CUTE_UNROLL
