@@ -678,7 +678,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
                                  : (Traits::kHeadDim == 128 ? 4 : 1);
       static_assert(kRowChains >= 1 && decltype(size<1>(s))::value % kRowChains == 0, "chains divide the row");
       float correction[kRows];  // exp2(old max − new max) of each row, for O
-      bool any_max_grew = false;  // kLazyRescale: whether one of this thread's rows got a new max
+      [[maybe_unused]] bool any_max_grew = false;  // kLazyRescale: whether one of this thread's rows got a new max
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
         float max_part[kRowChains];
