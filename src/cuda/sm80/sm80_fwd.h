@@ -57,7 +57,7 @@ constexpr FwdTile fwd_tile(int head_dim, bool full) {
 //   1: no cap). Uncapped on sm_90a they take 162 (d 64) and 200 registers (d 128) — three and
 //   two CTAs per SM; capped without spills at 4 (d 64, 64 keys: 128 registers) and 3 (d 128, 168;
 //   d 64 with 128 keys: 168). H200, bf16: causal s 512 (257 keys per row on average) ×1.15 at
-//   d 64 and ×1.08 at d 128; but 512 keys without a mask ×0.92 / ×0.95 (the plain tile's causal
+//   d 64 and ×1.08 at d 128; but 512 keys without a mask ×0.92 / ×0.94 (the plain tile's causal
 //   blocks are what is uneven there, not the count of key tiles), causal s 1024 (513) ×1.01, and
 //   from 2048 keys ×0.89–0.97 — hence 384.
 #ifndef FLASHATTN_SM80_FWD256_SHORT_KEYS
