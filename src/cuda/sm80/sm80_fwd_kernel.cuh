@@ -129,6 +129,22 @@ constexpr bool kEarlyFirstV = FLASHATTN_SM80_FWD_EARLY_V != 0;
 #endif
 constexpr bool kLazyRescale = FLASHATTN_SM80_FWD_LAZY_RESCALE != 0;
 
+// Tuning knob: where O is rescaled after a key tile in the plain variant. 1 skips it after a
+// block's first key tile (O is still zero there) by a uniform branch after the row loop; 0
+// rescales row by row inside the loop on every tile (after the first tile the correction is
+// exp2(−∞) = 0 and O stays zero), where ptxas interleaves the multiplies with the row's MUFU
+// exponentials; −1 (default) by head dim: 1 at d 128, 0 elsewhere. H200, bf16, d 64, L2 flushed:
+// the branch costs ×0.97–0.98 at s 4096 / 16384 (336.0 → 327.1 TFLOP/s without a mask, in one
+// call); d 128 did not lose by it, and in the loop its short tile spills (12 bytes, sm_90a).
+// FLASHATTN_SM80_FWD_LAZY_RESCALE implies the branch, and the full variant (dropout, softcap,
+// ALiBi) always takes it: in the loop its paged d 64 kernel spilled 492 bytes instead of 88.
+#ifndef FLASHATTN_SM80_FWD_FIRST_RESCALE
+#define FLASHATTN_SM80_FWD_FIRST_RESCALE -1
+#endif
+template <int kHeadDim>
+constexpr bool kBranchRescale = kLazyRescale || FLASHATTN_SM80_FWD_FIRST_RESCALE == 1 ||
+                                (FLASHATTN_SM80_FWD_FIRST_RESCALE < 0 && kHeadDim == 128);
+
 // x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
 // built on it stay "base + constant" inside the key loop instead of being hoisted out as one
 // loop-invariant register per accumulator element (which spills).
@@ -703,6 +719,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         }
         row_max[mi] = tile_max;
         row_sum[mi] *= correction[mi];
+        if constexpr (!kBranchRescale<Traits::kHeadDim> && !kScoreModAndDropout) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= correction[mi];
+        }
         float sum_part[kRowChains];
         CUTE_UNROLL
         for (int c = 0; c < kRowChains; ++c) sum_part[c] = 0.0f;
@@ -717,10 +737,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         for (int c = 1; c < kRowChains; ++c) sum += sum_part[c];
         row_sum[mi] += sum;
       }
-      // O is still zero after the block's first tile (which FA2 skips this for too): a uniform
-      // branch around kRows × dv / 4 multiplies per thread, which weigh most where a block has few
-      // key tiles.
-      bool rescale = !first;
+      // kBranchRescale (or the full variant): O is still zero after the block's first tile (FA2
+      // skips this for it too): a uniform branch around kRows × dv / 4 multiplies per thread,
+      // which weigh most where a block has few key tiles.
+      bool rescale = (kBranchRescale<Traits::kHeadDim> || kScoreModAndDropout) && !first;
       if constexpr (kLazyRescale) rescale = rescale && __any_sync(0xffffffffu, any_max_grew);
       if (rescale) {
         CUTE_UNROLL
