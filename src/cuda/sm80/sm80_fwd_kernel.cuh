@@ -123,7 +123,8 @@ constexpr bool kEarlyFirstV = FLASHATTN_SM80_FWD_EARLY_V != 0;
 // exp2(0) = 1, which this takes exactly instead of from the MUFU, so the result is the same
 // algorithm; on long sequences the max of most rows settles within a few tiles, and the
 // kRows × dv / 4 multiplies per thread and tile (128 at d 128 and d 256, 64 at d 64), which stand
-// between the softmax and the P·V product, are then skipped. Not yet timed.
+// between the softmax and the P·V product, are then skipped. H200, bf16, beside the first-tile
+// branch of FLASHATTN_SM80_FWD_FIRST_RESCALE=1: d 64 ×0.98–0.99, d 256 ×1.01–1.02; off.
 #ifndef FLASHATTN_SM80_FWD_LAZY_RESCALE
 #define FLASHATTN_SM80_FWD_LAZY_RESCALE 0
 #endif
