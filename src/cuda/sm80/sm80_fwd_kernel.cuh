@@ -695,6 +695,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
                                  : (Traits::kHeadDim == 128 ? 4 : 1);
       static_assert(kRowChains >= 1 && decltype(size<1>(s))::value % kRowChains == 0, "chains divide the row");
       float correction[kRows];  // exp2(old max − new max) of each row, for O
+      // O rescaled after the row loop, skipping the block's first tile; otherwise inside it
+      constexpr bool kRescaleAfterLoop = kBranchRescale<Traits::kHeadDim> || kScoreModAndDropout;
       [[maybe_unused]] bool any_max_grew = false;  // kLazyRescale: whether one of this thread's rows got a new max
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
@@ -720,7 +722,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         }
         row_max[mi] = tile_max;
         row_sum[mi] *= correction[mi];
-        if constexpr (!kBranchRescale<Traits::kHeadDim> && !kScoreModAndDropout) {
+        if constexpr (!kRescaleAfterLoop) {
           CUTE_UNROLL
           for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= correction[mi];
         }
@@ -738,10 +740,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         for (int c = 1; c < kRowChains; ++c) sum += sum_part[c];
         row_sum[mi] += sum;
       }
-      // kBranchRescale (or the full variant): O is still zero after the block's first tile (FA2
-      // skips this for it too): a uniform branch around kRows × dv / 4 multiplies per thread,
-      // which weigh most where a block has few key tiles.
-      bool rescale = (kBranchRescale<Traits::kHeadDim> || kScoreModAndDropout) && !first;
+      // kRescaleAfterLoop: O is still zero after the block's first tile (FA2 skips this for it
+      // too): a uniform branch around kRows × dv / 4 multiplies per thread, which weigh most
+      // where a block has few key tiles.
+      bool rescale = kRescaleAfterLoop && !first;
       if constexpr (kLazyRescale) rescale = rescale && __any_sync(0xffffffffu, any_max_grew);
       if (rescale) {
         CUTE_UNROLL
