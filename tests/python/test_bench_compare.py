@@ -307,3 +307,35 @@ def test_cpu_timer_warms_up_as_told_and_the_cli_gets_the_same_count(compare):
     cmd = compare.cpp_bench_command("flashattn-bench", case, {}, timer)
     assert cmd[cmd.index("--warmup") + 1] == "4" and cmd[cmd.index("--repeats") + 1] == "3"
     assert compare.CPU_WARMUP["full"] >= 8  # glibc reuses an output size's memory after about eight
+
+
+def test_grid_report_gives_the_ratio_to_fa2_and_names_the_cases_fa2_leads(compare, tmp_path):
+    """The grid tables carry flashattn ÷ FA2 (forward / backward, three decimals) beside ÷ cuDNN,
+    and under each dtype's table one line per direction gives the range and names every case where
+    FA2 is ahead — however slightly; without FA2 timings (the CPU dry run) there is no such line."""
+    assert compare.main(["--dry-run", "--cases", "grid", "--dtypes", "bf16", "--out", str(tmp_path),
+                         "--no-plots"]) == 0
+    (path,) = tmp_path.glob("compare-*.json")
+    report = load("make_report")
+    out = tmp_path / "plain.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    assert "÷ FA2" in out.read_text() and "÷ FA2:" not in out.read_text()
+
+    data = json.loads(path.read_text())
+    grid = sorted((c for c in data["cases"] if c["group"] == "grid"), key=lambda c: c["id"])
+    assert len(grid) >= 2
+    behind, ahead = grid[0], grid[1]
+    for case, factor in ((behind, 1.0001), (ahead, 0.5)):  # FA2 a hair faster / half as fast
+        mine = case["results"]["flashattn"]
+        case["results"]["fa2"] = {dn: {"tflops": mine[dn]["tflops"] * factor} for dn in ("fwd", "bwd")}
+    path.write_text(json.dumps(data))
+    out = tmp_path / "fa2.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| 0.500 / 0.500 |" not in text and "| 2.000 / 2.000 |" in text
+    assert "| 1.000 / 1.000 |" in text  # 1 / 1.0001 at three decimals
+    p = behind["params"]
+    named = f"d {p['d']}{' causal' if p['causal'] else ''} s {p['sq']} (0.9999)"
+    for direction in ("forward", "backward"):
+        line = next(l for l in text.splitlines() if l.startswith(f"- {direction} ÷ FA2:"))
+        assert "1.000–2.000 over 2 cases" in line and f"FA2 ahead in 1: {named}" in line, line
