@@ -11,6 +11,9 @@
 #include <utility>
 
 #include "cuda/cuda_common.h"
+#include "cuda/device_query.h"
+#include "cuda/family.h"
+#include "cuda/sm90/sm90_registry.h"
 #include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_registry.h"
 #include "cuda/sm80/sm80_smem.h"
@@ -23,41 +26,11 @@ int fwd_head_dim(const common::AttentionParams& p) { return detail::head_dim_for
 
 // --- split-KV ----------------------------------------------------------------------------------
 
-constexpr int kMaxCachedDevices = 64;
 // A forward CTA of 4 warps may hold up to 255 registers per thread: 128 · 255 ≈ half of the 64K
 // register file, so two fit an SM; the 8-warp tile (d 256) takes it all.
 constexpr int kRegisterFileSize = 65536;
 constexpr int kMaxRegistersPerThread = 256;
 constexpr int kWarpSize = 32;
-
-
-// Attribute `attr` of the current device, asked once per device (`cache`: one slot per device,
-// zero = not asked yet); 0 when it cannot be asked.
-int current_device_attribute(cudaDeviceAttr attr, std::atomic<int> (&cache)[kMaxCachedDevices]) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();  // clear the error, so that the next launch does not report it
-    return 0;
-  }
-  const bool cacheable = device >= 0 && device < kMaxCachedDevices;
-  if (cacheable) {
-    const int known = cache[device].load(std::memory_order_relaxed);
-    if (known > 0) return known;
-  }
-  int value = 0;
-  if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  if (cacheable) cache[device].store(value, std::memory_order_relaxed);
-  return value;
-}
-
-// SMs of the current device (0 when it cannot be asked).
-int current_sm_count() {
-  static std::atomic<int> cache[kMaxCachedDevices];  // static storage: zero = not asked yet
-  return current_device_attribute(cudaDevAttrMultiProcessorCount, cache);
-}
 
 }  // namespace
 
@@ -67,9 +40,8 @@ std::atomic<int> smem_cap{0};  // set_smem_limit_for_testing; 0 = none
 }  // namespace
 
 int smem_per_block_limit() {
-  static std::atomic<int> cache[kMaxCachedDevices];  // static storage: zero = not asked yet
   constexpr int kUnknown = 1 << 30;
-  const int asked = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, cache);
+  const int asked = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   const int bytes = asked > 0 ? asked : kUnknown;
   const int cap = smem_cap.load(std::memory_order_relaxed);
   return cap > 0 && cap < bytes ? cap : bytes;
@@ -93,20 +65,29 @@ std::size_t lse_partial_bytes(const common::AttentionParams& p, int splits) {
 
 }  // namespace
 
-bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
+std::string sm80_forward_refusal(const common::AttentionParams& p, int* head_dim) {
   // A key tile's page-table entries are staged in shared memory, kBlockN / 16 + 1 of them.
   if (p.is_paged() && p.page_size % 16 != 0) {
-    if (why_not) *why_not = "paged K/V: the CUDA kernels take page sizes that are multiples of 16 rows";
-    return false;
+    return "paged K/V: the CUDA kernels take page sizes that are multiples of 16 rows";
   }
+  std::string why;
   if (!detail::can_serve_common(p, sm80::Family::fwd, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}},
-                                 why_not)) {
-    return false;
+                                 &why)) {
+    return why;
   }
   // The smallest tile (the full variant's) must fit a block's shared memory on this device.
-  const int head_dim = fwd_head_dim(p);
-  return detail::smem_fits("forward", head_dim, sm80::fwd_smem_bytes(head_dim, sm80::fwd_tile(head_dim, true)),
-                           why_not);
+  *head_dim = fwd_head_dim(p);
+  if (!detail::smem_fits("forward", *head_dim, sm80::fwd_smem_bytes(*head_dim, sm80::fwd_tile(*head_dim, true)),
+                         &why)) {
+    return why;
+  }
+  return "";
+}
+
+bool can_serve_forward(const common::AttentionParams& p, std::string* why_not) {
+  const FamilyChoice choice = choose_forward_family(p);
+  if (!choice.served && why_not) *why_not = choice.why_not;
+  return choice.served;
 }
 
 int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits) {
@@ -171,16 +152,20 @@ std::size_t forward_workspace_size(const common::AttentionParams& p) {
 
 void forward(const common::AttentionParams& p, void* stream, const std::uint64_t* rng_state, void* workspace,
              std::size_t workspace_bytes) {
-  std::string why;
-  if (!can_serve_forward(p, &why)) throw Error("flashattn::forward (CUDA): " + why);
+  const FamilyChoice choice = choose_forward_family(p);
+  if (!choice.served) throw Error("flashattn::forward (CUDA): " + choice.why_not);
   if (p.batch == 0 || p.max_seqlen_q == 0) return;  // nothing to compute (SPEC §5 special cases)
-  const int head_dim = fwd_head_dim(p);
+  const int head_dim = choice.head_dim;
   auto* s = static_cast<cudaStream_t>(stream);
   auto check = [](cudaError_t err) {
     if (err != cudaSuccess) {
       throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
     }
   };
+  if (choice.family == Family::sm90) {
+    check(sm90::dispatch_fwd(p.storage, head_dim, p, rng_state, s));
+    return;
+  }
 
   // Split only when asked for (or chosen) and the workspace holds the partials; a misaligned
   // workspace is used from its first aligned byte on.
@@ -234,6 +219,8 @@ std::string compiled_kernels() {
             sm80::compiled_head_dims(family, common::Storage::f16) + ", bf16 d " +
             sm80::compiled_head_dims(family, common::Storage::bf16);
   }
+  list += "; sm90 fwd: f16 d " + sm90::compiled_head_dims(sm90::Family::fwd, common::Storage::f16) + ", bf16 d " +
+          sm90::compiled_head_dims(sm90::Family::fwd, common::Storage::bf16);
   return list;
 }
 

@@ -49,8 +49,9 @@ inline bool smem_fits(const char* what, int head_dim, int need, std::string* why
   return false;
 }
 
-// The checks shared by all families. tensors: those the kernels access with 16-byte vectors.
-inline bool can_serve_common(const common::AttentionParams& p, sm80::Family family,
+// The checks every family makes: dtype, 16-byte alignment of `tensors` (those the kernels access
+// with 16-byte vectors or TMA), the grid limits.
+inline bool can_serve_layout(const common::AttentionParams& p,
                              std::initializer_list<std::pair<const char*, const common::RowHeadTensor*>> tensors,
                              std::string* why_not) {
   auto no = [&](const std::string& why) {
@@ -59,9 +60,6 @@ inline bool can_serve_common(const common::AttentionParams& p, sm80::Family fami
   };
   if (p.storage != common::Storage::f16 && p.storage != common::Storage::bf16) {
     return no("the CUDA kernels take fp16 or bf16 only");
-  }
-  if (head_dim_for(family, p) == 0) {
-    return no(sm80::missing_kernel_reason(family, p.storage, std::max(p.head_dim, p.head_dim_v)));
   }
   for (const auto& [name, t] : tensors) {
     if (!aligned(*t)) {
@@ -72,6 +70,17 @@ inline bool can_serve_common(const common::AttentionParams& p, sm80::Family fami
   }
   if (p.heads > kMaxGridYZ || p.batch > kMaxGridYZ) return no("more than 65535 heads or batch entries");
   return true;
+}
+
+// The sm80 family's checks: a compiled kernel of `family` for the head dim, then the layout.
+inline bool can_serve_common(const common::AttentionParams& p, sm80::Family family,
+                             std::initializer_list<std::pair<const char*, const common::RowHeadTensor*>> tensors,
+                             std::string* why_not) {
+  if ((p.storage == common::Storage::f16 || p.storage == common::Storage::bf16) && head_dim_for(family, p) == 0) {
+    if (why_not) *why_not = sm80::missing_kernel_reason(family, p.storage, std::max(p.head_dim, p.head_dim_v));
+    return false;
+  }
+  return can_serve_layout(p, tensors, why_not);
 }
 
 }  // namespace flashattn::cuda::detail

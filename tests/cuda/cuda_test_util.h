@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -45,14 +46,48 @@ inline constexpr int kSmemH100 = 227 * 1024;  // H100, H200
 inline constexpr int kSmemA100 = 163 * 1024;  // A100, A30
 inline constexpr int kSmemSm86 = 99 * 1024;   // sm86 / sm89: RTX 30xx / 40xx, A10, L4, L40
 
-// For its lifetime, the kernels choose their tiles as on a GPU with `bytes` of shared memory per
-// block (a cap: on this GPU the smaller tiles then run).
+// For its lifetime, FLASHATTN_CUDA_FAMILY is `family` ("sm80", "sm90"; "" unsets it): the
+// calls run in that kernel family alone (cuda/family.h). The previous value is restored.
+class FamilyOverride {
+ public:
+  explicit FamilyOverride(const char* family) {
+    const char* old = std::getenv(kVariable);
+    had_old_ = old != nullptr;
+    if (had_old_) old_ = old;
+    if (*family) {
+      setenv(kVariable, family, 1);
+    } else {
+      unsetenv(kVariable);
+    }
+  }
+  ~FamilyOverride() {
+    if (had_old_) {
+      setenv(kVariable, old_.c_str(), 1);
+    } else {
+      unsetenv(kVariable);
+    }
+  }
+  FamilyOverride(const FamilyOverride&) = delete;
+  FamilyOverride& operator=(const FamilyOverride&) = delete;
+
+ private:
+  static constexpr const char* kVariable = "FLASHATTN_CUDA_FAMILY";
+  bool had_old_ = false;
+  std::string old_;
+};
+
+// For its lifetime, the sm80 kernels choose their tiles as on a GPU with `bytes` of shared memory
+// per block (a cap: on this GPU the smaller tiles then run); the calls run in the sm80 family,
+// whose tiles these are.
 class SmemLimitCap {
  public:
-  explicit SmemLimitCap(int bytes) { flashattn::cuda::sm80::set_smem_limit_for_testing(bytes); }
+  explicit SmemLimitCap(int bytes) : family_("sm80") { flashattn::cuda::sm80::set_smem_limit_for_testing(bytes); }
   ~SmemLimitCap() { flashattn::cuda::sm80::set_smem_limit_for_testing(0); }
   SmemLimitCap(const SmemLimitCap&) = delete;
   SmemLimitCap& operator=(const SmemLimitCap&) = delete;
+
+ private:
+  FamilyOverride family_;
 };
 
 // Records a skip (GTEST_SKIP from a helper: the test is reported as skipped unless something else

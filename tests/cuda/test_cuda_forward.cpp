@@ -292,6 +292,7 @@ TEST_P(CudaForward, CacheBatchIdx) {
 // the packed kernel is what runs.
 TEST_P(CudaForward, PackedGqa) {
   FA_SKIP_WITHOUT_GPU();
+  const FamilyOverride family("sm80");  // GQA packing is the sm80 family's
   const ParamsHook packed = [](c::AttentionParams& dp, DeviceArena&) {
     EXPECT_EQ(flashattn::cuda::sm80::fwd_pack(dp, 128), dp.heads / dp.heads_k);
   };
@@ -386,6 +387,7 @@ TEST_P(CudaForward, SmallSharedMemoryTiles) {
 // against the reference, dense and causal, on either side of the threshold.
 TEST_P(CudaForward, ShortSequenceTile) {
   FA_SKIP_WITHOUT_GPU();
+  const FamilyOverride family("sm80");  // the sm80 family's tile choice
   namespace sm80 = flashattn::cuda::sm80;
   for (int d : {64, 128, 256}) {
     SCOPED_TRACE("d " + std::to_string(d));

@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """Writes the CUDA kernel instantiation files and the kernel registry from the manifest.
 
-    python3 tools/codegen/generate.py           # (re)write src/cuda/sm80/inst/*.cu and the registry
+    python3 tools/codegen/generate.py           # (re)write src/cuda/<arch>/inst/*.cu and the registries
     python3 tools/codegen/generate.py --check   # exit 1 if any generated file is missing or stale,
-                                                # or inst/ holds a file the manifest does not name
+                                                # or an inst/ folder holds a file the manifest does not name
 
-The manifest (tools/codegen/kernels.json) lists the kernel families (launcher template, the header
-that defines it, its parameters), the dtypes and the head dims. Every (family, dtype, head dim)
-becomes one translation unit, src/cuda/sm80/inst/sm80_<family>_hdim<d>_<dtype>.cu, holding one
+The manifest (tools/codegen/kernels.json) lists, per kernel family ("arch": sm80, sm90), the GPU
+architectures its code is compiled for, its kinds of kernel (launcher template, the header that
+defines it, its parameters), the dtypes and the head dims. Every (arch, kind, dtype, head dim)
+becomes one translation unit, src/cuda/<arch>/inst/<arch>_<kind>_hdim<d>_<dtype>.cu, holding one
 explicit instantiation (one CuTe kernel set per nvcc process keeps compile time and memory low).
 
-The registry (src/cuda/sm80/sm80_registry.{h,cu}) is what the dispatcher calls: per family, the
-smallest compiled head dim that holds a call, a dispatch function with one case per kernel, and
-the reason when nothing serves a call. CMake compiles only the instantiations that
-FLASHATTN_CUDA_HEAD_DIMS and FLASHATTN_CUDA_DTYPES select and defines
-FLASHATTN_SM80_<FAMILY>_<DTYPE>_<D> for each; the registry's cases are guarded by those macros, so
+Each arch's registry (src/cuda/<arch>/<arch>_registry.{h,cu}) is what the dispatcher calls: per
+kind, the smallest compiled head dim that holds a call, a dispatch function with one case per
+kernel, and the reason when nothing serves a call. CMake compiles only the instantiations that
+FLASHATTN_CUDA_HEAD_DIMS and FLASHATTN_CUDA_DTYPES select, each only for the GPU architectures of
+its arch (cuda_archs; "all" = every one the build targets), and defines
+FLASHATTN_<ARCH>_<KIND>_<DTYPE>_<D> for each; the registry's cases are guarded by those macros, so
 a smaller build links and reports, for a call it cannot serve, which option would build the kernel.
 """
 import argparse
@@ -57,6 +59,7 @@ def dispatch_signature(family):
 
 def registry_header(m):
     arch = m["arch"]
+    includes = [f'#include "{h}"' for h in m["headers"]]
     families = ", ".join(f["name"] for f in m["families"])
     lines = [
         BANNER,
@@ -70,8 +73,7 @@ def registry_header(m):
         "#include <string>",
         "",
         '#include "common/params.h"',
-        f'#include "cuda/{arch}/{arch}_bwd.h"',
-        f'#include "cuda/{arch}/{arch}_fwd.h"',
+        *includes,
         "",
         f"namespace flashattn::cuda::{arch} {{",
         "",
@@ -208,7 +210,14 @@ def registry_source(m):
     return "\n".join(lines)
 
 
-def outputs(m):
+def outputs(manifest):
+    files = {}
+    for m in manifest["archs"]:
+        files.update(arch_outputs(m))
+    return files
+
+
+def arch_outputs(m):
     arch = m["arch"]
     base = ROOT / "src" / "cuda" / arch
     files = {}
@@ -225,10 +234,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="verify instead of writing")
     args = ap.parse_args()
-    m = json.loads(MANIFEST.read_text())
-    files = outputs(m)
-    inst_dir = ROOT / "src" / "cuda" / m["arch"] / "inst"
-    orphans = sorted(p for p in inst_dir.glob("*.cu") if p not in files)
+    manifest = json.loads(MANIFEST.read_text())
+    files = outputs(manifest)
+    orphans = sorted(p for m in manifest["archs"] for p in (ROOT / "src" / "cuda" / m["arch"] / "inst").glob("*.cu")
+                     if p not in files)
     if args.check:
         stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
         for p in stale:

@@ -1,0 +1,85 @@
+// src/cuda/family.cu — the ordered choice of a kernel family per call (family.h).
+#include "cuda/family.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/cuda_common.h"
+#include "cuda/device_query.h"
+#include "cuda/sm90/sm90_fwd.h"
+#include "cuda/sm90/sm90_registry.h"
+#include "flashattn/error.h"
+
+namespace flashattn::cuda {
+namespace {
+
+constexpr Family kPreference[] = {Family::sm90, Family::sm80};
+constexpr int kHopper = 90;  // the compute capability sm_90a code runs on (H100, H200, H20, …)
+
+std::string sm90_forward_refusal(const common::AttentionParams& p, int* head_dim, bool preferring) {
+  const int need = std::max(p.head_dim, p.head_dim_v);
+  if (p.storage == common::Storage::f16 || p.storage == common::Storage::bf16) {
+    *head_dim = sm90::compiled_head_dim(sm90::Family::fwd, p.storage, need);
+    if (*head_dim == 0) return sm90::missing_kernel_reason(sm90::Family::fwd, p.storage, need);
+  }
+  std::string why;
+  if (!detail::can_serve_layout(p, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}}, &why)) return why;
+  const int cc = current_compute_capability();
+  if (cc != kHopper) {
+    return "its kernels are compiled for sm_90a, which runs on compute capability 9.0 only (this GPU: " +
+           std::to_string(cc / 10) + "." + std::to_string(cc % 10) + ")";
+  }
+  // A preference, not a limit (a forced choice runs such calls here, unsplit): where the sm80
+  // family would split the key tiles over more CTAs, its split-KV path fills the GPU better.
+  if (preferring && forward_num_splits(p) > 1) {
+    return "the grid is short of one wave (decoding): the split-KV forward is not in this family yet";
+  }
+  return sm90::fwd_unsupported(p, *head_dim);
+}
+
+}  // namespace
+
+const char* family_name(Family family) { return family == Family::sm90 ? "sm90" : "sm80"; }
+
+bool forced_family(Family* family) {
+  const char* env = std::getenv("FLASHATTN_CUDA_FAMILY");
+  const std::string value = env ? env : "";
+  if (value.empty() || value == "auto") return false;
+  for (Family f : kPreference) {
+    if (value == family_name(f)) {
+      *family = f;
+      return true;
+    }
+  }
+  throw Error("FLASHATTN_CUDA_FAMILY=" + value + ": expected sm80, sm90 or auto");
+}
+
+std::string forward_refusal(Family family, const common::AttentionParams& p, int* head_dim, bool preferring) {
+  *head_dim = 0;
+  return family == Family::sm90 ? sm90_forward_refusal(p, head_dim, preferring) : sm80_forward_refusal(p, head_dim);
+}
+
+FamilyChoice choose_forward_family(const common::AttentionParams& p) {
+  FamilyChoice choice;
+  Family forced;
+  const bool only_one = forced_family(&forced);
+  for (Family f : kPreference) {
+    if (only_one && f != forced) continue;
+    const std::string why = forward_refusal(f, p, &choice.head_dim, !only_one);
+    if (why.empty()) {
+      choice.served = true;
+      choice.family = f;
+      choice.why_not.clear();
+      return choice;
+    }
+    // The reason of the last family asked stands for the call: the most portable one's, whose
+    // refusals (dtype, alignment, a kernel missing from the build) hold for every family.
+    choice.why_not = why;
+  }
+  if (only_one) choice.why_not += std::string(" (FLASHATTN_CUDA_FAMILY=") + family_name(forced) + ")";
+  return choice;
+}
+
+}  // namespace flashattn::cuda

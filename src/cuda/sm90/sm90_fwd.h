@@ -1,0 +1,40 @@
+// src/cuda/sm90/sm90_fwd.h — the Hopper (sm90a) forward family as the dispatcher sees it: its
+// tile per head dim, which calls it serves (with the reason when not), and the launchers defined
+// in inst/*.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/params.h"
+
+namespace flashattn::cuda::sm90 {
+
+// Tile of one forward CTA: block_m query rows (64 per consumer warpgroup) × block_n keys per
+// stage of the K and V rings.
+struct FwdTileShape {
+  int block_m;
+  int block_n;
+  int stages;
+};
+// Tiles per head dim (bf16/fp16):
+//   d 64:  128 × 128, 2 stages —  80 KiB (Q 16 + K 32 + V 32)
+//   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64)
+//   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64)
+constexpr FwdTileShape fwd_tile(int head_dim) {
+  return head_dim <= 128 ? FwdTileShape{128, 128, 2} : FwdTileShape{128, 64, 2};
+}
+
+// Why the sm90 forward does not serve p in the instantiated head dim `head_dim` (0: none
+// compiled), or "" when it does. Checks the features and layouts only: the device and the
+// compiled kernels are the family table's business (cuda/family.h).
+std::string fwd_unsupported(const common::AttentionParams& p, int head_dim);
+
+// The launcher of one (dtype, head dim), instantiated in inst/sm90_fwd_hdim<d>_<dtype>.cu
+// (sm90_fwd_launch.cuh defines it). rng_state: as for the sm80 forward (unused: no dropout here).
+template <common::Storage kStorage, int kHeadDim>
+cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream);
+
+}  // namespace flashattn::cuda::sm90

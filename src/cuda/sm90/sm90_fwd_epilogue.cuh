@@ -1,0 +1,80 @@
+// src/cuda/sm90/sm90_fwd_epilogue.cuh — the Hopper forward's epilogue: O normalised in registers,
+// lse from the row statistics, O staged through shared memory (stmatrix into the swizzled tile
+// that held Q) and written with 16-byte stores of whole rows, skipping rows past the sequence.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/sm90/sm90_fwd_mainloop.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+template <class Traits>
+struct FwdEpilogue {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kRowsPerWg = Traits::kRowsPerWarpgroup;
+  static constexpr int kWgThreads = Traits::kWarpgroupThreads;
+
+  // acc_o: this thread's fp32 O fragment; thread: index among the consumer threads. Each
+  // warpgroup stages and stores its own 64 rows, so the warpgroups never wait for each other; the
+  // rows of Q it overwrites are its own, read by its last Q·Kᵀ, which has completed.
+  template <class AccO, class Softmax>
+  __device__ static void store(const FwdParams<Traits>& params, typename Traits::SharedStorage& ss,
+                               const FwdTile& t, int thread, AccO& acc_o, Softmax& softmax) {
+    const common::AttentionParams& p = params.p;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr_pv = mma_pv.get_thread_slice(thread);
+    Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));  // (rows, cols)
+    constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+    float lse[kRows];
+    softmax.finalize(acc_o_rc, lse);
+
+    const int m_start = t.m_block * kBlockM;
+    Tensor c_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor c_rc = make_tensor(c_o.data(), rowcol_layout(c_o.layout()));
+    if (p.lse != nullptr && thread % 4 == 0) {
+      float* const lse_rows = p.lse + p.lse_index_at(t.batch, 0, t.head, m_start);
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(c_rc(r, 0));
+        if (m_start + row < t.seqlen_q) lse_rows[row] = lse[r];
+      }
+    }
+
+    // Registers → shared memory: O in 16 bits, stmatrix (8 × 8 blocks of 16-bit values per
+    // instruction) into the GMMA-swizzled layout — conflict-free.
+    Tensor acc_o_16 = make_tensor<Element>(acc_o.layout());
+    convert_fragment<Element>(acc_o, acc_o_16);
+    Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutO{});  // (M, dv)
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+    auto thr_r2s = r2s.get_thread_slice(thread);
+    Tensor tr_src = thr_r2s.retile_S(acc_o_16);
+    Tensor tr_dst = thr_r2s.partition_D(sO);
+    copy(r2s, tr_src, tr_dst);
+    const int wg = thread / kWgThreads;
+    named_barrier_sync(int(FwdBarrier::kEpilogueWg0) + wg, kWgThreads);
+
+    // Shared memory → global: 16 bytes (8 elements) per thread and access, kChunks threads per
+    // row, consecutive rows for consecutive thread groups.
+    constexpr int kChunk = 16 / int(sizeof(Element));
+    constexpr int kChunks = kHeadDim / kChunk;
+    static_assert(kWgThreads % kChunks == 0 && kRowsPerWg % (kWgThreads / kChunks) == 0,
+                  "a warpgroup's threads tile its rows evenly");
+    constexpr int kRowsPerPass = kWgThreads / kChunks;
+    const int lane = thread % kWgThreads;
+    const int col = (lane % kChunks) * kChunk;
+    Element* const out_rows = static_cast<Element*>(p.out.data) + p.q_offset_at(p.out, t.batch, 0, m_start, t.head);
+    CUTE_UNROLL
+    for (int pass = 0; pass < kRowsPerWg / kRowsPerPass; ++pass) {
+      const int row = wg * kRowsPerWg + pass * kRowsPerPass + lane / kChunks;
+      if (m_start + row < t.seqlen_q && col < p.head_dim_v) {
+        const uint4 v = *reinterpret_cast<const uint4*>(&sO(row, col));
+        *reinterpret_cast<uint4*>(out_rows + std::int64_t(row) * p.out.row_stride + col) = v;
+      }
+    }
+  }
+};
+
+}  // namespace flashattn::cuda::sm90

@@ -1,0 +1,65 @@
+// src/cuda/sm90/sm90_fwd_kernel.cuh — the Hopper forward kernel (warp-specialised, TMA + wgmma):
+// one producer warpgroup, of which one thread issues every TMA load, and kConsumerWarpgroups
+// consumer warpgroups of 64 query rows each that compute S, the online softmax and O. The body
+// only orchestrates: loads and products in sm90_fwd_mainloop.cuh, softmax in sm90_softmax.cuh,
+// the output in sm90_fwd_epilogue.cuh, the tile in sm90_tile_scheduler.cuh.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/sm90/sm90_fwd_epilogue.cuh"
+#include "cuda/sm90/sm90_fwd_mainloop.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_constant__ FwdParams<Traits> params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Mainloop = FwdMainloop<Traits>;
+  using Pipeline = typename Mainloop::Pipeline;
+  using Scheduler = SingleTileScheduler<Traits::kBlockM, Traits::kBlockN>;
+  extern __shared__ __align__(1024) unsigned char smem_bytes[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
+
+  // Warp-uniform indices (the shuffle tells the compiler they are uniform).
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);
+  const int warpgroup = warp / 4;
+
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
+    Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
+    cutlass::arch::fence_barrier_init();
+  }
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+  __syncthreads();
+
+  const Pipeline k_pipe{ss.k_full, ss.k_empty};
+  const Pipeline v_pipe{ss.v_full, ss.v_empty};
+  const FwdTile t = Scheduler::tile(params.p);
+
+  if (warpgroup == 0) {
+    // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads.
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (warp == 0 && !t.empty() && cute::elect_one_sync()) Mainloop::load(params, ss, k_pipe, v_pipe, t);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int thread = int(threadIdx.x) - Traits::kWarpgroupThreads;
+    typename Traits::TiledMmaPV mma_pv;
+    Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
+    OnlineSoftmax<2> softmax(params.scale_log2);
+    if (t.empty()) {
+      clear(acc_o);  // no visible key: out = 0, lse = +∞
+    } else {
+      Mainloop::compute(params, ss, k_pipe, v_pipe, t, thread, acc_o, softmax);
+    }
+    FwdEpilogue<Traits>::store(params, ss, t, thread, acc_o, softmax);
+  }
+#endif
+}
+
+}  // namespace flashattn::cuda::sm90

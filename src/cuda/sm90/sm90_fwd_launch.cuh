@@ -1,0 +1,72 @@
+// src/cuda/sm90/sm90_fwd_launch.cuh — the launcher of the Hopper forward kernel: TMA descriptors
+// of Q, K and V from the call's strides, the grid, the shared-memory opt-in. Included by the
+// instantiation files in inst/, one (dtype, head dim) each.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/device/math.cuh"
+#include "cuda/sm90/sm90_fwd.h"
+#include "cuda/sm90/sm90_fwd_kernel.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+template <common::Storage kStorage>
+struct ElementOf;
+template <>
+struct ElementOf<common::Storage::f16> {
+  using type = cutlass::half_t;
+};
+template <>
+struct ElementOf<common::Storage::bf16> {
+  using type = cutlass::bfloat16_t;
+};
+
+// The global tensor (rows, d, heads, batch) of a q- or k-like argument, as TMA reads it. Rows and
+// columns past (rows, cols) read as zeros. The stride of an axis of extent 1 is never used; it is
+// replaced by 16 bytes, which a TMA descriptor accepts whatever the caller's view held there.
+template <class Traits>
+auto gmem_rows(const common::RowHeadTensor& t, int rows, int cols, int heads, int batch) {
+  using Element = typename Traits::Element;
+  constexpr std::int64_t kAnyStride = 16 / sizeof(Element);
+  auto stride_of = [&](std::int64_t stride, int extent) { return extent > 1 ? stride : kAnyStride; };
+  return make_tensor(make_gmem_ptr(static_cast<const Element*>(t.data)),
+                     make_shape(std::int32_t(rows), std::int32_t(cols), std::int32_t(heads), std::int32_t(batch)),
+                     make_stride(stride_of(t.row_stride, rows), _1{}, stride_of(t.head_stride, heads),
+                                 stride_of(t.batch_stride, batch)));
+}
+
+template <common::Storage kStorage, int kHeadDim>
+cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
+  (void)rng_state;  // dropout is not served by this family (fwd_unsupported)
+  using Element = typename ElementOf<kStorage>::type;
+  constexpr FwdTileShape kTile = fwd_tile(kHeadDim);
+  using Traits = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
+
+  FwdParams<Traits> params;
+  params.p = p;
+  params.shape_q = make_shape(p.max_seqlen_q, p.head_dim, p.heads, p.batch);
+  params.shape_k = make_shape(p.max_seqlen_k, p.head_dim, p.heads_k, p.batch);
+  params.shape_v = make_shape(p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch);
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.q, p.max_seqlen_q, p.head_dim, p.heads, p.batch),
+                               typename Traits::SmemLayoutQ{}, Shape<Int<kTile.block_m>, Int<kHeadDim>>{}, _1{});
+  params.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                               gmem_rows<Traits>(p.k, p.max_seqlen_k, p.head_dim, p.heads_k, p.batch),
+                               take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<kTile.block_n>, Int<kHeadDim>>{},
+                               _1{});
+  params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                               gmem_rows<Traits>(p.v, p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch),
+                               take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<kTile.block_n>, Int<kHeadDim>>{},
+                               _1{});
+  params.scale_log2 = p.softmax_scale * device::kLog2e;
+
+  auto* kernel = &fwd_kernel<Traits>;
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid = SingleTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace flashattn::cuda::sm90

@@ -1,0 +1,184 @@
+// src/cuda/sm90/sm90_fwd_mainloop.cuh — the Hopper forward's main loop: the producer's TMA loads
+// of Q and of the K/V tiles into their stage rings, and the consumer warpgroups' products and
+// online softmax over the key tiles, right to left.
+//
+// Consumer step for key tile n, with P(n+1) already in registers (intra-warpgroup overlap):
+//   wait K(n) → issue S = Q·K(n)ᵀ → wait V(n+1) → issue O += P(n+1)·V(n+1)
+//   → wait for S → release K(n) → mask, softmax of S (under the P·V product)
+//   → wait for O → release V(n+1) → rescale O → P(n) = S in 16 bits.
+// The softmax of tile n thus runs while the tensor cores compute the P·V of tile n+1.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/sm90/sm90_fwd_traits.cuh"
+#include "cuda/sm90/sm90_pipeline.cuh"
+#include "cuda/sm90/sm90_softmax.cuh"
+#include "cuda/sm90/sm90_tile_scheduler.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+// The kernel's arguments: the call and the TMA descriptors of Q, K and V (built on the host; they
+// must live in parameter space, hence __grid_constant__).
+template <class Traits>
+struct FwdParams {
+  common::AttentionParams p;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  typename Traits::ShapeRows shape_q;  // (max_seqlen_q, d, heads, batch)
+  typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
+  typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
+  float scale_log2;                    // softmax_scale · log2(e)
+};
+
+template <class Traits>
+struct FwdMainloop {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = TmaPipeline<kStages>;
+
+  // --- producer: one thread -------------------------------------------------------------------
+  // Q once, then K(n), V(n) for n from the last key tile to the first, each into the next free
+  // stage of its ring. K/V stay in L2 for the other row blocks of the head (EVICT_LAST).
+  __device__ static void load(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
+                              const Pipeline& v_pipe, const FwdTile& t) {
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);  // (sq, d, h, b)
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
+    Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(t.m_block, _0{}));  // (M, d)
+    Tensor gK = local_tile(mK(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));  // (N, d, n)
+    Tensor gV = local_tile(mV(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));  // (N, dv, n)
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});  // (M, d)
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});  // (N, dv, stage)
+
+    auto tma_q = params.tma_q.get_slice(_0{});
+    auto tma_k = params.tma_k.get_slice(_0{});
+    auto tma_v = params.tma_v.get_slice(_0{});
+    Tensor tQgQ = tma_q.partition_S(gQ);                      // (TMA, TMA_M, TMA_K)
+    Tensor tQsQ = tma_q.partition_D(sQ);                      // (TMA, TMA_M, TMA_K)
+    Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));  // (TMA, n)
+    Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));  // (TMA, stage)
+    Tensor tVgV = group_modes<0, 3>(tma_v.partition_S(gV));  // (TMA, n)
+    Tensor tVsV = group_modes<0, 3>(tma_v.partition_D(sV));  // (TMA, stage)
+
+    constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, Traits::kTmaBytesQ);
+    copy(params.tma_q.with(ss.q_full), tQgQ, tQsQ);
+    PipelineState<kStages> st = Pipeline::producer_start();
+    for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
+      copy(params.tma_k.with(k_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tKgK(_, n),
+           tKsK(_, st.index));
+      copy(params.tma_v.with(v_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tVgV(_, n),
+           tVsV(_, st.index));
+      st.advance();
+    }
+  }
+
+  // --- consumers: kConsumerWarpgroups warpgroups ----------------------------------------------
+  // thread: index among the consumer threads (0 … kConsumerThreads − 1). Leaves O (fp32, not yet
+  // normalised) in acc_o and the running max/sum in softmax.
+  template <class AccO, class Softmax>
+  __device__ static void compute(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
+                                 const Pipeline& v_pipe, const FwdTile& t, int thread, AccO& acc_o,
+                                 Softmax& softmax) {
+    typename Traits::TiledMmaQK mma_qk;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(thread);
+    auto thr_pv = mma_pv.get_thread_slice(thread);
+    const bool leader = thread % Traits::kWarpgroupThreads == 0;
+
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});    // (M, d)
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});    // (N, d, stage)
+    Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});  // (dv, N, stage)
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+
+    Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));  // ((2,2,N/8), 1, 1)
+    Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));                     // (rows, cols)
+    Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));
+    Tensor p_frag = make_tensor<Element>(acc_as_a_operand_layout(acc_s.layout()));  // (MMA, MMA_M, MMA_K)
+    Tensor p_flat = make_tensor(p_frag.data(), acc_s.layout());
+
+    // (row, col) inside the tile of each score this thread holds.
+    Tensor c_s = thr_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapeQK{})));
+    Tensor c_rc = make_tensor(c_s.data(), rowcol_layout(c_s.layout()));
+    constexpr int kRows = decltype(size<0>(s_rc))::value;
+
+    // Which key tiles need per-element masking for this warpgroup's 64 rows: those that end past
+    // seqlen_k, and those some of whose (row, key) pairs the mask hides.
+    const int wg_row_begin = t.m_block * kBlockM + (thread / Traits::kWarpgroupThreads) * Traits::kRowsPerWarpgroup;
+    const int wg_row_end = min(wg_row_begin + Traits::kRowsPerWarpgroup, t.seqlen_q);
+    auto needs_mask = [&](int n) {
+      const int col_b = n * kBlockN;
+      const int col_e = col_b + kBlockN;
+      return wg_row_begin >= wg_row_end || col_e > t.seqlen_k ||
+             !t.mask.block_fully_visible(wg_row_begin, wg_row_end, col_b, col_e);
+    };
+    auto apply_mask = [&](int n) {
+      const int col_b = n * kBlockN;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = t.m_block * kBlockM + get<0>(c_rc(r, 0));
+        const int lo = t.mask.col_begin(row) - col_b;
+        const int hi = t.mask.col_end(row) - col_b;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const int col = get<1>(c_rc(0, c));
+          if (col < lo || col >= hi) s_rc(r, c) = -device::kInf;
+        }
+      }
+    };
+    auto to_p = [&] { convert_fragment<Element>(acc_s, p_flat); };
+
+    float correction[kRows];
+    PipelineState<kStages> k_st, v_st;
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full, 0);
+
+    // The last key tile: S, softmax, P — nothing accumulated yet.
+    int n = t.n_block_max - 1;
+    k_pipe.consumer_wait(k_st);
+    wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
+    cute::warpgroup_wait<0>();
+    k_pipe.consumer_release(k_st, leader);
+    k_st.advance();
+    if (needs_mask(n)) apply_mask(n);
+    softmax.template step<true>(s_rc, correction);
+    to_p();
+    mma_pv.accumulate_ = GMMA::ScaleOut::Zero;  // the first P·V overwrites acc_o
+
+    for (--n; n >= t.n_block_min; --n) {
+      k_pipe.consumer_wait(k_st);
+      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
+      v_pipe.consumer_wait(v_st);
+      wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
+      cute::warpgroup_wait<1>();  // S has landed; P·V still runs
+      k_pipe.consumer_release(k_st, leader);
+      k_st.advance();
+      if (needs_mask(n)) apply_mask(n);
+      softmax.template step<false>(s_rc, correction);
+      cute::warpgroup_wait<0>();
+      v_pipe.consumer_release(v_st, leader);
+      v_st.advance();
+      Softmax::rescale(acc_o_rc, correction);
+      to_p();
+    }
+
+    // P of the first key tile times its V.
+    v_pipe.consumer_wait(v_st);
+    wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
+    cute::warpgroup_wait<0>();
+    v_pipe.consumer_release(v_st, leader);
+  }
+};
+
+}  // namespace flashattn::cuda::sm90

@@ -1,0 +1,104 @@
+// src/cuda/sm90/sm90_fwd_traits.cuh — the compile-time shape of one Hopper forward kernel: tile,
+// warpgroups, shared-memory layouts (GMMA swizzles, which the TMA boxes write and wgmma reads),
+// the two tiled MMAs (S = Q·Kᵀ from shared memory, O += P·V with P in registers), the TMA copy
+// types and the shared storage with its barriers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <cstdint>
+
+#include "cuda/sm90/sm90_fwd.h"
+
+namespace flashattn::cuda::sm90 {
+
+using namespace cute;
+
+// Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim (d = dv).
+// kBlockM query rows per CTA, 64 per consumer warpgroup; kBlockN keys per pipeline stage.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+
+  static constexpr int kRowsPerWarpgroup = 64;  // the M of one wgmma
+  static constexpr int kConsumerWarpgroups = kBlockM / kRowsPerWarpgroup;
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
+  static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
+  // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
+  // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDim / 2) per thread. The sums
+  // stay within the 64K-register file: 128 · kProducerRegs + kConsumerThreads · kConsumerRegs.
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 64 * 1024,
+                "the register budget exceeds the register file");
+
+  static_assert(kBlockM % kRowsPerWarpgroup == 0, "each consumer warpgroup owns 64 whole rows");
+  static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one 128-byte swizzle row)");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a key tile is one wgmma N (multiple of 16, at most 256)");
+  static_assert(sizeof(Element) == 2, "16-bit inputs: the S accumulator's layout is the P·V A-operand layout");
+
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, K) of S = Q·Kᵀ
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, N, K) of O = P·V
+  // The warpgroups stack along M: each owns 64 rows of S and O, so a score row never leaves its
+  // warpgroup (and never its quad of threads).
+  using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(),
+                                             AtomLayout{}));
+  // V is stored as K is, (kBlockN, d) with d contiguous: for P·V it is the B operand (N = d,
+  // K = keys) with N contiguous, "MN-major", which wgmma reads transposed from shared memory.
+  using TiledMmaPV = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  // Shared memory: rows of d elements in 128-byte swizzled atoms (8 rows × 64 elements), the
+  // layout both the TMA boxes and the wgmma descriptors use.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (M, d)
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));  // (N, d, stage)
+  using SmemLayoutV = SmemLayoutK;  // (N, dv, stage)
+  // V seen as Vᵀ (dv, N, stage): the same bytes with the first two coordinates swapped.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // O is staged in Q's bytes (each warpgroup its own 64 rows, after its last Q·Kᵀ).
+  using SmemLayoutO = SmemLayoutQ;
+
+  // Global views given to TMA: (rows, d, heads, batch) with the caller's strides.
+  using ShapeRows = Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;
+  using StrideRows = Stride<std::int64_t, _1, std::int64_t, std::int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeRows{},
+                                          StrideRows{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  static constexpr std::uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes, and TMA and
+    // wgmma both assume a tile starts on that period.
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    alignas(16) std::uint64_t q_full;  // transaction barrier of the Q load
+    std::uint64_t k_full[kStages];     // a K stage has landed (TMA transaction)
+    std::uint64_t k_empty[kStages];    // every consumer warpgroup is done with a K stage
+    std::uint64_t v_full[kStages];
+    std::uint64_t v_empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "the tile exceeds the 227 KiB of shared memory per block of sm90");
+};
+
+}  // namespace flashattn::cuda::sm90

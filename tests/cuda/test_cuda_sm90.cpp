@@ -1,0 +1,158 @@
+// tests/cuda/test_cuda_sm90.cpp — the Hopper (sm90) kernel family: the ordered family choice
+// (cuda/family.h) picks it for the calls it serves on an sm90 GPU and says why where it does not;
+// forced (FLASHATTN_CUDA_FAMILY=sm90), its forward matches the fp64 reference by the accuracy rule
+// of SPEC §7 over the shape grid (odd lengths, head dims rounded up, d ≠ dv, GQA, causal), windows
+// and strided layouts, outputs poisoned. Without an sm90 GPU the tests say they were not run.
+#include <string>
+#include <vector>
+
+#include "cuda/device_query.h"
+#include "cuda/family.h"
+#include "cuda/sm90/sm90_registry.h"
+#include "cuda_grid.h"
+#include "cuda_test_util.h"
+#include "flashattn/error.h"
+
+namespace fa_test::cuda {
+namespace {
+
+namespace c = flashattn::common;
+namespace fc = flashattn::cuda;
+using flashattn::DType;
+
+// Whether this GPU and build run the sm90 family; otherwise why not.
+bool sm90_available(std::string* why) {
+  if (!gpu_available(why)) return false;
+  if (fc::current_compute_capability() != 90) {
+    *why = "the sm90 family needs a compute capability 9.0 GPU";
+    return false;
+  }
+  if (fc::sm90::compiled_head_dims(fc::sm90::Family::fwd, c::Storage::bf16) == "none" &&
+      fc::sm90::compiled_head_dims(fc::sm90::Family::fwd, c::Storage::f16) == "none") {
+    *why = "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90a)";
+    return false;
+  }
+  return true;
+}
+
+#define FA_SKIP_WITHOUT_SM90()                                     \
+  do {                                                             \
+    std::string fa_why_;                                           \
+    if (!sm90_available(&fa_why_)) GTEST_SKIP() << "NOT RUN: " << fa_why_; \
+  } while (0)
+
+// The validated params of a problem (host pointers: the choice reads shapes and strides only).
+c::AttentionParams params_of(const AttnProblem& p, ForwardResult& r) {
+  flashattn::ForwardOutputs outs{r.out.tv(), r.lse.tv()};
+  return flashattn::detail::validate_forward(p.forward_inputs(), outs, p.opt).params;
+}
+
+void expect_sm90_matches(const AttnConfig& cfg) {
+  const AttnProblem p = make_problem(cfg);
+  SCOPED_TRACE(describe(p.cfg));
+  const FamilyOverride family("sm90");
+  const ForwardResult r = run_cuda_forward(p);
+  EXPECT_TRUE(check_forward(p, r));
+}
+
+// --- the family choice --------------------------------------------------------------------------
+
+TEST(CudaFamily, RejectsUnknownFamilyName) {
+  // Needs no GPU: the variable is read before anything is asked of the device.
+  const FamilyOverride family("sm70");
+  AttnConfig cfg = feature_config(DType::bf16, 128, 64, 64);
+  const AttnProblem p = make_problem(cfg);
+  ForwardResult r = make_forward_outputs(p);
+  const c::AttentionParams dp = params_of(p, r);
+  try {
+    (void)fc::choose_forward_family(dp);
+    ADD_FAILURE() << "FLASHATTN_CUDA_FAMILY=sm70 was accepted";
+  } catch (const flashattn::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FLASHATTN_CUDA_FAMILY=sm70"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
+  FA_SKIP_WITHOUT_SM90();
+  AttnConfig cfg = feature_config(DType::bf16, 128, 2048, 2048);
+  cfg.opt.causal = true;
+  const AttnProblem p = make_problem(cfg);
+  ForwardResult r = make_forward_outputs(p);
+  c::AttentionParams dp = params_of(p, r);
+
+  fc::FamilyChoice choice = fc::choose_forward_family(dp);
+  ASSERT_TRUE(choice.served) << choice.why_not;
+  EXPECT_EQ(choice.family, fc::Family::sm90);
+  EXPECT_EQ(choice.head_dim, 128);
+  {
+    const FamilyOverride family("sm80");
+    choice = fc::choose_forward_family(dp);
+    ASSERT_TRUE(choice.served) << choice.why_not;
+    EXPECT_EQ(choice.family, fc::Family::sm80);
+  }
+
+  // A feature this family does not have yet: sm80 runs it, and sm90 says why it declined.
+  dp.softcap = 2.0f;
+  choice = fc::choose_forward_family(dp);
+  ASSERT_TRUE(choice.served) << choice.why_not;
+  EXPECT_EQ(choice.family, fc::Family::sm80);
+  int head_dim = 0;
+  EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("softcap"), std::string::npos);
+  {
+    const FamilyOverride family("sm90");
+    choice = fc::choose_forward_family(dp);
+    EXPECT_FALSE(choice.served);
+    EXPECT_NE(choice.why_not.find("softcap"), std::string::npos) << choice.why_not;
+    EXPECT_NE(choice.why_not.find("FLASHATTN_CUDA_FAMILY=sm90"), std::string::npos) << choice.why_not;
+  }
+}
+
+// --- the forward, forced onto the sm90 family -------------------------------------------------
+
+class CudaSm90ForwardGrid : public testing::TestWithParam<GridCase> {};
+
+TEST_P(CudaSm90ForwardGrid, MatchesReference) {
+  FA_SKIP_WITHOUT_SM90();
+  expect_sm90_matches(grid_config(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaSm90ForwardGrid,
+                         testing::ValuesIn(grid_cases({{1, 1}, {113, 203}, {239, 1}, {799, 3}, {1023, 1024}})),
+                         grid_name);
+
+class CudaSm90Forward : public testing::TestWithParam<DType> {};
+
+TEST_P(CudaSm90Forward, SlidingWindow) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : window_configs(GetParam())) expect_sm90_matches(cfg);
+}
+
+TEST_P(CudaSm90Forward, StridedLayouts) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : strided_configs(GetParam())) expect_sm90_matches(cfg);
+}
+
+// Several row blocks and key tiles per CTA, sq > sk and sq < sk under the bottom-right causal
+// mask, and rows that see no key at all (a window right of every key).
+TEST_P(CudaSm90Forward, LongerSequences) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128, 256}) {
+    for (auto [sq, sk] : {std::pair{1000, 1537}, std::pair{1537, 1000}, std::pair{2048, 2048}}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = feature_config(GetParam(), d, sq, sk);
+        cfg.opt.causal = causal;
+        expect_sm90_matches(cfg);
+      }
+    }
+    AttnConfig cfg = feature_config(GetParam(), d, 300, 100);
+    cfg.opt.window_left = 0;
+    cfg.opt.window_right = 0;  // rows 0…199 see no key (the first row block none at all): out 0, lse +∞
+    expect_sm90_matches(cfg);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaSm90Forward, testing::Values(DType::f16, DType::bf16),
+                         [](const testing::TestParamInfo<DType>& info) { return std::string(dtype_tag(info.param)); });
+
+}  // namespace
+}  // namespace fa_test::cuda
