@@ -31,12 +31,14 @@ std::string sm90_forward_refusal(const common::AttentionParams& p, int* head_dim
     return "its kernels are compiled for sm_90a, which runs on compute capability 9.0 only (this GPU: " +
            std::to_string(cc / 10) + "." + std::to_string(cc % 10) + ")";
   }
+  why = sm90::fwd_unsupported(p, *head_dim);
+  if (!why.empty()) return why;
   // A preference, not a limit (a forced choice runs such calls here, unsplit): where the sm80
   // family would split the key tiles over more CTAs, its split-KV path fills the GPU better.
   if (preferring && forward_num_splits(p) > 1) {
     return "the grid is short of one wave (decoding): the split-KV forward is not in this family yet";
   }
-  return sm90::fwd_unsupported(p, *head_dim);
+  return "";
 }
 
 }  // namespace

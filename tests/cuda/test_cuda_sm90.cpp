@@ -74,7 +74,11 @@ TEST(CudaFamily, RejectsUnknownFamilyName) {
 
 TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
   FA_SKIP_WITHOUT_SM90();
+  // 16 row blocks × 8 heads × 4 sequences: a grid of several waves, which the sm80 family would
+  // not split either.
   AttnConfig cfg = feature_config(DType::bf16, 128, 2048, 2048);
+  cfg.batch = 4;
+  cfg.heads = cfg.heads_k = 8;
   cfg.opt.causal = true;
   const AttnProblem p = make_problem(cfg);
   ForwardResult r = make_forward_outputs(p);
@@ -132,22 +136,45 @@ TEST_P(CudaSm90Forward, StridedLayouts) {
   for (const AttnConfig& cfg : strided_configs(GetParam())) expect_sm90_matches(cfg);
 }
 
-// Several row blocks and key tiles per CTA, sq > sk and sq < sk under the bottom-right causal
-// mask, and rows that see no key at all (a window right of every key).
+// Several row blocks and key tiles per tile, more tiles than SMs (each CTA walks several: the
+// persistent schedule), sq > sk and sq < sk under the bottom-right causal mask, and rows that see
+// no key at all.
 TEST_P(CudaSm90Forward, LongerSequences) {
   FA_SKIP_WITHOUT_SM90();
   for (int d : {64, 128, 256}) {
-    for (auto [sq, sk] : {std::pair{1000, 1537}, std::pair{1537, 1000}, std::pair{2048, 2048}}) {
+    for (auto [sq, sk] : {std::pair{300, 717}, std::pair{717, 300}, std::pair{640, 640}}) {
       for (bool causal : {false, true}) {
         AttnConfig cfg = feature_config(GetParam(), d, sq, sk);
+        cfg.batch = 3;
+        cfg.heads = 16;
+        cfg.heads_k = 4;
         cfg.opt.causal = causal;
         expect_sm90_matches(cfg);
       }
     }
     AttnConfig cfg = feature_config(GetParam(), d, 300, 100);
+    cfg.batch = 3;
+    cfg.heads = 16;
+    cfg.heads_k = 4;
     cfg.opt.window_left = 0;
     cfg.opt.window_right = 0;  // rows 0…199 see no key (the first row block none at all): out 0, lse +∞
     expect_sm90_matches(cfg);
+  }
+}
+
+// More tiles than an H100/H200 has SMs (2 row blocks × 34 heads × 2 sequences = 136 > 132), small
+// enough for the sanitizers: some CTAs of the persistent grid walk two tiles, carrying the K/V
+// rings' phases and the Q barrier's parity from one tile to the next.
+TEST_P(CudaSm90Forward, ManyTiles) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
+      cfg.heads = 34;
+      cfg.heads_k = 17;
+      cfg.opt.causal = causal;
+      expect_sm90_matches(cfg);
+    }
   }
 }
 

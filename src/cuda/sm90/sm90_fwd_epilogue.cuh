@@ -18,8 +18,10 @@ struct FwdEpilogue {
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
 
   // acc_o: this thread's fp32 O fragment; thread: index among the consumer threads. Each
-  // warpgroup stages and stores its own 64 rows, so the warpgroups never wait for each other; the
-  // rows of Q it overwrites are its own, read by its last Q·Kᵀ, which has completed.
+  // warpgroup stages and stores its own 64 rows, so the warpgroups never wait for each other.
+  // Staged apart from Q, O waits only for the warpgroup's reads of the previous tile's O; staged
+  // in Q's bytes, the rows it overwrites are the warpgroup's own, read by its last Q·Kᵀ, which has
+  // completed, and Q is given back once the rows are written out.
   template <class AccO, class Softmax>
   __device__ static void store(const FwdParams<Traits>& params, typename Traits::SharedStorage& ss,
                                const FwdTile& t, int thread, AccO& acc_o, Softmax& softmax) {
@@ -43,19 +45,6 @@ struct FwdEpilogue {
       }
     }
 
-    // Registers → shared memory: O in 16 bits, stmatrix (8 × 8 blocks of 16-bit values per
-    // instruction) into the GMMA-swizzled layout — conflict-free.
-    Tensor acc_o_16 = make_tensor<Element>(acc_o.layout());
-    convert_fragment<Element>(acc_o, acc_o_16);
-    Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutO{});  // (M, dv)
-    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-    auto thr_r2s = r2s.get_thread_slice(thread);
-    Tensor tr_src = thr_r2s.retile_S(acc_o_16);
-    Tensor tr_dst = thr_r2s.partition_D(sO);
-    copy(r2s, tr_src, tr_dst);
-    const int wg = thread / kWgThreads;
-    named_barrier_sync(int(FwdBarrier::kEpilogueWg0) + wg, kWgThreads);
-
     // Shared memory → global: 16 bytes (8 elements) per thread and access, kChunks threads per
     // row, consecutive rows for consecutive thread groups.
     constexpr int kChunk = 16 / int(sizeof(Element));
@@ -63,16 +52,49 @@ struct FwdEpilogue {
     static_assert(kWgThreads % kChunks == 0 && kRowsPerWg % (kWgThreads / kChunks) == 0,
                   "a warpgroup's threads tile its rows evenly");
     constexpr int kRowsPerPass = kWgThreads / kChunks;
+    const int wg = thread / kWgThreads;
     const int lane = thread % kWgThreads;
     const int col = (lane % kChunks) * kChunk;
     Element* const out_rows = static_cast<Element*>(p.out.data) + p.q_offset_at(p.out, t.batch, 0, m_start, t.head);
-    CUTE_UNROLL
-    for (int pass = 0; pass < kRowsPerWg / kRowsPerPass; ++pass) {
-      const int row = wg * kRowsPerWg + pass * kRowsPerPass + lane / kChunks;
-      if (m_start + row < t.seqlen_q && col < p.head_dim_v) {
-        const uint4 v = *reinterpret_cast<const uint4*>(&sO(row, col));
-        *reinterpret_cast<uint4*>(out_rows + std::int64_t(row) * p.out.row_stride + col) = v;
+    auto for_each_row = [&](auto&& store_row) {
+      CUTE_UNROLL
+      for (int pass = 0; pass < kRowsPerWg / kRowsPerPass; ++pass) {
+        const int row = wg * kRowsPerWg + pass * kRowsPerPass + lane / kChunks;
+        if (m_start + row < t.seqlen_q && col < p.head_dim_v) {
+          store_row(row, reinterpret_cast<uint4*>(out_rows + std::int64_t(row) * p.out.row_stride + col));
+        }
       }
+    };
+    if (t.empty()) {
+      // No visible key in the whole tile: zeros straight to global memory (shared memory may be
+      // receiving the next tile's Q).
+      for_each_row([](int, uint4* dst) { *dst = make_uint4(0, 0, 0, 0); });
+      return;
+    }
+
+    // Registers → shared memory: O in 16 bits, stmatrix (8 × 8 blocks of 16-bit values per
+    // instruction) into the GMMA-swizzled layout — conflict-free.
+    const int barrier = int(FwdBarrier::kEpilogueWg0) + wg;
+    Element* o_smem;
+    if constexpr (Traits::kSeparateO) {
+      o_smem = ss.o.data();
+      named_barrier_sync(barrier, kWgThreads);  // the previous tile's O has been read
+    } else {
+      o_smem = ss.q.data();
+    }
+    Tensor acc_o_16 = make_tensor<Element>(acc_o.layout());
+    convert_fragment<Element>(acc_o, acc_o_16);
+    Tensor sO = make_tensor(make_smem_ptr(o_smem), typename Traits::SmemLayoutO{});  // (M, dv)
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+    auto thr_r2s = r2s.get_thread_slice(thread);
+    Tensor tr_src = thr_r2s.retile_S(acc_o_16);
+    Tensor tr_dst = thr_r2s.partition_D(sO);
+    copy(r2s, tr_src, tr_dst);
+    named_barrier_sync(barrier, kWgThreads);
+    for_each_row([&](int row, uint4* dst) { *dst = *reinterpret_cast<const uint4*>(&sO(row, col)); });
+    if constexpr (!Traits::kSeparateO) {
+      named_barrier_sync(barrier, kWgThreads);  // every thread has read its rows of O
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
     }
   }
 };

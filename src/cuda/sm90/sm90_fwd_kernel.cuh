@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Mainloop = FwdMainloop<Traits>;
   using Pipeline = typename Mainloop::Pipeline;
-  using Scheduler = SingleTileScheduler<Traits::kBlockM, Traits::kBlockN>;
+  using Scheduler = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
 
@@ -27,6 +27,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, Traits::kConsumerWarpgroups);
     Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
     Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();
@@ -40,24 +41,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
   const Pipeline k_pipe{ss.k_full, ss.k_empty};
   const Pipeline v_pipe{ss.v_full, ss.v_empty};
-  const FwdTile t = Scheduler::tile(params.p);
+  const int tiles = Scheduler::tiles(params.p);
+  // Both sides skip tiles without a visible key (no loads, no barriers) and count the others: the
+  // parity of that count is the phase of the Q barriers.
+  std::uint32_t loaded = 0;
 
   if (warpgroup == 0) {
     // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && !t.empty() && cute::elect_one_sync()) Mainloop::load(params, ss, k_pipe, v_pipe, t);
+    if (warp == 0 && cute::elect_one_sync()) {
+      PipelineState<Traits::kStages> st = Pipeline::producer_start();
+      for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+        const FwdTile t = Scheduler::tile(params.p, index);
+        if (t.empty()) continue;
+        Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded & 1u, st);
+        ++loaded;
+      }
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread = int(threadIdx.x) - Traits::kWarpgroupThreads;
-    typename Traits::TiledMmaPV mma_pv;
-    Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
-    OnlineSoftmax<2> softmax(params.scale_log2);
-    if (t.empty()) {
-      clear(acc_o);  // no visible key: out = 0, lse = +∞
-    } else {
-      Mainloop::compute(params, ss, k_pipe, v_pipe, t, thread, acc_o, softmax);
+    PipelineState<Traits::kStages> k_st, v_st;
+    for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+      const FwdTile t = Scheduler::tile(params.p, index);
+      typename Traits::TiledMmaPV mma_pv;
+      Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
+      OnlineSoftmax<2> softmax(params.scale_log2);
+      if (!t.empty()) {
+        Mainloop::compute(params, ss, k_pipe, v_pipe, t, thread, loaded & 1u, k_st, v_st, acc_o, softmax);
+        ++loaded;
+      }
+      FwdEpilogue<Traits>::store(params, ss, t, thread, acc_o, softmax);
     }
-    FwdEpilogue<Traits>::store(params, ss, t, thread, acc_o, softmax);
   }
 #endif
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "cuda/device/math.cuh"
+#include "cuda/device_query.h"
 #include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_fwd_kernel.cuh"
 
@@ -64,7 +65,7 @@ cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_s
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid = SingleTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p);
+  const dim3 grid = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p, current_sm_count());
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }

@@ -43,10 +43,13 @@ struct FwdMainloop {
   using Pipeline = TmaPipeline<kStages>;
 
   // --- producer: one thread -------------------------------------------------------------------
-  // Q once, then K(n), V(n) for n from the last key tile to the first, each into the next free
-  // stage of its ring. K/V stay in L2 for the other row blocks of the head (EVICT_LAST).
+  // The tile's Q once the consumers are done with the previous tile's (q_phase: the parity of this
+  // tile among the CTA's non-empty ones), then K(n), V(n) for n from the last key tile to the
+  // first, each into the next free stage of its ring (st: the rings' position, carried from tile
+  // to tile). K/V stay in L2 for the other row blocks of the head (EVICT_LAST).
   __device__ static void load(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
-                              const Pipeline& v_pipe, const FwdTile& t) {
+                              const Pipeline& v_pipe, const FwdTile& t, std::uint32_t q_phase,
+                              PipelineState<kStages>& st) {
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);  // (sq, d, h, b)
     Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
     Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
@@ -71,9 +74,9 @@ struct FwdMainloop {
     Tensor tVsV = group_modes<0, 3>(tma_v.partition_D(sV));  // (TMA, stage)
 
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+    cutlass::arch::ClusterBarrier::wait(&ss.q_empty, q_phase ^ 1u);  // the first tile's passes at once
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, Traits::kTmaBytesQ);
     copy(params.tma_q.with(ss.q_full), tQgQ, tQsQ);
-    PipelineState<kStages> st = Pipeline::producer_start();
     for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
       copy(params.tma_k.with(k_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tKgK(_, n),
            tKsK(_, st.index));
@@ -85,10 +88,13 @@ struct FwdMainloop {
 
   // --- consumers: kConsumerWarpgroups warpgroups ----------------------------------------------
   // thread: index among the consumer threads (0 … kConsumerThreads − 1). Leaves O (fp32, not yet
-  // normalised) in acc_o and the running max/sum in softmax.
+  // normalised) in acc_o and the running max/sum in softmax. q_phase as for load; k_st / v_st:
+  // the rings' position, carried from tile to tile. With O staged apart from Q, Q is given back as
+  // soon as the last Q·Kᵀ has completed.
   template <class AccO, class Softmax>
   __device__ static void compute(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
-                                 const Pipeline& v_pipe, const FwdTile& t, int thread, AccO& acc_o,
+                                 const Pipeline& v_pipe, const FwdTile& t, int thread, std::uint32_t q_phase,
+                                 PipelineState<kStages>& k_st, PipelineState<kStages>& v_st, AccO& acc_o,
                                  Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
@@ -141,8 +147,7 @@ struct FwdMainloop {
     auto to_p = [&] { convert_fragment<Element>(acc_s, p_flat); };
 
     float correction[kRows];
-    PipelineState<kStages> k_st, v_st;
-    cutlass::arch::ClusterBarrier::wait(&ss.q_full, 0);
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_phase);
 
     // The last key tile: S, softmax, P — nothing accumulated yet.
     int n = t.n_block_max - 1;
@@ -173,11 +178,16 @@ struct FwdMainloop {
       to_p();
     }
 
+    if constexpr (Traits::kSeparateO) {
+      if (leader) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every Q·Kᵀ has completed
+    }
+
     // P of the first key tile times its V.
     v_pipe.consumer_wait(v_st);
     wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
     cute::warpgroup_wait<0>();
     v_pipe.consumer_release(v_st, leader);
+    v_st.advance();
   }
 };
 

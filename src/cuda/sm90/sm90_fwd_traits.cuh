@@ -11,6 +11,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/sm90/sm90_fwd.h"
 
@@ -69,8 +70,12 @@ struct FwdTraits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // O is staged in Q's bytes (each warpgroup its own 64 rows, after its last Q·Kᵀ).
+  // O is staged in its own tile where shared memory allows (the next tile's Q then loads while
+  // this one's O is written out), else in Q's bytes (d 256: Q, K and V take 192 of the 227 KiB).
   using SmemLayoutO = SmemLayoutQ;
+  static constexpr int kSmemBytesWithO =
+      int(sizeof(Element)) * (2 * kBlockM * kHeadDim + 2 * kStages * kBlockN * kHeadDim) + 1024;
+  static constexpr bool kSeparateO = kSmemBytesWithO <= 227 * 1024;
 
   // Global views given to TMA: (rows, d, heads, batch) with the caller's strides.
   using ShapeRows = Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;
@@ -85,13 +90,18 @@ struct FwdTraits {
   static constexpr std::uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr std::uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
+  struct NoStorage {};
+  using OStorage = std::conditional_t<kSeparateO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoStorage>;
+
   struct SharedStorage {
     // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes, and TMA and
     // wgmma both assume a tile starts on that period.
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O unless kSeparateO
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
-    alignas(16) std::uint64_t q_full;  // transaction barrier of the Q load
+    OStorage o;
+    alignas(16) std::uint64_t q_full;  // transaction barrier of a tile's Q load
+    std::uint64_t q_empty;             // every consumer warpgroup is done with Q (and O, if it is Q's)
     std::uint64_t k_full[kStages];     // a K stage has landed (TMA transaction)
     std::uint64_t k_empty[kStages];    // every consumer warpgroup is done with a K stage
     std::uint64_t v_full[kStages];

@@ -1,5 +1,5 @@
-// src/cuda/sm90/sm90_tile_scheduler.cuh — which output tile a CTA of the Hopper forward computes,
-// and the key tiles that tile walks.
+// src/cuda/sm90/sm90_tile_scheduler.cuh — which output tiles a CTA of the Hopper forward computes,
+// and the key tiles each tile walks.
 #pragma once
 
 #include "common/params.h"
@@ -22,22 +22,41 @@ struct FwdTile {
   __device__ __forceinline__ bool empty() const { return n_block_min >= n_block_max; }
 };
 
-// One tile per CTA, grid (row blocks, heads, batch). The highest row blocks go first: under a
-// causal mask they see the most keys, and starting the long CTAs early shortens the grid's tail.
-// The producer and the consumers ask it independently and get the same tile and key range, so
-// both sides agree on every barrier phase.
+// Persistent CTAs: one per SM (at most one per tile), each walking the tiles blockIdx.x,
+// blockIdx.x + gridDim.x, … — so that while one tile's output is written, the producer already
+// loads the next tile's Q and first K/V stages. The producer and the consumers walk the same
+// sequence independently and agree on every barrier phase.
+//
+// Order: without a mask every tile costs the same, and consecutive tiles are the row blocks of
+// one (head, batch), which the CTAs of one wave take together, reading its K/V once from HBM and
+// then from L2. With a causal or windowed mask the row blocks differ in length: the highest row
+// blocks of every (head, batch) come first (longest first shortens the tail of the last wave).
 template <int kBlockM, int kBlockN>
-struct SingleTileScheduler {
-  static dim3 grid(const common::AttentionParams& p) {
-    return dim3((p.max_seqlen_q + kBlockM - 1) / kBlockM, p.heads, p.batch);
+struct PersistentTileScheduler {
+  __host__ __device__ static int tiles(const common::AttentionParams& p) {
+    return (p.max_seqlen_q + kBlockM - 1) / kBlockM * p.heads * p.batch;
+  }
+  static dim3 grid(const common::AttentionParams& p, int sms) {
+    const int n = tiles(p);
+    return dim3(n < sms ? n : sms);
   }
 
-  __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p) {
+  __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index) {
+    const int m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
+    const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
     FwdTile t;
-    t.m_block = gridDim.x - 1 - blockIdx.x;
-    t.head = blockIdx.y;
+    int head_batch;
+    if (masked) {
+      const int heads_batches = p.heads * p.batch;
+      t.m_block = m_blocks - 1 - index / heads_batches;
+      head_batch = index % heads_batches;
+    } else {
+      t.m_block = index % m_blocks;
+      head_batch = index / m_blocks;
+    }
+    t.head = head_batch % p.heads;
+    t.batch = head_batch / p.heads;
     t.kv_head = t.head / p.group_size();
-    t.batch = blockIdx.z;
     t.seqlen_q = p.seqlen_q(t.batch);
     t.seqlen_k = p.seqlen_k(t.batch);
     t.mask = p.mask_for(t.seqlen_q, t.seqlen_k);

@@ -37,6 +37,7 @@
 #include "common/params.h"
 #include "common/philox.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/family.h"
 
 namespace {
 
@@ -246,11 +247,13 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   const double bytes = 2.0 * double(b) * dc.context * hk * d * 2 + 2.0 * double(nq) * 2;
   const double gbps = bytes / (ms * 1e-3) / 1e9;
   const int splits = ws_bytes > 0 ? flashattn::cuda::forward_num_splits(p) : 1;
-  std::printf("flashattn sm80 decode %s d=%d b=%d sq=%d h=%d hk=%d context=%d page=%d splits=%d: %.4f ms, %.0f GB/s\n",
-              args.storage == c::Storage::f16 ? "f16" : "bf16", d, b, sq, h, hk, dc.context, dc.page, splits, ms, gbps);
+  const char* family = flashattn::cuda::family_name(flashattn::cuda::choose_forward_family(p).family);
+  std::printf("flashattn %s decode %s d=%d b=%d sq=%d h=%d hk=%d context=%d page=%d splits=%d: %.4f ms, %.0f GB/s\n",
+              family, args.storage == c::Storage::f16 ? "f16" : "bf16", d, b, sq, h, hk, dc.context, dc.page, splits, ms,
+              gbps);
   for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), ws}) cudaFree(ptr);
   std::ostringstream js;
-  js << "{\"impl\": \"flashattn_sm80\", \"pass\": \"decode\", \"dtype\": \""
+  js << "{\"impl\": \"flashattn_" << family << "\", \"pass\": \"decode\", \"dtype\": \""
      << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d << ", \"seqlen\": " << dc.context
      << ", \"batch\": " << b << ", \"sq\": " << sq << ", \"heads\": " << h << ", \"heads_k\": " << hk
      << ", \"page\": " << dc.page << ", \"splits\": " << splits << ", \"causal\": false, \"ms\": " << ms
@@ -351,10 +354,12 @@ int main(int argc, char** argv) try {
           cudaFree(workspace);
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
           const double tflops = flops / (median * 1e-3) / 1e12;
-          std::printf("flashattn sm80 %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g: %.3f ms, %.1f TFLOP/s\n",
-                      pass.c_str(), args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal,
+          // The kernel family that ran (cuda/family.h): the backward is sm80's.
+          const char* family = bwd ? "sm80" : flashattn::cuda::family_name(flashattn::cuda::choose_forward_family(p).family);
+          std::printf("flashattn %s %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g: %.3f ms, %.1f TFLOP/s\n",
+                      family, pass.c_str(), args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal,
                       args.dropout, args.softcap, median, tflops);
-          json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_sm80\", \"pass\": \"" << pass
+          json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_" << family << "\", \"pass\": \"" << pass
                << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
                << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
                << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
