@@ -158,15 +158,21 @@ TEST_P(CudaSm90Forward, LongerSequences) {
 // More tiles than an H100/H200 has SMs (2 row blocks × 34 heads × 2 sequences = 136 > 132), small
 // enough for the sanitizers: some CTAs of the persistent grid walk two tiles, carrying the K/V
 // rings' phases and the Q barrier's parity from one tile to the next.
+// Both schedules of the consumer warpgroups at d ≤ 128: taking turns (ping-pong, the default
+// there) and not.
 TEST_P(CudaSm90Forward, ManyTiles) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 128}) {
-    for (bool causal : {false, true}) {
-      AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
-      cfg.heads = 34;
-      cfg.heads_k = 17;
-      cfg.opt.causal = causal;
-      expect_sm90_matches(cfg);
+  for (const char* pingpong : {"1", "0"}) {
+    SCOPED_TRACE(std::string("FLASHATTN_SM90_FWD_PINGPONG=") + pingpong);
+    const EnvOverride schedule("FLASHATTN_SM90_FWD_PINGPONG", pingpong);
+    for (int d : {64, 128, 256}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
+        cfg.heads = 34;
+        cfg.heads_k = 17;
+        cfg.opt.causal = causal;
+        expect_sm90_matches(cfg);
+      }
     }
   }
 }
