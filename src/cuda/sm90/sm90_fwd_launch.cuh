@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "cuda/device/element.cuh"
 #include "cuda/device/math.cuh"
 #include "cuda/device_query.h"
 #include "cuda/sm90/sm90_fwd.h"
@@ -12,16 +13,7 @@
 
 namespace flashattn::cuda::sm90 {
 
-template <common::Storage kStorage>
-struct ElementOf;
-template <>
-struct ElementOf<common::Storage::f16> {
-  using type = cutlass::half_t;
-};
-template <>
-struct ElementOf<common::Storage::bf16> {
-  using type = cutlass::bfloat16_t;
-};
+using device::ElementOf;
 
 // The global tensor (rows, d, heads, batch) of a q- or k-like argument, as TMA reads it. Rows and
 // columns past (rows, cols) read as zeros. The stride of an axis of extent 1 is never used; it is
