@@ -3,7 +3,7 @@
 The functions below have the names, positional order, defaults and return values of the
 ``flash_attn`` 2.x package. They take PyTorch tensors (with autograd) or NumPy arrays (forward
 only). PyTorch CPU tensors and NumPy arrays run on the CPU backend; CUDA tensors go to the CUDA
-backends (a build configured with -DFLASHATTN_CUDA=ON; other builds raise ValueError naming that
+backends (a build configured with -DFLASHATTN_CUDA=ON; other builds raise flashattn.Error naming that
 option).
 
 Semantics (SPEC §2): scores softmax_scale·q·kᵀ (default 1/sqrt(headdim)), optional soft-capping
@@ -18,7 +18,8 @@ Differences from flash_attn:
 - Dropout seeds come from PyTorch's default generator of the tensors' device (NumPy: NumPy's
   global generator); see flashattn._torch_ops.draw_rng_state.
 
-Invalid arguments raise ValueError (flashattn.Error) whose message names the argument.
+Invalid arguments raise flashattn.Error, a ValueError and a RuntimeError, whose message names the
+argument.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashattn import _torch_ops  # noqa: F401  (registers torch.ops.flashattn.*)
+from flashattn import _C, _torch_ops  # noqa: F401  (_torch_ops registers torch.ops.flashattn.*)
 from flashattn._common import (
     check_dropout_p,
     check_no_leftpad,
@@ -124,7 +124,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size
                               alibi_slopes, deterministic, return_attn_probs):
     _check_tensor("qkv", qkv)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {tuple(qkv.shape)}")
+        raise _C.Error(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)  # views: the kernels read the packed tensor in place
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
@@ -134,7 +134,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_siz
                              alibi_slopes, deterministic, return_attn_probs):
     _check_tensor("kv", kv)
     if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
+        raise _C.Error(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
@@ -163,7 +163,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, sof
                                      return_attn_probs):
     _check_tensor("qkv", qkv)
     if qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv: must be (total, 3, nheads, headdim); got {tuple(qkv.shape)}")
+        raise _C.Error(f"qkv: must be (total, 3, nheads, headdim); got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
@@ -175,7 +175,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes, deterministic, return_attn_probs):
     _check_tensor("kv", kv)
     if kv.dim() != 4 or kv.shape[1] != 2:
-        raise ValueError(f"kv: must be (total_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
+        raise _C.Error(f"kv: must be (total_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
