@@ -70,22 +70,23 @@ class _FlashAttnFunc(torch.autograd.Function):
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
-    """Varlen mode: q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv)."""
+    """Varlen mode: q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv); seqused_k
+    (b,) int32 or None: the keys of each sequence that are used."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seqused_k=None):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         scale = resolve_softmax_scale(softmax_scale, head_dim)
         left, right = window_pair(window_size)
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
         out_p, lse, rng_state = _torch_ops.call(
-            "varlen_fwd", q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
+            "varlen_fwd", q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
         )
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                              alibi_slopes)
+                              alibi_slopes, seqused_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, left, right, softcap,
                     deterministic)
         ctx.head_dims = (head_dim, head_dim_v)
@@ -94,15 +95,15 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes = ctx.saved_tensors
+        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k = ctx.saved_tensors
         max_q, max_k, dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
         dq, dk, dv, _ = _torch_ops.call(
-            "varlen_bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, None, max_q, max_k,
+            "varlen_bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, seqused_k, max_q, max_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, deterministic,
             rng_state if dropout_p > 0.0 else None,
         )
-        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 11
+        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 12
 
 
 def _result(out, lse, return_attn_probs):
