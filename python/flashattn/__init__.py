@@ -41,6 +41,17 @@ if _torch is not None:
 else:
     _torch_api = None
 
+
+def build_config() -> str:
+    """How this installation was built: whether it has the CUDA backend, for which
+    architectures, and why (the decision `pip install .` made; see python/README.md)."""
+    try:
+        from flashattn import _build_config
+    except ImportError:  # run from a source tree
+        return "unknown (not an installed build)"
+    return _build_config.CUDA
+
+
 try:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -50,6 +61,7 @@ except PackageNotFoundError:  # run from a source tree
 
 __all__ = [
     "Error",
+    "build_config",
     "build_info",
     "compiled_backends",
     "flash_attn_func",
