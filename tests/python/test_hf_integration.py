@@ -50,12 +50,20 @@ def run(model, labels_mask=None, **inputs):
 
 
 def assert_same(ours, sdpa, keep=None):
+    """Logits and gradients as sdpa's, in float32 — or, on CUDA, where the float32 model's
+    attention runs in bfloat16 (no fp32 kernels), within bfloat16's error: simulated on the CPU,
+    that attention moves these logits by up to 2e-3 and each gradient by up to 0.5% of its
+    largest entry, so the bounds are 1e-2 and 2%."""
     (logits, grads), (ref_logits, ref_grads) = ours, sdpa
     if keep is not None:
         logits, ref_logits = logits[keep], ref_logits[keep]
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    bf16 = logits.device.type == "cuda"
+    tol = 1e-2 if bf16 else 1e-4
+    torch.testing.assert_close(logits, ref_logits, rtol=tol, atol=tol)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        ref = ref_grads[name]
+        atol = 2e-2 * float(ref.abs().max()) if bf16 else 1e-5
+        torch.testing.assert_close(grad, ref, rtol=2e-2 if bf16 else 1e-3, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("device", torch_devices())
