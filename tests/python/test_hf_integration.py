@@ -14,17 +14,21 @@ import flashattn.integrations.transformers as fa_hf  # noqa: E402
 from conftest import torch_devices  # noqa: E402
 
 
-def tiny_llama(implementation, device, seed=0):
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(seed)
+SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_model(implementation, device, config_class, **extra):
+    config = config_class(**SIZES, **extra)
+    torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
     return model.to(device=device, dtype=torch.float32)
 
 
-def pair(device):
-    """The same weights on "flashattn" and on "sdpa"."""
-    ours, sdpa = tiny_llama(fa_hf.NAME, device), tiny_llama("sdpa", device)
+def pair(device, config_class=transformers.LlamaConfig, **extra):
+    """A small model built from a config, with the same weights on "flashattn" and on "sdpa"."""
+    ours = tiny_model(fa_hf.NAME, device, config_class, **extra)
+    sdpa = tiny_model("sdpa", device, config_class, **extra)
     sdpa.load_state_dict(ours.state_dict())
     assert ours.config._attn_implementation == fa_hf.NAME and sdpa.config._attn_implementation == "sdpa"
     return ours, sdpa
@@ -110,6 +114,14 @@ def test_packed_sequences(device):
         explicit = ours(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
                         max_length_q=12, max_length_k=12).logits
     torch.testing.assert_close(explicit, got[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_sliding_window(device):
+    """A Mistral-style model whose sliding window (6) is shorter than the sequence."""
+    ours, sdpa = pair(device, transformers.MistralConfig, sliding_window=6)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(5)).to(device)
+    assert_same(run(ours, input_ids=ids), run(sdpa, input_ids=ids))
 
 
 def test_generate_matches_sdpa():

@@ -18,9 +18,10 @@ What a call does, in transformers' order of precedence:
 - cu_seq_lens_q/k with max_length_q/k (a padding-free collator), or position_ids of a single row
   that restart (packed sequences): flash_attn_varlen_func over those sequences;
 - otherwise flash_attn_func over the batch.
-causal follows the module (is_causal), sliding_window w means a left window of w - 1 keys, softcap
-> 0 soft-caps, dropout applies in training. Float32 inputs on CUDA (which has no fp32 kernels) are
-computed in bfloat16 (or the autocast dtype) and returned in float32. Attention sinks (s_aux) and
+causal follows the module (is_causal), sliding_window w means a window of w - 1 keys back (and
+ahead, without causal), softcap > 0 soft-caps, dropout is transformers' (0 outside training).
+Float32 inputs on CUDA (which has no fp32 kernels) are computed in bfloat16 (or the autocast
+dtype) and returned in float32. Attention sinks (s_aux) and
 transformers' paged continuous-batching cache raise NotImplementedError; attention weights are
 never returned (None).
 """
@@ -81,9 +82,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     dtype = _compute_dtype(query)
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # (batch, len, heads, d)
     causal = module.is_causal if is_causal is None else bool(is_causal)
-    left = sliding_window - 1 if sliding_window is not None and sliding_window < k.shape[1] else -1
+    # A sliding window of w sees w - 1 keys back (and, without causal, w - 1 ahead), as in
+    # transformers' own FlashAttention path.
+    reach = sliding_window - 1 if sliding_window is not None else -1
     common = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal,
-                  window_size=(left, -1), softcap=softcap or 0.0)
+                  window_size=(reach, 0 if causal else reach), softcap=softcap or 0.0)
 
     if attention_mask is not None:  # (batch, kv_len) bool: True where a token is
         q_mask = attention_mask[:, -q_len:]
