@@ -207,39 +207,12 @@ def _append(k_cache, v_cache, k, v, seq, positions, cache_batch_idx, page_table)
     v_cache.index_put_(where, v)
 
 
-def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                    page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
-                    softcap, rotary_interleaved, num_splits):
-    """flash_attn_with_kvcache with varlen queries or new keys: the append and the rotations here
-    (the same rotation as the core's append, flashattn.layers.rotary), the queries left-padded into
-    a batch — which keeps the bottom-right alignment of causal and window masks — for the core's
-    KV-cache attention over the updated caches."""
-    device = k_cache.device
-    if page_table is not None and cache_batch_idx is not None:
-        raise _C.Error("cache_batch_idx: cannot be combined with a paged cache (page_table)")
-    batch = (cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k_new).numel() - 1
-    if cache_seqlens is None:
-        raise _C.Error("cache_seqlens: is required with cu_seqlens_q or cu_seqlens_k_new")
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    old = cache_seqlens.long()
-    rotary = rotary_cos is not None
-    new = old
-    if k is not None:
-        if cu_seqlens_k_new is not None:
-            k_seq, k_idx = _rows_of(cu_seqlens_k_new.long(), k.shape[0])
-            k_rows, v_rows = k, v
-        else:
-            b, s_new = k.shape[0], k.shape[1]
-            k_seq = torch.arange(b, device=device).repeat_interleave(s_new)
-            k_idx = torch.arange(s_new, device=device).repeat(b)
-            k_rows, v_rows = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-        positions = old[k_seq] + k_idx
-        if rotary:
-            k_rows = _rotate_at(k_rows, rotary_cos, rotary_sin, rotary_interleaved, positions)
-        _append(k_cache, v_cache, k_rows, v_rows, k_seq, positions, cache_batch_idx, page_table)
-        new = old + torch.bincount(k_seq, minlength=batch)
-
+def _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary):
+    """q (batch, seqlen_q, h, d), or varlen (total_q, h, d), rotated (rotary: (cos, sin,
+    interleaved, by_row) or None) at cache_seqlens (old) + its index when by_row, else at
+    cache_seqlens -> (q as a batch, varlen rows left-padded; the (sequence, row) of each varlen
+    query in that batch, or None)."""
+    device = q.device
     if cu_seqlens_q is not None:
         q_seq, q_idx = _rows_of(cu_seqlens_q.long(), q.shape[0])
         q_rows = q
@@ -247,20 +220,66 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         q_seq = torch.arange(q.shape[0], device=device).repeat_interleave(q.shape[1])
         q_idx = torch.arange(q.shape[1], device=device).repeat(q.shape[0])
         q_rows = q.reshape(-1, *q.shape[2:])
-    if rotary:  # each query at cache_seqlens + its index when causal or windowed, else at cache_seqlens
-        by_row = causal or window != (-1, -1)
-        q_rows = _rotate_at(q_rows, rotary_cos, rotary_sin, rotary_interleaved, old[q_seq] + (q_idx if by_row else 0))
+    if rotary is not None:
+        cos, sin, interleaved, by_row = rotary
+        q_rows = _rotate_at(q_rows, cos, sin, interleaved, old[q_seq] + (q_idx if by_row else 0))
     if cu_seqlens_q is None:
-        q_batch = q_rows.reshape(q.shape)
+        return q_rows.reshape(q.shape), None
+    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    max_q = int(max_seqlen_q) if max_seqlen_q is not None else int(lengths.max())
+    padded_idx = q_idx + max_q - lengths[q_seq]  # left padding: the last rows are the real ones
+    q_batch = q.new_zeros((batch, max_q) + tuple(q.shape[1:]))
+    q_batch[q_seq, padded_idx] = q_rows
+    return q_batch, (q_seq, padded_idx)
+
+
+def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx, page_table):
+    """Appends k, v (batch, seqlen_new, hk, d), or varlen (total_new, hk, d), rotated, at
+    cache_seqlens (old) of each sequence -> the lengths after the append."""
+    device = k_cache.device
+    if cu_seqlens_k_new is not None:
+        k_seq, k_idx = _rows_of(cu_seqlens_k_new.long(), k.shape[0])
+        k_rows, v_rows = k, v
     else:
-        lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-        max_q = int(max_seqlen_q) if max_seqlen_q is not None else int(lengths.max())
-        padded_idx = q_idx + max_q - lengths[q_seq]  # left padding: the last rows are the real ones
-        q_batch = q.new_zeros((batch, max_q) + tuple(q.shape[1:]))
-        q_batch[q_seq, padded_idx] = q_rows
+        k_seq = torch.arange(k.shape[0], device=device).repeat_interleave(k.shape[1])
+        k_idx = torch.arange(k.shape[1], device=device).repeat(k.shape[0])
+        k_rows, v_rows = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    positions = old[k_seq] + k_idx
+    if rotary is not None:
+        cos, sin, interleaved, _ = rotary
+        k_rows = _rotate_at(k_rows, cos, sin, interleaved, positions)
+    _append(k_cache, v_cache, k_rows, v_rows, k_seq, positions, cache_batch_idx, page_table)
+    return old + torch.bincount(k_seq, minlength=batch)
+
+
+def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                    page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
+                    softcap, rotary_interleaved, num_splits):
+    """flash_attn_with_kvcache with varlen queries or new keys: the append and the rotations here
+    (the same rotation as the core's append, flashattn.layers.rotary), the queries left-padded into
+    a batch — which keeps the bottom-right alignment of causal and window masks — for the core's
+    KV-cache attention over the updated caches."""
+    if page_table is not None and cache_batch_idx is not None:
+        raise _C.Error("cache_batch_idx: cannot be combined with a paged cache (page_table)")
+    if cache_seqlens is None:
+        raise _C.Error("cache_seqlens: is required with cu_seqlens_q or cu_seqlens_k_new")
+    batch = (cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k_new).numel() - 1
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+    old = cache_seqlens.long()
+    # Queries rotate at their own positions when causal or windowed (FlashAttention's rule).
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved,
+                                              causal or window != (-1, -1))
+    # The queries first, so that nothing is written into the caches before every check has passed.
+    q_batch, gather = _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary)
+    new = old
+    if k is not None:
+        new = _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx,
+                               page_table)
     out, lse = flashattn.flash_attn_with_kvcache(
         q_batch, k_cache, v_cache, None, None, None, None, new.to(torch.int32), cache_batch_idx, None, page_table,
         softmax_scale, causal, window, softcap, rotary_interleaved, None, num_splits, True)
-    if cu_seqlens_q is None:
+    if gather is None:
         return out, lse
+    q_seq, padded_idx = gather
     return out[q_seq, padded_idx], lse[q_seq, :, padded_idx].transpose(0, 1)

@@ -215,6 +215,22 @@ def test_kvcache_batch(device):
     torch.testing.assert_close(out, ref)
 
 
+def test_kvcache_checks_before_writing():
+    """A rotary table too short for the queries (long enough for the new key) is an error that
+    leaves the cache as it was."""
+    g = torch.Generator().manual_seed(7)
+    q = randn((3, 2, 32), torch.bfloat16, "cpu", g)
+    k_new, v_new = randn((1, 2, 32), torch.bfloat16, "cpu", g), randn((1, 2, 32), torch.bfloat16, "cpu", g)
+    k_cache, v_cache = randn((1, 16, 2, 32), torch.bfloat16, "cpu", g), randn((1, 16, 2, 32), torch.bfloat16, "cpu", g)
+    before = k_cache.clone()
+    cos = sin = torch.ones((7, 16), dtype=torch.bfloat16)
+    with pytest.raises(flashattn.Error, match="rotary_cos"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                    cache_seqlens=5, cu_seqlens_q=cu([3], "cpu"), cu_seqlens_k_new=cu([1], "cpu"),
+                                    max_seqlen_q=3, causal=True)
+    assert torch.equal(k_cache, before)
+
+
 def test_refusals():
     q = torch.zeros((1, 4, 2, 16), dtype=torch.bfloat16)
     scale = torch.ones(1)
