@@ -17,6 +17,9 @@ Differences from flash_attn:
 - cache_leftpad and block_table in varlen mode raise NotImplementedError.
 - Dropout seeds come from PyTorch's default generator of the tensors' device (NumPy: NumPy's
   global generator); see flashattn._torch_ops.draw_rng_state.
+- Window sizes below -1 and a negative softcap are errors here; flashattn.flash_attn_interface
+  (flash_attn's module, private functions included) reads them as "off", takes softmax_scale=0.0
+  as a zero scale and returns S_dmask as an empty tensor, as flash_attn does.
 
 Invalid arguments raise flashattn.Error, a ValueError and a RuntimeError, whose message names the
 argument.
