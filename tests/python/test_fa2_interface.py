@@ -181,17 +181,31 @@ def test_private_varlen_seqused_k_and_zero_tensors(device):
     assert torch.all(out[sum(lq):] == 0) and torch.all(lse[:, sum(lq):] == float("-inf"))
 
 
+def call_by_argspec(fn, **given):
+    """fn called as ring-attention code calls it: every argument by name, from
+    inspect.getfullargspec (None where there is no default, softcap 0.0), updated with `given`."""
+    spec = inspect.getfullargspec(fn)
+    defaults = spec.defaults or ()
+    params = dict(zip(spec.args, (None,) * (len(spec.args) - len(defaults)) + tuple(defaults)))
+    params["softcap"] = 0.0
+    params.update(given)
+    return fn(**params)
+
+
 @pytest.mark.parametrize("device", torch_devices())
 def test_ring_attention_step(device):
     """What ring attention does with these functions: attention over two blocks of keys, each by
     _flash_attn_forward, merged through their lse; each block's gradients by _flash_attn_backward
-    from the merged out and lse, summed over the blocks for dq. Equal to attention over all keys."""
+    from the merged out and lse, summed over the blocks for dq. Equal to attention over all keys.
+    The calls pass every argument by name, from the functions' argument specs."""
     q, k, v, dout = batch_inputs((2, 32, 48, 4, 2, 64, 64), torch.bfloat16, device, seed=6)
     blocks = [(k[:, :20], v[:, :20]), (k[:, 20:], v[:, 20:])]
     scale = 64 ** -0.5
     out_acc, lse_acc = None, None
     for kb, vb in blocks:
-        out_b, lse_b, _, _ = fai._flash_attn_forward(q, kb, vb, 0.0, scale, False, -1, -1, 0.0, None, True)
+        out_b, lse_b, _, _ = call_by_argspec(fai._flash_attn_forward, q=q, k=kb, v=vb, dropout_p=0.0,
+                                             softmax_scale=scale, causal=False, window_size_left=-1,
+                                             window_size_right=-1, alibi_slopes=None, return_softmax=False)
         lse_b = lse_b.transpose(1, 2).unsqueeze(-1)  # (b, sq, h, 1)
         if out_acc is None:
             out_acc, lse_acc = out_b.float(), lse_b
@@ -207,8 +221,9 @@ def test_ring_attention_step(device):
     dks, dvs = [], []
     for kb, vb in blocks:
         dq_b, dk_b, dv_b = torch.empty_like(q), torch.empty_like(kb), torch.empty_like(vb)
-        fai._flash_attn_backward(dout, q, kb, vb, out, lse, dq_b, dk_b, dv_b, 0.0, scale, False, -1, -1, 0.0,
-                                 None, False)
+        call_by_argspec(fai._flash_attn_backward, dout=dout, q=q, k=kb, v=vb, out=out, softmax_lse=lse, dq=dq_b,
+                        dk=dk_b, dv=dv_b, dropout_p=0.0, softmax_scale=scale, causal=False, window_size_left=-1,
+                        window_size_right=-1, alibi_slopes=None, deterministic=False)
         dq += dq_b.float()
         dks.append(dk_b)
         dvs.append(dv_b)
