@@ -133,6 +133,21 @@ def test_generate_matches_sdpa():
         assert torch.equal(ours.generate(ids, **kw), sdpa.generate(ids, **kw))
 
 
+def test_continuous_batching():
+    """transformers' continuous batching (generate_batch, a paged cache): its FlashAttention path,
+    run on flashattn's functions, gives each prompt the tokens sdpa's greedy generate gives it."""
+    ours, sdpa = pair("cpu")
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    paging = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16)
+    with torch.no_grad():
+        batch = ours.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=paging,
+                                    warmup=False)
+        for i, prompt in enumerate(prompts):
+            alone = sdpa.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):]
+            assert batch[f"req_{i}"].generated_tokens == alone.tolist()
+
+
 def test_refuses_sinks():
     ours, _ = pair("cpu")
     module = ours.model.layers[0].self_attn

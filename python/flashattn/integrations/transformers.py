@@ -21,9 +21,10 @@ What a call does, in transformers' order of precedence:
 causal follows the module (is_causal), sliding_window w means a window of w - 1 keys back (and
 ahead, without causal), softcap > 0 soft-caps, dropout is transformers' (0 outside training).
 Float32 inputs on CUDA (which has no fp32 kernels) are computed in bfloat16 (or the autocast
-dtype) and returned in float32. Attention sinks (s_aux) and
-transformers' paged continuous-batching cache raise NotImplementedError; attention weights are
-never returned (None).
+dtype) and returned in float32. Continuous batching (generate_batch, whose calls carry transformers'
+paged cache) goes through transformers' own FlashAttention path, which the loader hook makes run
+on flashattn's flash_attn_varlen_func / flash_attn_with_kvcache. Attention sinks (s_aux) raise
+NotImplementedError; attention weights are never returned (None).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 import transformers.modeling_flash_attention_utils as _hf_flash
 from transformers import AttentionInterface
+from transformers.integrations.flash_attention import flash_attention_forward as _hf_flash_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from flashattn.bert_padding import pad_input, unpad_input
@@ -76,8 +78,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (batch, kv_heads, kv_len, d/dv) -> (out (batch, q_len, heads, dv), None)."""
     if s_aux is not None:
         raise NotImplementedError("s_aux: attention sinks are not supported by flashattn")
-    if kwargs.get("block_table") is not None or kwargs.get("cache") is not None:
-        raise NotImplementedError("cache: transformers' paged continuous-batching cache is not supported by flashattn")
+    if kwargs.get("cache") is not None:  # continuous batching: transformers' paged path, on flashattn's functions
+        return _hf_flash_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
     batch, q_len = query.shape[0], query.shape[2]
     dtype = _compute_dtype(query)
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # (batch, len, heads, d)
