@@ -231,6 +231,21 @@ def test_ring_attention_step(device):
                 softmax_scale=scale)
 
 
+def test_private_functions_compile():
+    """A ring step traced whole by torch.compile (fullgraph) gives the eager results."""
+    q, k, v, dout = batch_inputs((1, 16, 16, 2, 2, 32, 32), torch.float32, "cpu", seed=11)
+
+    def step(q, k, v, dout):
+        out, lse, _, _ = fai._flash_attn_forward(q, k, v, 0.0, 0.2, True, -1, -1, 0.0, None, False)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        fai._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.2, True, -1, -1, 0.0, None, False)
+        return out, dq, dk, dv
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for got, expected in zip(compiled(q, k, v, dout), step(q, k, v, dout)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", torch_devices())
 def test_public_functions(device):
     """The seven functions give flashattn's results; S_dmask is an empty tensor, as flash_attn's
