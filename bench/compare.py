@@ -1506,6 +1506,8 @@ def print_device_info(info: dict):
 
 def progress_line(case: Case, name: str, result: dict) -> str:
     key = "gbps" if case.decode else "gflops" if case.host else "tflops"
+    if result.get("unsupported") == FA3_MISSING:
+        return f"    {name:<10} – (no {FA3_MODULE}; said once at the start)"
     if "unsupported" in result:
         return f"    {name:<10} – ({result['unsupported'][:100]})"
     parts = [f"{dn} {figure(result[dn][key]) if key in result.get(dn, {}) else '–'}" for dn in case.directions]
