@@ -105,10 +105,12 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   const c::AttentionParams plain = params_of(p, r);
   EXPECT_EQ(fc::sm90::fwd_unsupported(plain, 128), "");
   const float slopes[4] = {0.5f, 0.25f, 0.125f, 0.0625f};
+  c::AttentionParams scored = plain;
+  scored.softcap = 30.0f;
+  scored.alibi_slopes = slopes;
+  EXPECT_EQ(fc::sm90::fwd_unsupported(scored, 128), "");  // softcap and ALiBi are served
   const std::int32_t seqlens[3] = {0, 100, 256};
   const std::pair<std::function<void(c::AttentionParams&)>, const char*> cases[] = {
-      {[](c::AttentionParams& q) { q.softcap = 30.0f; }, "softcap"},
-      {[&](c::AttentionParams& q) { q.alibi_slopes = slopes; }, "ALiBi"},
       {[](c::AttentionParams& q) { q.dropout_p = 0.1f; }, "dropout"},
       {[&](c::AttentionParams& q) { q.cu_seqlens_q = q.cu_seqlens_k = seqlens; }, "varlen"},
       {[&](c::AttentionParams& q) { q.seqused_k = seqlens; }, "varlen"},
@@ -178,17 +180,17 @@ TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
   }
 
   // A feature this family does not have yet: sm80 runs it, and sm90 says why it declined.
-  dp.softcap = 2.0f;
+  dp.dropout_p = 0.1f;
   choice = fc::choose_forward_family(dp);
   ASSERT_TRUE(choice.served) << choice.why_not;
   EXPECT_EQ(choice.family, fc::Family::sm80);
   int head_dim = 0;
-  EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("softcap"), std::string::npos);
+  EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("dropout"), std::string::npos);
   {
     const FamilyOverride family("sm90");
     choice = fc::choose_forward_family(dp);
     EXPECT_FALSE(choice.served);
-    EXPECT_NE(choice.why_not.find("softcap"), std::string::npos) << choice.why_not;
+    EXPECT_NE(choice.why_not.find("dropout"), std::string::npos) << choice.why_not;
     EXPECT_NE(choice.why_not.find("FLASHATTN_CUDA_FAMILY=sm90"), std::string::npos) << choice.why_not;
   }
 }
@@ -233,6 +235,40 @@ TEST_P(CudaSm90Forward, LongerSequences) {
     AttnConfig cfg = feature_config(GetParam(), d, 300, 100);
     cfg.opt.window_left = 0;
     cfg.opt.window_right = 0;  // rows 0…199 see no key (the first row block none at all): out 0, lse +∞
+    expect_sm90_matches(cfg);
+  }
+}
+
+TEST_P(CudaSm90Forward, Softcap) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), d, 177, 301);
+      cfg.qk_amplitude = 3.0f;  // scores well past the cap
+      cfg.opt.softcap = 1.5f;
+      cfg.opt.causal = causal;
+      expect_sm90_matches(cfg);
+    }
+  }
+}
+
+TEST_P(CudaSm90Forward, Alibi) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128, 256}) {
+    for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = feature_config(GetParam(), d, 300, 129);
+        cfg.alibi = a;
+        cfg.opt.causal = causal;
+        expect_sm90_matches(cfg);
+      }
+    }
+    // Both at once, with a window, over several key tiles.
+    AttnConfig cfg = feature_config(GetParam(), d, 200, 700);
+    cfg.alibi = Alibi::per_head;
+    cfg.opt.softcap = 5.0f;
+    cfg.opt.window_left = 300;
+    cfg.opt.window_right = 40;
     expect_sm90_matches(cfg);
   }
 }

@@ -33,8 +33,6 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr || p.is_paged()) {
     return "KV caches (cache_seqlens, cache_batch_idx, paged K/V) are not in this family yet";
   }
-  if (p.softcap > 0.0f) return "softcap is not in this family yet";
-  if (p.alibi_slopes != nullptr) return "ALiBi is not in this family yet";
   if (p.dropout_p > 0.0f) return "dropout is not in this family yet";
   const std::int64_t element_bytes = 2;
   for (const auto& [name, t, rows, heads] :

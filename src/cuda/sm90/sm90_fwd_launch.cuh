@@ -59,19 +59,23 @@ cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The variants of one (dtype, head dim): with softcap / ALiBi compiled in or not, and at d ≤ 128
+// ping-pong or not (fwd_pingpong; the score-mod variant takes the default, ping-pong).
+template <class Element, int kHeadDim, bool kPingPong, bool kScoreMod>
+using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
+                              fwd_tile(kHeadDim).stages, kPingPong, kScoreMod>;
+
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   (void)rng_state;  // dropout is not served by this family (fwd_unsupported)
   using Element = typename ElementOf<kStorage>::type;
-  constexpr FwdTileShape kTile = fwd_tile(kHeadDim);
-  if constexpr (kHeadDim <= 128) {
-    if (!fwd_pingpong(kHeadDim)) {
-      return launch_fwd<FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, false>>(p, stream);
-    }
-    return launch_fwd<FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, true>>(p, stream);
-  } else {
-    return launch_fwd<FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, false>>(p, stream);
+  const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  constexpr bool kPingPongCompiled = kHeadDim <= 128;
+  if (score_mod) return launch_fwd<FwdTraitsOf<Element, kHeadDim, kPingPongCompiled, true>>(p, stream);
+  if (kPingPongCompiled && fwd_pingpong(kHeadDim)) {
+    return launch_fwd<FwdTraitsOf<Element, kHeadDim, kPingPongCompiled, false>>(p, stream);
   }
+  return launch_fwd<FwdTraitsOf<Element, kHeadDim, false, false>>(p, stream);
 }
 
 }  // namespace flashattn::cuda::sm90

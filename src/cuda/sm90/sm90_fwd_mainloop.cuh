@@ -11,6 +11,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "cuda/device/score_mod.cuh"
 #include "cuda/sm90/sm90_fwd_traits.cuh"
 #include "cuda/sm90/sm90_pipeline.cuh"
 #include "cuda/sm90/sm90_softmax.cuh"
@@ -170,6 +171,31 @@ struct FwdMainloop {
     };
     auto to_p = [&] { convert_fragment<Element>(acc_s, p_flat); };
 
+    // Softcap and ALiBi (kScoreMod): raw scores in the units of device::TileScoreMod, whose
+    // out_scale · log2 e becomes the softmax's exp2 multiplier.
+    [[maybe_unused]] const device::TileScoreMod mod(
+        params.p.template score_mod_for<float>(t.batch, t.head, t.seqlen_q, t.seqlen_k), Traits::kScoreMod);
+    if constexpr (Traits::kScoreMod) softmax.scale_log2 = mod.out_scale * device::kLog2e;
+    auto apply_score_mod = [&](int n) {
+      if constexpr (Traits::kScoreMod) {
+        if (mod.softcap) {
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc_s); ++e) acc_s(e) = device::TileScoreMod::tanh(acc_s(e) * mod.k);
+        }
+        if (mod.alibi) {
+          const int col0 = n * kBlockN + get<1>(c_rc(0, 0));
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const float base = mod.alibi_base(t.m_block * kBlockM + get<0>(c_rc(r, 0)), col0);
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(s_rc); ++c) {
+              s_rc(r, c) = mod.add_alibi(s_rc(r, c), base, get<1>(c_rc(0, c)) - get<1>(c_rc(0, 0)));
+            }
+          }
+        }
+      }
+    };
+
     float correction[kRows];
     const int wg = thread / Traits::kWarpgroupThreads;
     cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_phase);
@@ -183,6 +209,7 @@ struct FwdMainloop {
     cute::warpgroup_wait<0>();
     k_pipe.consumer_release(k_st, leader);
     k_st.advance();
+    apply_score_mod(n);
     if (needs_mask(n)) apply_mask(n);
     softmax.template step<true>(s_rc, correction);
     to_p();
@@ -198,6 +225,7 @@ struct FwdMainloop {
       cute::warpgroup_wait<1>();  // S has landed; P·V still runs
       k_pipe.consumer_release(k_st, leader);
       k_st.advance();
+      apply_score_mod(n);
       if (needs_mask(n)) apply_mask(n);
       softmax.template step<false>(s_rc, correction);
       cute::warpgroup_wait<0>();

@@ -22,7 +22,8 @@ using namespace cute;
 // Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim (d = dv).
 // kBlockM query rows per CTA, 64 per consumer warpgroup; kBlockN keys per pipeline stage.
 // kPingPong: the consumer warpgroups take turns to issue their products (FwdMainloop::turn_begin).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_>
+// kScoreMod: softcap and ALiBi compiled in (device::TileScoreMod on each score tile).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -30,6 +31,7 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kPingPong = kPingPong_;
+  static constexpr bool kScoreMod = kScoreMod_;
 
   static constexpr int kRowsPerWarpgroup = 64;  // the M of one wgmma
   static constexpr int kConsumerWarpgroups = kBlockM / kRowsPerWarpgroup;
