@@ -72,6 +72,7 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   } else {
     cpu::flash_forward(pr.params, resolve_threads(opt));
   }
+  cpu::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, false);
 }
 
 // Rows of q across the batch: b · sq, or total_q for a varlen batch.
@@ -194,6 +195,7 @@ void backward(const BackwardInputs& in, const BackwardOutputs& out, const Option
   } else {
     cpu::flash_backward(pr.params, resolve_threads(opt));
   }
+  cpu::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, true);
 }
 
 void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace workspace,

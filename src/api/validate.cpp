@@ -416,6 +416,8 @@ Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, con
   pr.dtype = in.q.dtype;
   pr.device = in.q.device;
   pr.params = base_params(dims, in.q, in.k, in.v, in.varlen);
+  pr.total_q = dims.total_q;
+  pr.total_k = dims.total_k;
   pr.params.out = row_head(out.out);
   pr.params.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;
   check_alibi(c, opt, dims.b, dims.h, in.q.device, pr.params);
@@ -439,6 +441,8 @@ Problem validate_backward(const BackwardInputs& in, const BackwardOutputs& out, 
   pr.is_backward = true;
   common::AttentionParams& p = pr.params;
   p = base_params(dims, in.q, in.k, in.v, in.varlen);
+  pr.total_q = dims.total_q;
+  pr.total_k = dims.total_k;
   p.out = row_head(in.out);
   p.dout = row_head(in.dout);
   p.lse = static_cast<float*>(in.lse.data);

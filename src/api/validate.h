@@ -16,6 +16,8 @@ struct Problem {
   Device device = {};
   bool is_backward = false;
   bool is_kvcache = false;
+  // Varlen: the packed row counts of q and k (rows past cu_seqlens[b] belong to no sequence).
+  std::int64_t total_q = 0, total_k = 0;
 };
 
 // Each throws flashattn::Error naming the argument, the rule, the expected and the actual value.
