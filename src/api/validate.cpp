@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,13 @@ constexpr std::int64_t kMaxSeqlen = std::int64_t(1) << 30;
 
 std::string device_string(Device d) {
   return d.type == DeviceType::cpu ? "cpu" : "cuda:" + std::to_string(d.index);
+}
+
+// A float with the digits that tell it apart (std::to_string prints 1e-40 as 0.000000).
+std::string float_string(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", double(x));
+  return buf;
 }
 
 std::string strides_string(const TensorView& t) {
@@ -199,6 +208,16 @@ void check_alibi(const Checker& c, const Options& opt, std::int64_t b, std::int6
 void set_semantics(const Checker& c, const Options& opt, Device device, common::AttentionParams& p) {
   check_options(c, opt);
   p.softmax_scale = opt.softmax_scale > 0.0f ? opt.softmax_scale : 1.0f / std::sqrt(float(p.head_dim));
+  // Every backend divides by the softcap (tanh(s / softcap)), some after folding the scale in
+  // (softmax_scale / softcap): a softcap so small that either quotient overflows fp32 would give
+  // ∞ · 0 = NaN scores, so it is refused. Above that bound a tiny softcap is exact: scores in
+  // ±softcap, a softmax that is uniform over the visible keys to fp32 precision.
+  if (opt.softcap > 0.0f && !(std::isfinite(1.0f / opt.softcap) && std::isfinite(p.softmax_scale / opt.softcap))) {
+    c.fail("options.softcap",
+           "softcap must be 0 (off) or large enough that 1 / softcap and softmax_scale / softcap are finite in fp32",
+           "≥ " + float_string(std::max(1.0f, p.softmax_scale) / std::numeric_limits<float>::max()),
+           float_string(opt.softcap));
+  }
   p.softcap = opt.softcap;
   p.causal = opt.causal;
   p.window_left = opt.window_left;
