@@ -27,7 +27,7 @@ import numpy as _np
 
 from flashattn import _C
 from flashattn import numpy as _numpy_impl
-from flashattn._C import Error, build_info, compiled_backends
+from flashattn._C import Error, build_info, check_index_errors, compiled_backends
 
 try:
     import torch as _torch
@@ -50,6 +50,7 @@ except PackageNotFoundError:  # run from a source tree
 __all__ = [
     "Error",
     "build_info",
+    "check_index_errors",
     "compiled_backends",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

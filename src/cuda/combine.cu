@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   const int row = int(batch_row % c.max_seqlen_q);
   const int batch = int(batch_row / c.max_seqlen_q);
   if (batch >= c.batch) return;
+  if (c.index_error != nullptr && *c.index_error != 0) return;  // cu_seqlens_q failed the index check
   const bool varlen = c.cu_seqlens_q != nullptr;
   if (varlen && row >= c.cu_seqlens_q[batch + 1] - c.cu_seqlens_q[batch]) return;
 

@@ -203,6 +203,7 @@ void forward(const common::AttentionParams& p, void* stream, const std::uint64_t
       c.lse_batch_stride = p.lse_batch_stride;
       c.lse_head_stride = p.lse_head_stride;
       c.cu_seqlens_q = p.cu_seqlens_q;
+      c.index_error = p.index_error;
       combine(c, stream);
       return;
     }

@@ -239,3 +239,13 @@ def test_tiny_softcap_gives_the_mean_of_the_visible_values():
     q, k, v = qkv(s=40)
     out = F(q, k, v, softcap=1e-30)
     torch.testing.assert_close(out, v.mean(dim=1, keepdim=True).expand_as(out), atol=1e-5, rtol=0)
+
+
+def test_device_index_check_controls():
+    """The synchronous device-side index check is an option (off by default), and
+    check_index_errors() returns quietly when no call recorded a violation (docs/errors.md)."""
+    assert flashattn._C.Options().check_indices is False
+    opt = flashattn._C.Options()
+    opt.check_indices = True
+    assert opt.check_indices is True
+    assert flashattn.check_index_errors() is None
