@@ -249,3 +249,24 @@ def test_device_index_check_controls():
     opt.check_indices = True
     assert opt.check_indices is True
     assert flashattn.check_index_errors() is None
+
+
+VARLEN_FAULTS = {
+    "decreasing_cu_seqlens_q": ([0, 7, 4], [0, 4, 10], 10, 10, "varlen.cu_seqlens_q"),
+    "cu_seqlens_k_past_tokens": ([0, 4, 10], [0, 4, 11], 10, 11, "varlen.cu_seqlens_k"),
+    "max_seqlen_q_below_a_sequence": ([0, 4, 10], [0, 4, 10], 5, 6, "varlen.max_seqlen_q"),
+}
+
+
+@pytest.mark.parametrize("case", list(VARLEN_FAULTS))
+def test_varlen_bad_index_values_then_a_valid_call_is_right(case):
+    cu_q, cu_k, max_q, max_k, name = VARLEN_FAULTS[case]
+    q, k, v = packed(total=10)
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=f": {name}: "):
+        VARLEN(q, k, v, as_i32(cu_q), as_i32(cu_k), max_q, max_k)
+    cu = as_i32([0, 4, 10])
+    out = VARLEN(q, k, v, cu, cu, 6, 6, causal=True)
+    for a, b in ((0, 4), (4, 10)):
+        ref, _ = attend(q[a:b].numpy(), k[a:b].numpy(), v[a:b].numpy(), scale=16**-0.5, causal=True)
+        np.testing.assert_allclose(out[a:b].numpy(), ref, atol=1e-5)
