@@ -10,9 +10,9 @@
 
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -107,6 +107,7 @@ struct KVCall {
   DeviceArena dev;
   Tensor q{DType::bf16, {kB, 1, kH, kHeadDim}}, k_new{DType::bf16, {kB, kNew, kH, kHeadDim}};
   Tensor v_new{DType::bf16, {kB, kNew, kH, kHeadDim}};
+  Tensor cos{DType::bf16, {kCap, kHeadDim / 2}}, sin{DType::bf16, {kCap, kHeadDim / 2}};  // rotary tables
   Tensor k_host, v_host, out_host{DType::bf16, {kB, 1, kH, kHeadDim}}, lse_host{DType::f32, {kB, kH, 1}};
   std::unique_ptr<DeviceGuarded> k_cache, v_cache, out, lse;
   std::vector<unsigned char> workspace_bytes;
@@ -116,7 +117,7 @@ struct KVCall {
     k_host = Tensor(DType::bf16, cache_shape);
     v_host = Tensor(DType::bf16, cache_shape);
     std::uint64_t salt = 0;
-    for (Tensor* t : {&q, &k_new, &v_new, &k_host, &v_host}) t->fill_random(test_seed(++salt));
+    for (Tensor* t : {&q, &k_new, &v_new, &k_host, &v_host, &cos, &sin}) t->fill_random(test_seed(++salt));
     k_cache = std::make_unique<DeviceGuarded>(dev, k_host);
     v_cache = std::make_unique<DeviceGuarded>(dev, v_host);
     out = std::make_unique<DeviceGuarded>(dev, out_host);
@@ -126,6 +127,7 @@ struct KVCall {
     std::vector<std::int32_t> seqlens = {3, 20};
     std::vector<std::int32_t> batch_idx = {2, 0};
     std::vector<std::int32_t> table = {4, 1, 0, 5};
+    std::int64_t rotary_rows = 0;  // rows of the rotary tables given (0: no rotary embedding)
   };
   fa::KVCacheInputs inputs(const Args& a, bool on_device) {
     fa::KVCacheInputs in;
@@ -140,6 +142,12 @@ struct KVCall {
     in.k_new = place(k_new);
     in.v_new = place(v_new);
     if (!on_device) return in;  // the caller sets the host index tensors (and keeps them alive)
+    if (a.rotary_rows > 0) {
+      for (auto [view, table] : {std::pair{&in.rotary_cos, &cos}, std::pair{&in.rotary_sin, &sin}}) {
+        *view = place(*table);
+        view->shape[0] = a.rotary_rows;
+      }
+    }
     in.cache_seqlens = device_i32(dev, a.seqlens, {kB});
     if (paged) {
       in.block_table = device_i32(dev, a.table, {kB, 2});
@@ -210,6 +218,7 @@ const KVFault kKVFaults[] = {
     {"block_table_past_pages", true, [](KVCall::Args& a) { a.table = {6, 1, 0, 5}; }, "block_table"},
     {"negative_block_table", true, [](KVCall::Args& a) { a.table = {4, 1, 0, -1}; }, "block_table"},
     {"paged_append_past_capacity", true, [](KVCall::Args& a) { a.seqlens = {3, 32}; }, "cache_seqlens"},
+    {"rotary_table_shorter_than_the_positions", false, [](KVCall::Args& a) { a.rotary_rows = 6; }, "rotary_cos"},
 };
 
 // With check_indices the bad call itself throws; without, it returns and the next CUDA call on
@@ -395,6 +404,47 @@ TEST(CudaFaultInjection, CombineSplitWithNanLsePropagates) {
     }
   }
   EXPECT_TRUE(d_out.guards_intact() && d_lse.guards_intact());
+}
+
+}  // namespace
+}  // namespace fa_test::cuda
+
+namespace fa_test::cuda {
+namespace {
+
+// --- NaN in the inputs (docs/errors.md) ---------------------------------------------------------
+
+// Rows (i, head) of out that hold a NaN, and rows of lse that are NaN, must be the reference's:
+// a NaN in q_5 of head 0 reaches row 5 only; a NaN in k_150 of kv head 1 reaches the rows that see
+// key 150 under the causal mask (150 and later), not the earlier ones of the same key tiles. With
+// and without split-KV (the combine must carry a split's NaN).
+TEST(CudaNonFinite, ForwardNanRowsMatchTheReference) {
+  FA_SKIP_WITHOUT_GPU();
+  constexpr int kLen = 200;
+  AttnConfig cfg = dense_config(DType::bf16, 1, kLen, kLen, 2, 2, kHeadDim);
+  cfg.opt.causal = true;
+  AttnProblem p = make_problem(cfg);
+  p.q.set({0, 5, 0, 7}, std::numeric_limits<float>::quiet_NaN());
+  p.k.set({0, 150, 1, 7}, std::numeric_limits<float>::quiet_NaN());
+  const ForwardResult ref = run_forward(p, Backend::cpu_reference);
+  for (int splits : {1, 3}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    const ForwardResult got = run_cuda_forward(
+        p, [splits](fa::common::AttentionParams& dp, DeviceArena&) { dp.num_splits = splits; }, nullptr, true);
+    if (got.not_run) return;
+    for (std::int64_t i = 0; i < kLen; ++i) {
+      for (std::int64_t h = 0; h < 2; ++h) {
+        bool ref_nan = false, got_nan = false;
+        for (std::int64_t e = 0; e < kHeadDim; ++e) {
+          ref_nan = ref_nan || std::isnan(ref.out.get({0, i, h, e}));
+          got_nan = got_nan || std::isnan(got.out.get({0, i, h, e}));
+        }
+        EXPECT_EQ(got_nan, ref_nan) << "out row " << i << " head " << h;
+        EXPECT_EQ(std::isnan(got.lse.get({0, h, i})), std::isnan(ref.lse.get({0, h, i}))) << "lse " << i << ", " << h;
+        EXPECT_EQ(ref_nan, (h == 0 && i == 5) || (h == 1 && i >= 150)) << "the reference's own NaN rows";
+      }
+    }
+  }
 }
 
 }  // namespace
