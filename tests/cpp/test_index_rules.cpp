@@ -3,6 +3,7 @@
 // each rule accepts its last valid value and refuses the first invalid one, reports the sequence
 // and entry, and index_violation_message names the argument as the validation does.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,32 @@ IndexViolation first_violation(const IndexBounds& ib) {
   return {};
 }
 
+// One edge of a rule: a change to valid indices, and the violation it must give (ok: none).
+template <class Indices>
+struct Edge {
+  std::function<void(Indices&)> change;
+  IndexRule rule;
+  int batch, entry;
+  long long value, bound;
+};
+
+template <class Indices>
+void expect_edges(const std::vector<Edge<Indices>>& edges) {
+  EXPECT_FALSE(first_violation(Indices{}.bounds()));
+  for (const Edge<Indices>& e : edges) {
+    Indices indices;
+    e.change(indices);
+    const IndexViolation got = first_violation(indices.bounds());
+    SCOPED_TRACE(flashattn::detail::index_violation_message("test", got));
+    EXPECT_EQ(got.rule, e.rule);
+    if (e.rule == IndexRule::ok) continue;
+    EXPECT_EQ(got.batch, e.batch);
+    EXPECT_EQ(got.entry, e.entry);
+    EXPECT_EQ(got.value, e.value);
+    EXPECT_EQ(got.bound, e.bound);
+  }
+}
+
 struct VarlenIndices {
   std::vector<std::int32_t> cu_q = {0, 3, 10}, cu_k = {0, 5, 12}, used;
   IndexBounds bounds() const {
@@ -44,14 +71,7 @@ struct VarlenIndices {
 };
 
 TEST(IndexRules, VarlenEdges) {
-  EXPECT_FALSE(first_violation(VarlenIndices{}.bounds()));
-  struct Edge {
-    std::function<void(VarlenIndices&)> change;
-    IndexRule rule;  // ok: still valid
-    int batch, entry;
-    long long value, bound;
-  };
-  const Edge edges[] = {
+  expect_edges<VarlenIndices>({
       {[](VarlenIndices& v) { v.cu_q[0] = 1; }, IndexRule::cu_seqlens_start, 0, 0, 1, 0},
       {[](VarlenIndices& v) { v.cu_k = {0, 5, 5}; }, IndexRule::ok, 0, 0, 0, 0},  // an empty second sequence
       {[](VarlenIndices& v) { v.cu_k = {0, 5, 4}; }, IndexRule::cu_seqlens_decreasing, 1, 2, 4, 5},
@@ -61,19 +81,7 @@ TEST(IndexRules, VarlenEdges) {
       {[](VarlenIndices& v) { v.used = {5, 7}; }, IndexRule::ok, 0, 0, 0, 0},
       {[](VarlenIndices& v) { v.used = {5, 8}; }, IndexRule::seqused_k_range, 1, 1, 8, 7},
       {[](VarlenIndices& v) { v.used = {-1, 0}; }, IndexRule::seqused_k_range, 0, 0, -1, 5},
-  };
-  for (const Edge& e : edges) {
-    VarlenIndices v;
-    e.change(v);
-    const IndexViolation got = first_violation(v.bounds());
-    SCOPED_TRACE(flashattn::detail::index_violation_message("test", got));
-    EXPECT_EQ(got.rule, e.rule);
-    if (e.rule == IndexRule::ok) continue;
-    EXPECT_EQ(got.batch, e.batch);
-    EXPECT_EQ(got.entry, e.entry);
-    EXPECT_EQ(got.value, e.value);
-    EXPECT_EQ(got.bound, e.bound);
-  }
+  });
 }
 
 struct CacheIndices {
@@ -99,14 +107,7 @@ struct CacheIndices {
 };
 
 TEST(IndexRules, KVCacheEdges) {
-  EXPECT_FALSE(first_violation(CacheIndices{}.bounds()));
-  struct Edge {
-    std::function<void(CacheIndices&)> change;
-    IndexRule rule;
-    int batch, entry;
-    long long value, bound;
-  };
-  const Edge edges[] = {
+  expect_edges<CacheIndices>({
       {[](CacheIndices& c) { c.seqlens = {3, 15}; }, IndexRule::cache_seqlens_range, 1, 1, 15, 14},
       {[](CacheIndices& c) { c.seqlens = {-1, 0}; }, IndexRule::cache_seqlens_range, 0, 0, -1, 14},
       {[](CacheIndices& c) { c.rotary_rows = 18; }, IndexRule::ok, 0, 0, 0, 0},  // 14 + max(4, 2)
@@ -118,19 +119,7 @@ TEST(IndexRules, KVCacheEdges) {
       {[](CacheIndices& c) { c.table = {4, 99, 0, 1}; }, IndexRule::ok, 0, 0, 0, 0},
       {[](CacheIndices& c) { c.table = {4, 99, 0, 5}; }, IndexRule::block_table_range, 1, 1, 5, 5},
       {[](CacheIndices& c) { c.table = {-1, 2, 0, 1}; }, IndexRule::block_table_range, 0, 0, -1, 5},
-  };
-  for (const Edge& e : edges) {
-    CacheIndices c;
-    e.change(c);
-    const IndexViolation got = first_violation(c.bounds());
-    SCOPED_TRACE(flashattn::detail::index_violation_message("test", got));
-    EXPECT_EQ(got.rule, e.rule);
-    if (e.rule == IndexRule::ok) continue;
-    EXPECT_EQ(got.batch, e.batch);
-    EXPECT_EQ(got.entry, e.entry);
-    EXPECT_EQ(got.value, e.value);
-    EXPECT_EQ(got.bound, e.bound);
-  }
+  });
 }
 
 TEST(IndexRules, MessagesNameTheArgument) {
