@@ -322,7 +322,7 @@ common::IndexBounds kvcache_index_bounds(const KVCacheInputs& in, std::int64_t s
   ib.capacity = capacity;
   ib.seqlen_new = int(sk_new);
   ib.seqlen_q = int(sq);
-  ib.rotary_rows = in.rotary_cos.defined() ? in.rotary_cos.shape[0] : 0;
+  ib.rotary_rows = in.rotary_cos.defined() ? in.rotary_cos.shape[0] : -1;
   return ib;
 }
 

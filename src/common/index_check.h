@@ -63,7 +63,7 @@ struct IndexBounds {
   int page_size = 0;
   int seqlen_new = 0;
   int seqlen_q = 0;
-  std::int64_t rotary_rows = 0;  // rows of rotary_cos; 0 = no rotary embedding
+  std::int64_t rotary_rows = -1;  // rows of rotary_cos; -1 = no rotary embedding
 
   FA_HOST_DEVICE bool any() const {
     return cu_seqlens_q != nullptr || cache_seqlens != nullptr || cache_batch_idx != nullptr || block_table != nullptr;
@@ -126,7 +126,7 @@ FA_HOST_DEVICE IndexViolation check_sequence_indices(const IndexBounds& ib, int 
       return violation(IndexRule::cache_seqlens_range, IndexSide::k, b, b, before, ib.capacity - ib.seqlen_new);
     }
     const long long rotated_end = before + (ib.seqlen_q > ib.seqlen_new ? ib.seqlen_q : ib.seqlen_new);
-    if (ib.rotary_rows > 0 && rotated_end > ib.rotary_rows) {
+    if (ib.rotary_rows >= 0 && rotated_end > ib.rotary_rows) {
       return violation(IndexRule::rotary_too_short, IndexSide::k, b, b, ib.rotary_rows, rotated_end);
     }
   }

@@ -86,7 +86,7 @@ TEST(IndexRules, VarlenEdges) {
 
 struct CacheIndices {
   std::vector<std::int32_t> seqlens = {3, 14}, batch_idx, table;
-  std::int64_t rotary_rows = 0;
+  std::int64_t rotary_rows = -1;  // no rotary table
   IndexBounds bounds() const {
     IndexBounds ib;
     ib.batch = 2;
@@ -112,6 +112,7 @@ TEST(IndexRules, KVCacheEdges) {
       {[](CacheIndices& c) { c.seqlens = {-1, 0}; }, IndexRule::cache_seqlens_range, 0, 0, -1, 14},
       {[](CacheIndices& c) { c.rotary_rows = 18; }, IndexRule::ok, 0, 0, 0, 0},  // 14 + max(4, 2)
       {[](CacheIndices& c) { c.rotary_rows = 17; }, IndexRule::rotary_too_short, 1, 1, 17, 18},
+      {[](CacheIndices& c) { c.rotary_rows = 0; }, IndexRule::rotary_too_short, 0, 0, 0, 7},  // an empty table
       {[](CacheIndices& c) { c.batch_idx = {2, 0}; }, IndexRule::ok, 0, 0, 0, 0},
       {[](CacheIndices& c) { c.batch_idx = {2, 3}; }, IndexRule::cache_batch_idx_range, 1, 1, 3, 3},
       {[](CacheIndices& c) { c.batch_idx = {-2, 0}; }, IndexRule::cache_batch_idx_range, 0, 0, -2, 3},
