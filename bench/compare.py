@@ -3,10 +3,14 @@
 inputs, timed the same way.
 
 Competitors: PyTorch SDPA restricted to one backend each — cuDNN (CUDNN_ATTENTION),
-FlashAttention-2 (FLASH_ATTENTION), memory-efficient (EFFICIENT_ATTENTION) — and FlexAttention
-compiled with torch.compile. A competitor that cannot run a case is shown as "–" with the reason
-in the JSON; so is a flashattn call that raises (a feature its CUDA backend lacks). Nothing is
-dropped.
+FlashAttention-2 (FLASH_ATTENTION), memory-efficient (EFFICIENT_ATTENTION) — FlexAttention
+compiled with torch.compile, and FlashAttention-3 (fa3) through its `flash_attn_interface` module
+(installed from FlashAttention's hopper/ folder) whenever that module is importable; when it is
+not, the run says so once, records why in the JSON's "fa3" entry and marks every case's fa3 result
+"FA3 not importable". A competitor that cannot run a case is shown as "–" with the reason in the
+JSON; so is a flashattn call that raises (a feature its CUDA backend lacks). Nothing is dropped.
+The JSON's "cuda_family" records FLASHATTN_CUDA_FAMILY (unset: "auto"), the variable that forces
+flashattn's CUDA backend onto one kernel family (sm90 or sm80) instead of its per-call choice.
 
 Case groups (--cases):
   grid      the FlashAttention benchmark grid: bf16 and fp16, d 64/128/256, causal or not,
@@ -71,6 +75,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import json
 import logging
 import math
@@ -135,12 +140,13 @@ REFERENCE_MAX_SCORES = 1 << 30
 SPEC_NAIVE_FACTOR = 2.0
 SPEC_SOFTCAP_FACTOR = 3.0
 
-COMPETITORS = ("flashattn", "cudnn", "fa2", "efficient", "flex")
+COMPETITORS = ("flashattn", "cudnn", "fa2", "fa3", "efficient", "flex")
 CPU_COMPETITORS = ("flashattn", "sdpa_cpu", "sgemm")  # the cpu group's, whatever --competitors says
 LABELS = {
     "flashattn": "flashattn",
     "cudnn": "cuDNN (SDPA)",
     "fa2": "FA2 (SDPA flash)",
+    "fa3": "FA3 (flash_attn_interface)",
     "efficient": "mem-efficient (SDPA)",
     "flex": "FlexAttention (compiled)",
     "math": "math (SDPA)",
@@ -151,6 +157,43 @@ LABELS = {
 
 class Unsupported(Exception):
     """A competitor cannot run this case; the message says why."""
+
+
+FA3_MODULE = "flash_attn_interface"
+FA3_MISSING = f"FA3 not importable ({FA3_MODULE})"  # every case's fa3 result when the module is absent
+_fa3 = None  # (module or None, why not) once probed
+
+
+def fa3_module():
+    """FlashAttention-3's Python module and None, or None and why it cannot be imported; probed once."""
+    global _fa3
+    if _fa3 is None:
+        try:
+            _fa3 = (importlib.import_module(FA3_MODULE), None)
+        except Exception as e:  # noqa: BLE001 — ImportError, or its extension failing to load
+            _fa3 = (None, f"{type(e).__name__}: {str(e).strip()}"[:ERROR_TEXT_LIMIT])
+    return _fa3
+
+
+def fa3_info() -> dict:
+    """The JSON's "fa3" entry: whether the module imported, from where, which version, or why not."""
+    module, why = fa3_module()
+    if module is None:
+        return dict(importable=False, module=FA3_MODULE, error=why)
+    version = getattr(module, "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        for dist in ("flash_attn_3", "flash-attn-3"):
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                version = metadata.version(dist)
+                break
+    return dict(importable=True, module=FA3_MODULE, file=getattr(module, "__file__", None), version=version)
+
+
+def cuda_family() -> str:
+    """FLASHATTN_CUDA_FAMILY as this process sees it; "auto" when unset (the backend's per-call choice)."""
+    return os.environ.get("FLASHATTN_CUDA_FAMILY") or "auto"
 
 
 # --- the shapes of a run ---------------------------------------------------------------------
@@ -717,6 +760,56 @@ def paged_cache(case: Case, x: Inputs, device):
     return k_pages, v_pages, table
 
 
+def fa3_output(result):
+    """FA3's flash_attn_* return out alone or (out, lse, …), depending on its version."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def fa3_runner(case: Case, x: Inputs, device) -> Runner:
+    """FlashAttention-3 on the case, in flashattn's layouts ((b, s, heads, d); varlen packed with
+    cu_seqlens; decode through flash_attn_with_kvcache with page_table for a paged cache). Options
+    are passed only where the case sets them, so that versions without one still run the rest.
+    FA3 itself refuses tensors off a CUDA device; that refusal is recorded as the reason."""
+    module, _ = fa3_module()
+    if module is None:
+        raise Unsupported(FA3_MISSING)
+    if case.dropout > 0:
+        raise Unsupported("FA3 has no dropout")
+    if case.alibi:
+        raise Unsupported("FA3 has no ALiBi")
+    options = dict(softmax_scale=case.scale, causal=case.causal)
+    if tuple(case.window) != (-1, -1):
+        options["window_size"] = tuple(case.window)
+    if case.softcap > 0:
+        options["softcap"] = case.softcap
+    if case.decode:
+        if not hasattr(module, "flash_attn_with_kvcache"):
+            raise Unsupported(f"this {FA3_MODULE} has no flash_attn_with_kvcache")
+        q = x.q.detach()
+        k_cache, v_cache, table = x.k, x.v, None
+        if case.page_size:
+            k_cache, v_cache, table = paged_cache(case, x, device)
+            options["page_table"] = table
+        seqlens = torch.full((case.b,), case.sk, dtype=torch.int32, device=device)
+
+        def forward(q):
+            return fa3_output(module.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **options))
+        return Runner(forward, (q,), None, lambda out: out)
+    if case.deterministic:
+        options["deterministic"] = True
+    q, k, v = leaf(x.q, True), leaf(x.k, True), leaf(x.v, True)
+    if case.varlen:
+        longest = max(case.varlen)
+
+        def forward(q, k, v):
+            return fa3_output(module.flash_attn_varlen_func(q, k, v, x.cu_seqlens, x.cu_seqlens, longest, longest,
+                                                            **options))
+    else:
+        def forward(q, k, v):
+            return fa3_output(module.flash_attn_func(q, k, v, **options))
+    return Runner(forward, (q, k, v), x.dout, lambda out: out)
+
+
 SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "fa2": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
 
@@ -989,6 +1082,8 @@ def make_runner(name: str, case: Case, x: Inputs, device, args):
         return SgemmRunner(case, device)
     if name == "flex":
         return flex_runner(case, x, device, args.flex_decode)
+    if name == "fa3":
+        return fa3_runner(case, x, device)
     return sdpa_runner(name, case, x, device)
 
 
@@ -1411,6 +1506,8 @@ def print_device_info(info: dict):
 
 def progress_line(case: Case, name: str, result: dict) -> str:
     key = "gbps" if case.decode else "gflops" if case.host else "tflops"
+    if result.get("unsupported") == FA3_MISSING:
+        return f"    {name:<10} – (no {FA3_MODULE}; said once at the start)"
     if "unsupported" in result:
         return f"    {name:<10} – ({result['unsupported'][:100]})"
     parts = [f"{dn} {figure(result[dn][key]) if key in result.get(dn, {}) else '–'}" for dn in case.directions]
@@ -1462,8 +1559,19 @@ def run(args) -> dict:
         memory_convention="torch.cuda.max_memory_allocated over one forward+backward after a reset; "
                           "extra = peak minus what was allocated before the call",
         competitors={n: LABELS[n] for n in competitors},
+        cuda_family=dict(FLASHATTN_CUDA_FAMILY=cuda_family(),
+                         note="flashattn's CUDA backend picks its sm90 or sm80 kernels per call unless this "
+                              "variable forces one family; the calls do not report which family ran"),
         cases=[],
     )
+    if "fa3" in competitors:
+        data["fa3"] = fa3_info()
+        if data["fa3"]["importable"]:
+            print(f"fa3: {FA3_MODULE} {data['fa3']['version'] or '(version unknown)'} from {data['fa3']['file']}",
+                  flush=True)
+        else:
+            print(f"fa3: {FA3_MISSING}: {data['fa3']['error']}; its results are marked so and the run goes on",
+                  flush=True)
     host_names = [n for c in cases if c.host for n in c.only_competitors]
     data["competitors"].update({n: LABELS[n] for n in host_names})
     if any(c.host for c in cases):

@@ -21,11 +21,12 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASH = "–"
-ORDER = ("flashattn", "cudnn", "fa2", "efficient", "flex", "math", "sdpa_cpu", "sgemm")
+ORDER = ("flashattn", "cudnn", "fa2", "fa3", "efficient", "flex", "math", "sdpa_cpu", "sgemm")
 LABELS = {
     "flashattn": "flashattn",
     "cudnn": "cuDNN",
     "fa2": "FA2",
+    "fa3": "FA3",
     "efficient": "mem-eff",
     "flex": "Flex",
     "math": "math",
@@ -33,6 +34,8 @@ LABELS = {
     "sgemm": "sgemm fp32",
 }
 DIRECTION_LABELS = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+BEST_OF = ("fa3", "cudnn")  # "÷ best": flashattn against the faster of these on each row
+NOT_IN_RUN = "not timed: the run's JSON has no entry for it"
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -259,27 +262,76 @@ def grid_section(cases) -> list:
     if not grid:
         return []
     names = competitors_of(grid)
+    if "fa3" not in names:  # its column stays, showing that it was not timed
+        names = [n for n in ORDER if n in names or n == "fa3"] + [n for n in names if n not in ORDER]
     out = ["## The FlashAttention grid", "",
            "TFLOP/s as forward / backward / forward+backward; batch·seqlen = 16384 tokens, heads·d = 2048, "
            "q/k/v random normal. The ratios are flashattn's TFLOP/s divided by cuDNN's and by FA2's "
            "(forward / backward; FA2's to three decimals, the comparison that the sm80 kernels are held to). "
+           "`÷ best`: flashattn's TFLOP/s divided by the better of FA3's and cuDNN's on that row and direction "
+           "(cuDNN's alone where FA3 did not run; – where neither did); the target on Hopper is ≥ 1.00 on every "
+           "forward row with a geometric mean ≥ 1.03. "
            "`check`: flashattn against the fp32 reference (largest max-abs error of out, dq, dk, dv).", ""]
     for dtype in sorted({c["params"]["dtype"] for c in grid}):
         notes = Notes()
         out += [f"### {dtype}", ""]
-        header = ["d", "causal", "seqlen"] + [LABELS.get(n, n) for n in names] + ["÷ cuDNN", "÷ FA2", "check"]
+        header = ["d", "causal", "seqlen"] + [LABELS.get(n, n) for n in names] + ["÷ cuDNN", "÷ FA2", "÷ best",
+                                                                                    "check"]
         out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         rows = sorted((c for c in grid if c["params"]["dtype"] == dtype),
                       key=lambda c: (c["params"]["d"], c["params"]["causal"], c["params"]["sq"]))
         for c in rows:
             p = c["params"]
             cells = [str(p["d"]), "yes" if p["causal"] else "no", str(p["sq"])]
-            cells += [speeds(c, n, ("fwd", "bwd", "fwdbwd"), notes) for n in names]
-            cells += [ratio_cell(c, "cudnn", 2), ratio_cell(c, "fa2", 3), check_cell(c)]
+            cells += [speeds(c, n, ("fwd", "bwd", "fwdbwd"), notes) if n in c.get("results", {})
+                      else notes.mark(NOT_IN_RUN) for n in names]
+            cells += [ratio_cell(c, "cudnn", 2), ratio_cell(c, "fa2", 3), best_cell(c), check_cell(c)]
             out.append("| " + " | ".join(cells) + " |")
         out += notes.lines() + [""]
         out += fa2_summary(rows)
+        out += best_summary(rows)
     return out
+
+
+def best_ratio(case, direction):
+    """(flashattn ÷ the faster of FA3 and cuDNN, the faster one's name), or (None, None) where
+    flashattn or both of them did not run."""
+    ours = metric(case, "flashattn", direction)
+    timed = [(metric(case, name, direction), name) for name in BEST_OF]
+    timed = [(value, name) for value, name in timed if value]
+    if not ours or not timed:
+        return None, None
+    value, name = max(timed)
+    return ours / value, name
+
+
+def best_cell(case) -> str:
+    """flashattn ÷ best as forward / backward; "–" where it has no value or flashattn was wrong."""
+    if check_failed(case):
+        return DASH
+    return " / ".join(f"{r:.2f}" if r else DASH for r, _ in (best_ratio(case, dn) for dn in ("fwd", "bwd")))
+
+
+def best_summary(rows) -> list:
+    """One line per direction: the range and the geometric mean of flashattn ÷ best over the checked
+    cases where it has a value, how many of them had FA3, and every case below 1.00 (with who led)."""
+    lines = []
+    for dn in ("fwd", "bwd"):
+        found = [(r, who, c) for c in rows if not check_failed(c) for r, who in [best_ratio(c, dn)] if r]
+        if not found:
+            continue
+        values = [r for r, _, _ in found]
+        mean = math.exp(sum(math.log(r) for r in values) / len(values))
+        with_fa3 = sum(1 for _, _, c in found if metric(c, "fa3", dn))
+        behind = [f"d {c['params']['d']}{' causal' if c['params']['causal'] else ''} s {c['params']['sq']} "
+                  f"({r:.4f} of {LABELS[who]})" for r, who, c in found if r < 1.0]
+        lines.append(f"- {DIRECTION_LABELS[dn]} ÷ best: {min(values):.3f}–{max(values):.3f} over {len(values)} "
+                     f"cases, geometric mean {mean:.3f} (FA3 timed in {with_fa3} of them"
+                     + (", cuDNN alone in the others" if with_fa3 < len(values) else "") + "); "
+                     + (f"below 1.00 in all {len(behind)}" if behind and len(behind) == len(found)
+                        else f"below 1.00 in {len(behind)}: {', '.join(behind)}" if behind
+                        else "at or above 1.00 in every one"))
+    return lines + [""] if lines else []
 
 
 def ratio_cell(case, other, digits) -> str:
@@ -573,6 +625,27 @@ def check_summary(cases) -> list:
     return out + [""]
 
 
+def run_setup_lines(runs) -> list:
+    """Convention lines for what runs record about FA3 and flashattn's CUDA kernel family; nothing for
+    runs that predate those records."""
+    out = []
+    missing = [r for r in runs if r.get("fa3") and not r["fa3"].get("importable")]
+    if missing:
+        errors = sorted({r["fa3"].get("error") or "?" for r in missing})
+        out.append(f"- FA3 not importable in {len(missing)} of {len(runs)} run(s) "
+                   f"(`{missing[0]['fa3'].get('module', 'flash_attn_interface')}`: {'; '.join(errors)}); "
+                   "its cells there show –.")
+    found = [r["fa3"] for r in runs if r.get("fa3", {}).get("importable")]
+    versions = sorted({str(f.get("version") or "version unknown") for f in found})
+    if found:
+        out.append(f"- FA3: `{found[0].get('module', 'flash_attn_interface')}` {', '.join(versions)}.")
+    families = sorted({r["cuda_family"].get("FLASHATTN_CUDA_FAMILY", "?") for r in runs if r.get("cuda_family")})
+    if families:
+        out.append(f"- flashattn's CUDA kernel family: FLASHATTN_CUDA_FAMILY={', '.join(families)} (auto: the "
+                   "backend picks sm90 or sm80 kernels per call).")
+    return out
+
+
 def report(runs, img_files, img_link, earlier=()) -> str:
     """earlier: (link, what) pairs — reports of earlier runs that hold cases these runs do not."""
     cases = merged_cases(runs)
@@ -594,6 +667,7 @@ def report(runs, img_files, img_link, earlier=()) -> str:
         f"- Memory: {latest.get('memory_convention')}.",
         "- Competitors: " + ", ".join(f"{k} = {v}" for k, v in latest.get("competitors", {}).items())
         + ". A competitor that cannot run a case shows – with the reason numbered under the table.",
+    ] + run_setup_lines(runs) + [
         "",
         "Rerun on the GPU machine (see README.md, Benchmarks): `python bench/compare.py --out build/compare` "
         "(or by parts with `--cases`), then `python bench/make_report.py build/compare/*.json`.",

@@ -3,7 +3,7 @@
 The functions below have the names, positional order, defaults and return values of the
 ``flash_attn`` 2.x package. They take PyTorch tensors (with autograd) or NumPy arrays (forward
 only). PyTorch CPU tensors and NumPy arrays run on the CPU backend; CUDA tensors go to the CUDA
-backends (a build configured with -DFLASHATTN_CUDA=ON; other builds raise ValueError naming that
+backends (a build configured with -DFLASHATTN_CUDA=ON; other builds raise flashattn.Error naming that
 option).
 
 Semantics (SPEC §2): scores softmax_scale·q·kᵀ (default 1/sqrt(headdim)), optional soft-capping
@@ -17,8 +17,12 @@ Differences from flash_attn:
 - cache_leftpad and block_table in varlen mode raise NotImplementedError.
 - Dropout seeds come from PyTorch's default generator of the tensors' device (NumPy: NumPy's
   global generator); see flashattn._torch_ops.draw_rng_state.
+- Window sizes below -1 and a negative softcap are errors here; flashattn.flash_attn_interface
+  (flash_attn's module, private functions included) reads them as "off", takes softmax_scale=0.0
+  as a zero scale and returns S_dmask as an empty tensor, as flash_attn does.
 
-Invalid arguments raise ValueError (flashattn.Error) whose message names the argument.
+Invalid arguments raise flashattn.Error, a ValueError and a RuntimeError, whose message names the
+argument.
 """
 
 from __future__ import annotations
@@ -40,6 +44,17 @@ if _torch is not None:
 else:
     _torch_api = None
 
+
+def build_config() -> str:
+    """How this installation was built: whether it has the CUDA backend, for which
+    architectures, and why (the decision `pip install .` made; see python/README.md)."""
+    try:
+        from flashattn import _build_config
+    except ImportError:  # run from a source tree
+        return "unknown (not an installed build)"
+    return _build_config.CUDA
+
+
 try:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -49,6 +64,7 @@ except PackageNotFoundError:  # run from a source tree
 
 __all__ = [
     "Error",
+    "build_config",
     "build_info",
     "check_index_errors",
     "compiled_backends",

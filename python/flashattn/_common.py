@@ -86,7 +86,7 @@ def window_pair(window_size) -> tuple[int, int]:
     try:
         left, right = window_size
     except (TypeError, ValueError):
-        raise ValueError(
+        raise _C.Error(
             f"window_size: must be a pair (left, right) of ints ≥ -1; got {window_size!r}"
         ) from None
     return int_arg("window_size[0]", left), int_arg("window_size[1]", right)
@@ -120,7 +120,7 @@ def make_options(
 def check_dropout_p(dropout_p) -> float:
     p = float_arg("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p: dropout probability must be in [0, 1); got {dropout_p}")
+        raise _C.Error(f"dropout_p: dropout probability must be in [0, 1); got {dropout_p}")
     return p
 
 

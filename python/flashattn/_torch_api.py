@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashattn import _torch_ops  # noqa: F401  (registers torch.ops.flashattn.*)
+from flashattn import _C, _torch_ops  # noqa: F401  (_torch_ops registers torch.ops.flashattn.*)
 from flashattn._common import (
     BATCH_LAYOUT,
     KVCACHE_LAYOUT,
@@ -92,22 +92,23 @@ class _FlashAttnFunc(torch.autograd.Function):
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
-    """Varlen mode: q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv)."""
+    """Varlen mode: q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv); seqused_k
+    (b,) int32 or None: the keys of each sequence that are used."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seqused_k=None):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         scale = resolve_softmax_scale(softmax_scale, head_dim)
         left, right = window_pair(window_size)
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
         out_p, lse, rng_state = _torch_ops.call(
-            "varlen_fwd", q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k,
+            "varlen_fwd", q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
         )
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                              alibi_slopes)
+                              alibi_slopes, seqused_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, left, right, softcap,
                     deterministic)
         ctx.head_dims = (head_dim, head_dim_v)
@@ -116,15 +117,15 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes = ctx.saved_tensors
+        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k = ctx.saved_tensors
         max_q, max_k, dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
         dq, dk, dv, _ = _torch_ops.call(
-            "varlen_bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, None, max_q, max_k,
+            "varlen_bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, seqused_k, max_q, max_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, deterministic,
             rng_state if dropout_p > 0.0 else None,
         )
-        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 11
+        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 12
 
 
 def _result(out, lse, return_attn_probs):
@@ -145,7 +146,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size
                               alibi_slopes, deterministic, return_attn_probs):
     _check_tensor("qkv", qkv)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {tuple(qkv.shape)}")
+        raise _C.Error(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)  # views: the kernels read the packed tensor in place
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
@@ -155,7 +156,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_siz
                              alibi_slopes, deterministic, return_attn_probs):
     _check_tensor("kv", kv)
     if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
+        raise _C.Error(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
@@ -185,7 +186,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, sof
                                      return_attn_probs):
     _check_tensor("qkv", qkv)
     if qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv: must be (total, 3, nheads, headdim); got {tuple(qkv.shape)}")
+        raise _C.Error(f"qkv: must be (total, 3, nheads, headdim); got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
@@ -197,7 +198,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes, deterministic, return_attn_probs):
     _check_tensor("kv", kv)
     if kv.dim() != 4 or kv.shape[1] != 2:
-        raise ValueError(f"kv: must be (total_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
+        raise _C.Error(f"kv: must be (total_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap,

@@ -134,7 +134,7 @@ def _require_rng_state(rng_state: Optional[Tensor], dropout_p: float) -> Optiona
     if dropout_p <= 0.0:
         return None
     if rng_state is None:
-        raise ValueError(
+        raise _C.Error(
             "rng_state: backward with dropout_p > 0 needs the rng_state returned by the forward"
         )
     return rng_state.detach()

@@ -132,7 +132,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               deterministic=False, return_attn_probs=False):
     _check_array("qkv", qkv)
     if qkv.ndim != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {qkv.shape}")
+        raise _C.Error(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {qkv.shape}")
     return _forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], None, dropout_p, softmax_scale,
                     causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
@@ -142,7 +142,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              deterministic=False, return_attn_probs=False):
     _check_array("kv", kv)
     if kv.ndim != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {kv.shape}")
+        raise _C.Error(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {kv.shape}")
     return _forward(q, kv[:, :, 0], kv[:, :, 1], None, dropout_p, softmax_scale, causal,
                     window_size, softcap, alibi_slopes, return_attn_probs)
 
@@ -170,7 +170,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False):
     _check_array("qkv", qkv)
     if qkv.ndim != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv: must be (total, 3, nheads, headdim); got {qkv.shape}")
+        raise _C.Error(f"qkv: must be (total, 3, nheads, headdim); got {qkv.shape}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
                                   max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                                   window_size, softcap, alibi_slopes, deterministic,
@@ -183,7 +183,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     deterministic=False, return_attn_probs=False):
     _check_array("kv", kv)
     if kv.ndim != 4 or kv.shape[1] != 2:
-        raise ValueError(f"kv: must be (total_k, 2, nheads_k, headdim); got {kv.shape}")
+        raise _C.Error(f"kv: must be (total_k, 2, nheads_k, headdim); got {kv.shape}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs)

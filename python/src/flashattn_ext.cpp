@@ -7,7 +7,7 @@
 // as workspace_alloc, a callable that the entry point asks for the bytes it needs — one call
 // instead of a size query and a call, each of which converts and checks every argument. Shapes and strides (in elements) are taken as they are,
 // so views into packed tensors are read in place. The GIL is released while the kernels run.
-// flashattn::Error surfaces as flashattn._C.Error, a subclass of ValueError.
+// flashattn::Error surfaces as flashattn._C.Error, a subclass of ValueError and RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -358,7 +358,9 @@ std::vector<std::string> compiled_backend_names() {
 NB_MODULE(_C, m) {
   m.doc() = "flashattn C++ core: forward, backward, forward_kvcache and combine over DLPack arrays";
 
-  nb::exception<Error>(m, "Error", PyExc_ValueError);
+  // Both a ValueError (an invalid argument) and a RuntimeError, which is what code written for
+  // flash_attn catches: its C++ checks raise RuntimeError.
+  nb::exception<Error>(m, "Error", nb::make_tuple(nb::handle(PyExc_ValueError), nb::handle(PyExc_RuntimeError)));
 
   nb::enum_<flashattn::Backend>(m, "Backend")
       .value("automatic", flashattn::Backend::automatic)

@@ -3,6 +3,8 @@
 // the params (tensors, cu_seqlens, block_table, ALiBi slopes) is device memory.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -46,10 +48,23 @@ inline constexpr int kMaxSplits = 128;
 // reaches 224/264 = 0.85 ≥ 0.85 · 0.97: 7 splits, 224 CTAs of at most 19 tiles, one wave.
 int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits);
 
-// The number of splits the forward of p uses on the current device when the workspace suffices:
-// p.num_splits when > 0 (at most kMaxSplits), else num_splits_heuristic over the SMs of the
-// device (queried once per device) and the key tiles the widest row block of p sees.
+// The number of splits the forward of p uses on the current device when the workspace suffices,
+// as the kernel family that runs it plans them (1: that family does not split p; the sm80 family:
+// p.num_splits when > 0, at most kMaxSplits, else num_splits_heuristic over the SMs of the device
+// and the key tiles the widest row block of p sees).
 int forward_num_splits(const common::AttentionParams& p);
+
+// The partials of `splits` splits in a workspace, as flashattn::combine takes them: fp32 out
+// (splits, b, sq, h, dv), then lse (splits, b, h, sq), each region 256-byte aligned.
+struct SplitPartialsLayout {
+  std::size_t out_bytes = 0;
+  std::size_t lse_bytes = 0;
+};
+SplitPartialsLayout split_partials_layout(const common::AttentionParams& p, int splits);
+
+// Merges such partials into p.out and p.lse on `stream` (the combine kernel).
+void combine_split_partials(const common::AttentionParams& p, float* out_partial, float* lse_partial, int splits,
+                            cudaStream_t stream);
 
 // Device workspace the forward of p can use, in bytes: fp32 out and lse partials for
 // forward_num_splits(p) splits (0 when that is 1), each region 256-byte aligned. Reads only

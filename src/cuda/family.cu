@@ -5,9 +5,9 @@
 #include <cstdlib>
 #include <string>
 
-#include "cuda/cuda_backend.h"
 #include "cuda/cuda_common.h"
 #include "cuda/device_query.h"
+#include "cuda/sm80/sm80_family.h"
 #include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_registry.h"
 #include "flashattn/error.h"
@@ -35,7 +35,7 @@ std::string sm90_forward_refusal(const common::AttentionParams& p, int* head_dim
   if (!why.empty()) return why;
   // A preference, not a limit (a forced choice runs such calls here, unsplit): where the sm80
   // family would split the key tiles over more CTAs, its split-KV path fills the GPU better.
-  if (preferring && forward_num_splits(p) > 1) {
+  if (preferring && sm80::forward_num_splits(p) > 1) {
     return "the grid is short of one wave (decoding): the split-KV forward is not in this family yet";
   }
   return "";
@@ -60,7 +60,7 @@ bool forced_family(Family* family) {
 
 std::string forward_refusal(Family family, const common::AttentionParams& p, int* head_dim, bool preferring) {
   *head_dim = 0;
-  return family == Family::sm90 ? sm90_forward_refusal(p, head_dim, preferring) : sm80_forward_refusal(p, head_dim);
+  return family == Family::sm90 ? sm90_forward_refusal(p, head_dim, preferring) : sm80::forward_refusal(p, head_dim);
 }
 
 FamilyChoice choose_forward_family(const common::AttentionParams& p) {
@@ -82,6 +82,52 @@ FamilyChoice choose_forward_family(const common::AttentionParams& p) {
   }
   if (only_one) choice.why_not += std::string(" (FLASHATTN_CUDA_FAMILY=") + family_name(forced) + ")";
   return choice;
+}
+
+int family_num_splits(Family family, const common::AttentionParams& p) {
+  return family == Family::sm80 ? sm80::forward_num_splits(p) : 1;
+}
+
+void family_forward(const FamilyChoice& choice, const common::AttentionParams& p, const std::uint64_t* rng_state,
+                    void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  if (choice.family == Family::sm80) {
+    sm80::forward(p, choice.head_dim, rng_state, workspace, workspace_bytes, stream);
+    return;
+  }
+  const cudaError_t err = sm90::dispatch_fwd(p.storage, choice.head_dim, p, rng_state, stream);
+  if (err != cudaSuccess) {
+    throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+  }
+}
+
+FamilyChoice choose_backward_family(const common::AttentionParams& p) {
+  FamilyChoice choice;
+  Family forced;
+  if (forced_family(&forced) && forced != Family::sm80) {
+    choice.why_not = std::string("the backward is in the sm80 family only (FLASHATTN_CUDA_FAMILY=") +
+                     family_name(forced) + ")";
+    return choice;
+  }
+  choice.why_not = sm80::backward_refusal(p);
+  choice.served = choice.why_not.empty();
+  choice.family = Family::sm80;
+  return choice;
+}
+
+std::size_t family_backward_workspace_size(Family family, const common::AttentionParams& p,
+                                           std::int64_t total_q_rows) {
+  return family == Family::sm80 ? sm80::backward_workspace_size(p, total_q_rows) : 0;
+}
+
+void family_backward(Family family, const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace,
+                     cudaStream_t stream, const std::uint64_t* rng_state) {
+  if (family == Family::sm80) sm80::backward(p, total_q_rows, workspace, stream, rng_state);
+}
+
+std::string compiled_kernels_of_families() {
+  return sm80::compiled_kernels() + "; sm90 fwd: f16 d " +
+         sm90::compiled_head_dims(sm90::Family::fwd, common::Storage::f16) + ", bf16 d " +
+         sm90::compiled_head_dims(sm90::Family::fwd, common::Storage::bf16);
 }
 
 }  // namespace flashattn::cuda

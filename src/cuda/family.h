@@ -9,6 +9,10 @@
 // can run the sm80 kernels on a Hopper GPU, or make sure that the sm90 ones ran.
 #pragma once
 
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "common/params.h"
@@ -39,7 +43,22 @@ FamilyChoice choose_forward_family(const common::AttentionParams& p);
 // family leaves split-KV decoding to sm80); a forced choice asks only whether it can.
 std::string forward_refusal(Family family, const common::AttentionParams& p, int* head_dim, bool preferring);
 
-// The sm80 family's own answer (cuda_backend.cu).
-std::string sm80_forward_refusal(const common::AttentionParams& p, int* head_dim);
+// The splits of the key tiles the family's forward of p uses when a workspace holds their
+// partials (1: none; only the sm80 family splits).
+int family_num_splits(Family family, const common::AttentionParams& p);
+
+// The forward of p in the chosen family and head dim (cuda::forward's contract for the rest).
+void family_forward(const FamilyChoice& choice, const common::AttentionParams& p, const std::uint64_t* rng_state,
+                    void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+// The backward: only the sm80 family has one, on every GPU it runs on.
+FamilyChoice choose_backward_family(const common::AttentionParams& p);
+std::size_t family_backward_workspace_size(Family family, const common::AttentionParams& p,
+                                           std::int64_t total_q_rows);
+void family_backward(Family family, const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace,
+                     cudaStream_t stream, const std::uint64_t* rng_state);
+
+// The kernels compiled into this build, family by family.
+std::string compiled_kernels_of_families();
 
 }  // namespace flashattn::cuda

@@ -46,34 +46,41 @@ inline constexpr int kSmemH100 = 227 * 1024;  // H100, H200
 inline constexpr int kSmemA100 = 163 * 1024;  // A100, A30
 inline constexpr int kSmemSm86 = 99 * 1024;   // sm86 / sm89: RTX 30xx / 40xx, A10, L4, L40
 
-// For its lifetime, FLASHATTN_CUDA_FAMILY is `family` ("sm80", "sm90"; "" unsets it): the
-// calls run in that kernel family alone (cuda/family.h). The previous value is restored.
-class FamilyOverride {
+// For its lifetime, the environment variable `name` is `value` ("" unsets it); the previous
+// value is restored.
+class EnvOverride {
  public:
-  explicit FamilyOverride(const char* family) {
-    const char* old = std::getenv(kVariable);
+  EnvOverride(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
     had_old_ = old != nullptr;
     if (had_old_) old_ = old;
-    if (*family) {
-      setenv(kVariable, family, 1);
+    if (*value) {
+      setenv(name, value, 1);
     } else {
-      unsetenv(kVariable);
+      unsetenv(name);
     }
   }
-  ~FamilyOverride() {
+  ~EnvOverride() {
     if (had_old_) {
-      setenv(kVariable, old_.c_str(), 1);
+      setenv(name_.c_str(), old_.c_str(), 1);
     } else {
-      unsetenv(kVariable);
+      unsetenv(name_.c_str());
     }
   }
-  FamilyOverride(const FamilyOverride&) = delete;
-  FamilyOverride& operator=(const FamilyOverride&) = delete;
+  EnvOverride(const EnvOverride&) = delete;
+  EnvOverride& operator=(const EnvOverride&) = delete;
 
  private:
-  static constexpr const char* kVariable = "FLASHATTN_CUDA_FAMILY";
+  std::string name_;
   bool had_old_ = false;
   std::string old_;
+};
+
+// For its lifetime, the calls run in the kernel family `family` alone ("sm80", "sm90"; "": the
+// ordered choice) — FLASHATTN_CUDA_FAMILY (cuda/family.h).
+class FamilyOverride : public EnvOverride {
+ public:
+  explicit FamilyOverride(const char* family) : EnvOverride("FLASHATTN_CUDA_FAMILY", family) {}
 };
 
 // For its lifetime, the sm80 kernels choose their tiles as on a GPU with `bytes` of shared memory

@@ -3,11 +3,15 @@
 // forced (FLASHATTN_CUDA_FAMILY=sm90), its forward matches the fp64 reference by the accuracy rule
 // of SPEC §7 over the shape grid (odd lengths, head dims rounded up, d ≠ dv, GQA, causal), windows
 // and strided layouts, outputs poisoned. Without an sm90 GPU the tests say they were not run.
+#include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/device_query.h"
 #include "cuda/family.h"
+#include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_registry.h"
 #include "cuda_grid.h"
 #include "cuda_test_util.h"
@@ -69,6 +73,84 @@ TEST(CudaFamily, RejectsUnknownFamilyName) {
     ADD_FAILURE() << "FLASHATTN_CUDA_FAMILY=sm70 was accepted";
   } catch (const flashattn::Error& e) {
     EXPECT_NE(std::string(e.what()).find("FLASHATTN_CUDA_FAMILY=sm70"), std::string::npos) << e.what();
+  }
+}
+
+// Needs no GPU: where the sm90 family cannot run (no compute capability 9.0 GPU, or no sm_90a
+// kernels in the build), the ordered choice gives a plain call to sm80, and sm90 says why.
+TEST(CudaFamily, Sm80ServesWhereSm90CannotRun) {
+  std::string why;
+  if (sm90_available(&why)) GTEST_SKIP() << "NOT RUN: this GPU and build run the sm90 family (tested below)";
+  AttnConfig cfg = feature_config(DType::bf16, 128, 256, 256);
+  const AttnProblem p = make_problem(cfg);
+  ForwardResult r = make_forward_outputs(p);
+  const c::AttentionParams dp = params_of(p, r);
+  const fc::FamilyChoice choice = fc::choose_forward_family(dp);
+  ASSERT_TRUE(choice.served) << choice.why_not;
+  EXPECT_EQ(choice.family, fc::Family::sm80);
+  int head_dim = 0;
+  const std::string sm90_why = fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true);
+  EXPECT_TRUE(sm90_why.find("compute capability 9.0") != std::string::npos ||
+              sm90_why.find("no sm90") != std::string::npos)
+      << sm90_why;
+  const FamilyOverride family("sm90");
+  EXPECT_FALSE(fc::choose_forward_family(dp).served);
+}
+
+// The sm90 family's host-side decisions (pure functions of the call, no GPU needed).
+TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
+  AttnConfig cfg = feature_config(DType::bf16, 128, 256, 256);
+  const AttnProblem p = make_problem(cfg);
+  ForwardResult r = make_forward_outputs(p);
+  const c::AttentionParams plain = params_of(p, r);
+  EXPECT_EQ(fc::sm90::fwd_unsupported(plain, 128), "");
+  const float slopes[4] = {0.5f, 0.25f, 0.125f, 0.0625f};
+  const std::int32_t seqlens[3] = {0, 100, 256};
+  const std::pair<std::function<void(c::AttentionParams&)>, const char*> cases[] = {
+      {[](c::AttentionParams& q) { q.softcap = 30.0f; }, "softcap"},
+      {[&](c::AttentionParams& q) { q.alibi_slopes = slopes; }, "ALiBi"},
+      {[](c::AttentionParams& q) { q.dropout_p = 0.1f; }, "dropout"},
+      {[&](c::AttentionParams& q) { q.cu_seqlens_q = q.cu_seqlens_k = seqlens; }, "varlen"},
+      {[&](c::AttentionParams& q) { q.seqused_k = seqlens; }, "varlen"},
+      {[&](c::AttentionParams& q) { q.cache_seqlens = seqlens; }, "KV caches"},
+      {[](c::AttentionParams& q) { q.k.row_stride = 0; }, "k: its strides"},
+      {[](c::AttentionParams& q) { q.v.head_stride = std::int64_t(1) << 40; }, "v: its strides"},
+  };
+  for (const auto& [change, expected] : cases) {
+    c::AttentionParams q = plain;
+    change(q);
+    const std::string why = fc::sm90::fwd_unsupported(q, 128);
+    EXPECT_NE(why.find(expected), std::string::npos) << "expected \"" << expected << "\" in: " << why;
+  }
+  // A stride of an axis of extent 1 is never used: no reason to decline.
+  c::AttentionParams one_batch = plain;
+  one_batch.batch = 1;
+  one_batch.q.batch_stride = 0;
+  EXPECT_EQ(fc::sm90::fwd_unsupported(one_batch, 128), "");
+}
+
+TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
+  for (int d : {64, 128, 256}) {
+    const fc::sm90::FwdTileShape t = fc::sm90::fwd_tile(d);
+    EXPECT_EQ(t.block_m, 128) << d;  // two consumer warpgroups of 64 rows
+    EXPECT_EQ(t.block_n % 16, 0) << d;
+    // Q, K and V stages within the 227 KiB of an H100/H200 (the kernel's static_assert says the same).
+    EXPECT_LE(2 * (t.block_m * d + 2 * t.stages * t.block_n * d), 227 * 1024) << d;
+  }
+  {
+    const EnvOverride unset("FLASHATTN_SM90_FWD_PINGPONG", "");
+    EXPECT_TRUE(fc::sm90::fwd_pingpong(64));
+    EXPECT_TRUE(fc::sm90::fwd_pingpong(128));
+    EXPECT_FALSE(fc::sm90::fwd_pingpong(256));
+  }
+  {
+    const EnvOverride off("FLASHATTN_SM90_FWD_PINGPONG", "0");
+    EXPECT_FALSE(fc::sm90::fwd_pingpong(128));
+  }
+  {
+    const EnvOverride on("FLASHATTN_SM90_FWD_PINGPONG", "1");
+    EXPECT_TRUE(fc::sm90::fwd_pingpong(64));
+    EXPECT_FALSE(fc::sm90::fwd_pingpong(256));  // compiled without ping-pong there
   }
 }
 
@@ -158,15 +240,21 @@ TEST_P(CudaSm90Forward, LongerSequences) {
 // More tiles than an H100/H200 has SMs (2 row blocks × 34 heads × 2 sequences = 136 > 132), small
 // enough for the sanitizers: some CTAs of the persistent grid walk two tiles, carrying the K/V
 // rings' phases and the Q barrier's parity from one tile to the next.
+// Both schedules of the consumer warpgroups at d ≤ 128: taking turns (ping-pong, the default
+// there) and not.
 TEST_P(CudaSm90Forward, ManyTiles) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 128}) {
-    for (bool causal : {false, true}) {
-      AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
-      cfg.heads = 34;
-      cfg.heads_k = 17;
-      cfg.opt.causal = causal;
-      expect_sm90_matches(cfg);
+  for (const char* pingpong : {"1", "0"}) {
+    SCOPED_TRACE(std::string("FLASHATTN_SM90_FWD_PINGPONG=") + pingpong);
+    const EnvOverride schedule("FLASHATTN_SM90_FWD_PINGPONG", pingpong);
+    for (int d : {64, 128, 256}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
+        cfg.heads = 34;
+        cfg.heads_k = 17;
+        cfg.opt.causal = causal;
+        expect_sm90_matches(cfg);
+      }
     }
   }
 }

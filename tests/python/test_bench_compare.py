@@ -339,3 +339,199 @@ def test_grid_report_gives_the_ratio_to_fa2_and_names_the_cases_fa2_leads(compar
     for direction in ("forward", "backward"):
         line = next(l for l in text.splitlines() if l.startswith(f"- {direction} ÷ FA2:"))
         assert "1.000–2.000 over 2 cases" in line and f"FA2 ahead in 1: {named}" in line, line
+
+
+@pytest.fixture
+def without_fa3(compare, monkeypatch):
+    """flash_attn_interface made unimportable (None in sys.modules) and compare.py's probe reset."""
+    monkeypatch.setitem(sys.modules, compare.FA3_MODULE, None)
+    monkeypatch.setattr(compare, "_fa3", None)
+    monkeypatch.delenv("FLASHATTN_CUDA_FAMILY", raising=False)
+
+
+def test_missing_fa3_is_reported_once_and_the_run_goes_on(compare, without_fa3, tmp_path, capsys):
+    """Without FlashAttention-3's module every case still runs; fa3 is in every case's results as
+    "FA3 not importable", the console and the report's conventions say it once, the JSON keeps the
+    import error, and the CUDA family variable is recorded as "auto" when unset."""
+    assert compare.main(["--dry-run", "--cases", "grid,features", "--out", str(tmp_path), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("FA3 not importable") == 1, printed
+    (path,) = tmp_path.glob("compare-*.json")
+    data = json.loads(path.read_text())
+    assert data["fa3"]["importable"] is False and data["fa3"]["module"] == "flash_attn_interface"
+    assert "ImportError" in data["fa3"]["error"] or "ModuleNotFoundError" in data["fa3"]["error"]
+    assert data["cuda_family"]["FLASHATTN_CUDA_FAMILY"] == "auto"
+    assert data["competitors"]["fa3"].startswith("FA3")
+    for case in data["cases"]:
+        assert case["results"]["fa3"] == {"unsupported": compare.FA3_MISSING}, case["id"]
+        assert case["check"]["passed"], case["id"]
+    report = load("make_report")
+    out = tmp_path / "benchmarks.md"
+    assert report.main([str(path), "--out", str(out)]) == 0
+    text = out.read_text()
+    conventions = text[:text.index("## Correctness")]
+    assert conventions.count("FA3 not importable") == 1
+    assert "- FA3 not importable in 1 of 1 run(s) (`flash_attn_interface`: " in conventions
+    assert "FLASHATTN_CUDA_FAMILY=auto" in conventions
+    header = next(line for line in text.splitlines() if line.startswith("| d | causal |"))
+    assert "| FA2 | FA3 |" in header and "| ÷ cuDNN | ÷ FA2 | ÷ best | check |" in header
+
+
+def test_cuda_family_variable_is_recorded(compare, without_fa3, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHATTN_CUDA_FAMILY", "sm80")
+    assert compare.main(["--dry-run", "--cases", "grid", "--seqlens", "32", "--out", str(tmp_path),
+                         "--no-plots"]) == 0
+    (path,) = tmp_path.glob("compare-*.json")
+    assert json.loads(path.read_text())["cuda_family"]["FLASHATTN_CUDA_FAMILY"] == "sm80"
+
+
+def fake_fa3(calls: list, with_lse: bool):
+    """A stand-in for flash_attn_interface on CPU tensors (SDPA's math underneath, so autograd
+    works): records each call's function and keyword options, and returns (out, lse) or out as the
+    two generations of FA3 do."""
+    import types
+
+    def attend(q, k, v, softmax_scale, causal):  # (b, s, heads, d)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale, is_causal=causal,
+            enable_gqa=q.shape[2] != k.shape[2])
+        out = out.transpose(1, 2)
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return (out, lse) if with_lse else out
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, **options):
+        calls.append(("func", dict(options, softmax_scale=softmax_scale, causal=causal)))
+        return attend(q, k, v, softmax_scale, causal)
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, **options):
+        calls.append(("varlen", dict(options, cu=cu_q.tolist(), max_q=max_q, softmax_scale=softmax_scale)))
+        bounds = cu_q.tolist()
+        outs = [attend(q[None, a:z], k[None, a:z], v[None, a:z], softmax_scale, causal) for a, z in
+                zip(bounds[:-1], bounds[1:])]
+        out = torch.cat([o[0] if with_lse else o for o in outs], dim=1)[0]
+        return (out, None) if with_lse else out
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, page_table=None, softmax_scale=None,
+                                causal=False, **options):
+        calls.append(("kvcache", dict(options, paged=page_table is not None, softmax_scale=softmax_scale)))
+        if page_table is not None:
+            b, n = page_table.shape
+            k_cache = k_cache[page_table.long()].reshape(b, n * k_cache.shape[1], *k_cache.shape[2:])
+            v_cache = v_cache[page_table.long()].reshape(b, n * v_cache.shape[1], *v_cache.shape[2:])
+        sk = int(cache_seqlens[0])
+        return attend(q, k_cache[:, :sk], v_cache[:, :sk], softmax_scale, causal)
+
+    module = types.ModuleType("flash_attn_interface")
+    module.__version__ = "3.0.0-test"
+    module.flash_attn_func = flash_attn_func
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    return module
+
+
+@pytest.mark.parametrize("with_lse", [True, False], ids=["returns-out-lse", "returns-out"])
+def test_fa3_competitor_times_dense_varlen_and_decoding(compare, monkeypatch, tmp_path, with_lse):
+    """With an importable flash_attn_interface (a CPU stand-in here), fa3 is timed forward and
+    backward on the grid and feature cases — dense through flash_attn_func with the case's scale,
+    causal flag, window, softcap and deterministic flag, varlen through flash_attn_varlen_func on the
+    packed batch — and on the decoding cases through flash_attn_with_kvcache (page_table for paged
+    caches); dropout and ALiBi are recorded as unsupported. Its output matches flashattn's."""
+    calls = []
+    monkeypatch.setitem(sys.modules, compare.FA3_MODULE, fake_fa3(calls, with_lse))
+    monkeypatch.setattr(compare, "_fa3", None)
+    assert compare.main(["--dry-run", "--cases", "grid,features,decode", "--competitors", "flashattn,fa3",
+                         "--out", str(tmp_path), "--no-plots"]) == 0
+    data = json.loads(next(tmp_path.glob("compare-*.json")).read_text())
+    assert data["fa3"]["importable"] is True and data["fa3"]["version"] == "3.0.0-test"
+    by_id = {c["id"]: c for c in data["cases"]}
+    assert by_id["features/dropout0.1"]["results"]["fa3"] == {"unsupported": "FA3 has no dropout"}
+    assert by_id["features/alibi"]["results"]["fa3"] == {"unsupported": "FA3 has no ALiBi"}
+    for case in data["cases"]:
+        if case["params"]["dropout"] or case["params"]["alibi"]:
+            continue
+        fa3 = case["results"]["fa3"]
+        for direction in case["flops"]:
+            assert fa3[direction]["tflops"] > 0, (case["id"], direction, fa3)
+    kinds = {kind for kind, _ in calls}
+    assert kinds == {"func", "varlen", "kvcache"}
+    options = [o for kind, o in calls if kind == "func"]
+    assert any(o.get("window_size") == (compare.DRY.window, 0) and o["causal"] for o in options)
+    assert any(o.get("softcap") == 50.0 for o in options) and any(o.get("deterministic") for o in options)
+    assert all("window_size" not in o or o["window_size"] != (-1, -1) for o in options)
+    varlen = next(o for kind, o in calls if kind == "varlen")
+    assert varlen["cu"][-1] == sum(compare.DRY.varlen_lengths) and varlen["max_q"] == max(compare.DRY.varlen_lengths)
+    assert {o["paged"] for kind, o in calls if kind == "kvcache"} == {False, True}
+
+    # The runner's output, in flashattn's layout, against flashattn's on the same inputs.
+    cpu = torch.device("cpu")
+    cases = [c for c in compare.feature_cases(compare.DRY, "fp32") if c.name in ("gqa8", "varlen")]
+    cases += [c for c in compare.decode_cases(compare.DRY, "fp32", (3,), compare.DRY.decode_contexts)
+              if c.page_size]
+    for case in cases:
+        case = dataclasses.replace(case, dtype="fp32")
+        x = compare.Inputs(case, cpu, 3)
+        ours, theirs = compare.flashattn_runner(case, x, cpu), compare.fa3_runner(case, x, cpu)
+        want = ours.to_common(ours.forward(*ours.inputs))
+        got = theirs.to_common(theirs.forward(*theirs.inputs))
+        np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), atol=1e-5, err_msg=case.name)
+
+
+def synthetic_grid_run(report_rows) -> dict:
+    """A compare.py JSON of grid cases with the given TFLOP/s: rows of (dtype, d, causal, s, {name:
+    (fwd, bwd) or a reason string})."""
+    cases = []
+    for dtype, d, causal, s, speeds in report_rows:
+        results = {}
+        for name, value in speeds.items():
+            if isinstance(value, str):
+                results[name] = {"unsupported": value}
+            else:
+                results[name] = {dn: {"ms": 1.0, "tflops": t} for dn, t in zip(("fwd", "bwd", "fwdbwd"), value)}
+        name = f"{dtype}/d{d}/{'causal' if causal else 'full'}/s{s}"
+        cases.append(dict(id=f"grid/{name}", group="grid", results=results, check=dict(passed=True, max_abs_error={}),
+                          params=dict(dtype=dtype, b=1, sq=s, sk=s, h=1, hk=1, d=d, dv=d, causal=causal)))
+    return dict(date="2026-12-03T05:00:00+00:00", device={}, timer={}, competitors={}, cases=cases,
+                fa3=dict(importable=True, module="flash_attn_interface", version="3.0.0b1"),
+                cuda_family=dict(FLASHATTN_CUDA_FAMILY="sm90"))
+
+
+def test_grid_report_divides_by_the_better_of_fa3_and_cudnn(tmp_path):
+    """÷ best is flashattn over the faster of FA3 and cuDNN per row and direction (cuDNN alone where
+    FA3 did not run, – where neither did); under each dtype's table a line per direction gives the
+    range, the geometric mean and the cases below 1.00 with who led there."""
+    rows = [
+        ("bf16", 64, False, 512, dict(flashattn=(110, 90, 95), fa3=(100, 100, 100), cudnn=(50, 80, 70))),
+        ("bf16", 64, True, 512, dict(flashattn=(120, 105, 108), fa3="FA3 not importable (flash_attn_interface)",
+                                     cudnn=(100, 100, 100))),
+        ("bf16", 128, False, 512, dict(flashattn=(50, 50, 50), cudnn="no kernel")),  # no fa3 entry at all
+        ("fp16", 64, False, 512, dict(flashattn=(100, 100, 100), fa3=(97, 100, 100), cudnn=(90, 110, 100))),
+        ("fp16", 64, True, 512, dict(flashattn=(100, 100, 100), fa3=(90, 120, 100), cudnn=(80, 105, 100))),
+    ]
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(synthetic_grid_run(rows)))
+    report = load("make_report")
+    out = tmp_path / "benchmarks.md"
+    assert report.main([str(path), "--out", str(out), "--img-dir", str(tmp_path / "img")]) == 0
+    text = out.read_text()
+    bf16 = text[text.index("### bf16"):text.index("### fp16")]
+    fp16 = text[text.index("### fp16"):]
+    table = [line for line in bf16.splitlines() if line.startswith("| ")]
+    assert table[0].endswith("| ÷ cuDNN | ÷ FA2 | ÷ best | check |")
+    assert len(table) == 4  # the header and the three bf16 rows, sorted by d, causal, seqlen
+    assert "| 1.10 / 0.90 |" in table[1]
+    assert "| 1.20 / 1.05 |" in table[2]
+    assert "| – / – |" in table[3] and "not timed: the run's JSON has no entry for it" in bf16
+    assert "FA3 not importable (flash_attn_interface)" in bf16
+    fwd = next(line for line in bf16.splitlines() if line.startswith("- forward ÷ best:"))
+    bwd = next(line for line in bf16.splitlines() if line.startswith("- backward ÷ best:"))
+    assert fwd.startswith(f"- forward ÷ best: 1.100–1.200 over 2 cases, geometric mean {(1.1 * 1.2) ** 0.5:.3f} "
+                          "(FA3 timed in 1 of them, cuDNN alone in the others); at or above 1.00 in every one"), fwd
+    assert f"geometric mean {(0.9 * 1.05) ** 0.5:.3f}" in bwd and "0.900–1.050 over 2 cases" in bwd
+    assert bwd.endswith("below 1.00 in 1: d 64 s 512 (0.9000 of FA3)"), bwd
+    assert "| 1.03 / 0.91 |" in fp16 and "| 1.11 / 0.83 |" in fp16
+    fp16_fwd = next(line for line in fp16.splitlines() if line.startswith("- forward ÷ best:"))
+    fp16_bwd = next(line for line in fp16.splitlines() if line.startswith("- backward ÷ best:"))
+    mean = (100 / 97 * 100 / 90) ** 0.5
+    assert f"1.031–1.111 over 2 cases, geometric mean {mean:.3f} (FA3 timed in 2 of them);" in fp16_fwd, fp16_fwd
+    assert fp16_bwd.endswith("below 1.00 in all 2"), fp16_bwd  # every row behind: no list of them
+    assert "- FA3: `flash_attn_interface` 3.0.0b1." in text and "FLASHATTN_CUDA_FAMILY=sm90" in text

@@ -3,22 +3,14 @@
 // instantiation files in inst/, one (dtype, head dim, plain or split) each.
 #pragma once
 
+#include "cuda/device/element.cuh"
 #include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
 #include "cuda/sm80/sm80_smem.h"
 
 namespace flashattn::cuda::sm80 {
 
-template <common::Storage kStorage>
-struct ElementOf;
-template <>
-struct ElementOf<common::Storage::f16> {
-  using type = cutlass::half_t;
-};
-template <>
-struct ElementOf<common::Storage::bf16> {
-  using type = cutlass::bfloat16_t;
-};
+using device::ElementOf;
 
 // The kernel of one (dtype, head dim, variant), its tile from fwd_tile (sm80_fwd.h). With softcap
 // / ALiBi / dropout compiled in (kFull), the key tile is halved: the Philox state and per-element

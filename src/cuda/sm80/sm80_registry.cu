@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "cuda/registry.h"
+
 namespace flashattn::cuda::sm80 {
 
 const KernelEntry kKernels[] = {
@@ -113,38 +115,19 @@ const char* family_title(Family family) {
   return "";
 }
 
-const char* storage_name(common::Storage storage) {
-  return storage == common::Storage::f16 ? "fp16" : storage == common::Storage::bf16 ? "bf16" : "fp32";
-}
-
 }  // namespace
 
 int compiled_head_dim(Family family, common::Storage storage, int need) {
-  int best = 0;
-  for (int i = 0; i < kKernelCount; ++i) {
-    const KernelEntry& k = kKernels[i];
-    if (k.compiled && k.family == family && k.storage == storage && k.head_dim >= need &&
-        (best == 0 || k.head_dim < best)) {
-      best = k.head_dim;
-    }
-  }
-  return best;
+  return registry::compiled_head_dim(kKernels, kKernelCount, family, storage, need);
 }
 
 std::string compiled_head_dims(Family family, common::Storage storage) {
-  std::string list;
-  for (int i = 0; i < kKernelCount; ++i) {
-    const KernelEntry& k = kKernels[i];
-    if (k.compiled && k.family == family && k.storage == storage) {
-      list += (list.empty() ? "" : ", ") + std::to_string(k.head_dim);
-    }
-  }
-  return list.empty() ? "none" : list;
+  return registry::compiled_head_dims(kKernels, kKernelCount, family, storage);
 }
 
 std::string missing_kernel_reason(Family family, common::Storage storage, int need) {
   const int largest = 256;
-  std::string why = std::string("no sm80 ") + family_title(family) + " kernel for " + storage_name(storage) +
+  std::string why = std::string("no sm80 ") + family_title(family) + " kernel for " + registry::storage_name(storage) +
                     " and head dim " + std::to_string(need);
   if (need > largest) return why + " (the largest instantiated head dim is " + std::to_string(largest) + ")";
   return why + " in this build (compiled: " + compiled_head_dims(family, storage) +

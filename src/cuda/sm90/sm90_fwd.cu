@@ -2,6 +2,7 @@
 #include "cuda/sm90/sm90_fwd.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -44,6 +45,13 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
     if (!problem.empty()) return problem;
   }
   return "";
+}
+
+bool fwd_pingpong(int head_dim) {
+  const bool by_head_dim = head_dim <= 128;
+  const char* env = std::getenv("FLASHATTN_SM90_FWD_PINGPONG");
+  if (env == nullptr || *env == '\0' || !by_head_dim) return by_head_dim;
+  return std::string(env) != "0";
 }
 
 }  // namespace flashattn::cuda::sm90

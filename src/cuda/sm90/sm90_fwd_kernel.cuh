@@ -61,7 +61,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread = int(threadIdx.x) - Traits::kWarpgroupThreads;
+    const int consumer_wg = warpgroup - 1;
     PipelineState<Traits::kStages> k_st, v_st;
+    Mainloop::pingpong_start(consumer_wg);
     for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
       const FwdTile t = Scheduler::tile(params.p, index);
       typename Traits::TiledMmaPV mma_pv;
@@ -73,6 +75,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       }
       FwdEpilogue<Traits>::store(params, ss, t, thread, acc_o, softmax);
     }
+    Mainloop::pingpong_finish(consumer_wg);
   }
 #endif
 }

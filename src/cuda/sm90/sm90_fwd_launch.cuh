@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "cuda/device/element.cuh"
 #include "cuda/device/math.cuh"
 #include "cuda/device_query.h"
 #include "cuda/sm90/sm90_fwd.h"
@@ -12,16 +13,7 @@
 
 namespace flashattn::cuda::sm90 {
 
-template <common::Storage kStorage>
-struct ElementOf;
-template <>
-struct ElementOf<common::Storage::f16> {
-  using type = cutlass::half_t;
-};
-template <>
-struct ElementOf<common::Storage::bf16> {
-  using type = cutlass::bfloat16_t;
-};
+using device::ElementOf;
 
 // The global tensor (rows, d, heads, batch) of a q- or k-like argument, as TMA reads it. Rows and
 // columns past (rows, cols) read as zeros. The stride of an axis of extent 1 is never used; it is
@@ -37,27 +29,24 @@ auto gmem_rows(const common::RowHeadTensor& t, int rows, int cols, int heads, in
                                  stride_of(t.batch_stride, batch)));
 }
 
-template <common::Storage kStorage, int kHeadDim>
-cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
-  (void)rng_state;  // dropout is not served by this family (fwd_unsupported)
-  using Element = typename ElementOf<kStorage>::type;
-  constexpr FwdTileShape kTile = fwd_tile(kHeadDim);
-  using Traits = FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages>;
-
+// One launch of the kernel of Traits: TMA descriptors, shared memory, the persistent grid.
+template <class Traits>
+cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
+  constexpr int kHeadDim = Traits::kHeadDim;
   FwdParams<Traits> params;
   params.p = p;
   params.shape_q = make_shape(p.max_seqlen_q, p.head_dim, p.heads, p.batch);
   params.shape_k = make_shape(p.max_seqlen_k, p.head_dim, p.heads_k, p.batch);
   params.shape_v = make_shape(p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch);
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.q, p.max_seqlen_q, p.head_dim, p.heads, p.batch),
-                               typename Traits::SmemLayoutQ{}, Shape<Int<kTile.block_m>, Int<kHeadDim>>{}, _1{});
+                               typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
   params.tma_k = make_tma_copy(SM90_TMA_LOAD{},
                                gmem_rows<Traits>(p.k, p.max_seqlen_k, p.head_dim, p.heads_k, p.batch),
-                               take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<kTile.block_n>, Int<kHeadDim>>{},
+                               take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
                                gmem_rows<Traits>(p.v, p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch),
-                               take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<kTile.block_n>, Int<kHeadDim>>{},
+                               take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.scale_log2 = p.softmax_scale * device::kLog2e;
 
@@ -68,6 +57,21 @@ cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_s
   const dim3 grid = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p, current_sm_count());
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
+}
+
+template <common::Storage kStorage, int kHeadDim>
+cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
+  (void)rng_state;  // dropout is not served by this family (fwd_unsupported)
+  using Element = typename ElementOf<kStorage>::type;
+  constexpr FwdTileShape kTile = fwd_tile(kHeadDim);
+  if constexpr (kHeadDim <= 128) {
+    if (!fwd_pingpong(kHeadDim)) {
+      return launch_fwd<FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, false>>(p, stream);
+    }
+    return launch_fwd<FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, true>>(p, stream);
+  } else {
+    return launch_fwd<FwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, false>>(p, stream);
+  }
 }
 
 }  // namespace flashattn::cuda::sm90

@@ -87,6 +87,30 @@ struct FwdMainloop {
   }
 
   // --- consumers: kConsumerWarpgroups warpgroups ----------------------------------------------
+  // Ping-pong (Traits::kPingPong): the two consumer warpgroups take turns to issue their products,
+  // so that the tensor cores run one warpgroup's while the other computes its softmax. A turn is
+  // a named barrier per warpgroup that its own 128 threads sync on and the other warpgroup's 128
+  // arrive at once its products are issued. Both warpgroups issue the same number of turns per
+  // tile (n_blocks + 1: they walk the same key tiles), so the turns stay paired across tiles;
+  // pingpong_start gives the first turn to warpgroup 0 and pingpong_finish takes back the
+  // arrival left over after the last one.
+  __device__ __forceinline__ static void turn_begin(int wg) {
+    if constexpr (Traits::kPingPong) named_barrier_sync(int(FwdBarrier::kSchedulerWg0) + wg, Traits::kConsumerThreads);
+  }
+  __device__ __forceinline__ static void turn_end(int wg) {
+    if constexpr (Traits::kPingPong) named_barrier_arrive(int(FwdBarrier::kSchedulerWg0) + 1 - wg, Traits::kConsumerThreads);
+  }
+  __device__ __forceinline__ static void pingpong_start(int wg) {
+    if constexpr (Traits::kPingPong) {
+      if (wg == 1) named_barrier_arrive(int(FwdBarrier::kSchedulerWg0), Traits::kConsumerThreads);
+    }
+  }
+  __device__ __forceinline__ static void pingpong_finish(int wg) {
+    if constexpr (Traits::kPingPong) {
+      if (wg == 0) named_barrier_sync(int(FwdBarrier::kSchedulerWg0), Traits::kConsumerThreads);
+    }
+  }
+
   // thread: index among the consumer threads (0 … kConsumerThreads − 1). Leaves O (fp32, not yet
   // normalised) in acc_o and the running max/sum in softmax. q_phase as for load; k_st / v_st:
   // the rings' position, carried from tile to tile. With O staged apart from Q, Q is given back as
@@ -147,12 +171,15 @@ struct FwdMainloop {
     auto to_p = [&] { convert_fragment<Element>(acc_s, p_flat); };
 
     float correction[kRows];
+    const int wg = thread / Traits::kWarpgroupThreads;
     cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_phase);
 
     // The last key tile: S, softmax, P — nothing accumulated yet.
     int n = t.n_block_max - 1;
     k_pipe.consumer_wait(k_st);
+    turn_begin(wg);
     wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
+    turn_end(wg);
     cute::warpgroup_wait<0>();
     k_pipe.consumer_release(k_st, leader);
     k_st.advance();
@@ -163,9 +190,11 @@ struct FwdMainloop {
 
     for (--n; n >= t.n_block_min; --n) {
       k_pipe.consumer_wait(k_st);
+      turn_begin(wg);
       wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
       v_pipe.consumer_wait(v_st);
       wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
+      turn_end(wg);
       cute::warpgroup_wait<1>();  // S has landed; P·V still runs
       k_pipe.consumer_release(k_st, leader);
       k_st.advance();
@@ -184,7 +213,9 @@ struct FwdMainloop {
 
     // P of the first key tile times its V.
     v_pipe.consumer_wait(v_st);
+    turn_begin(wg);
     wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
+    turn_end(wg);
     cute::warpgroup_wait<0>();
     v_pipe.consumer_release(v_st, leader);
     v_st.advance();

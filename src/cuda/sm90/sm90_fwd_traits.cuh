@@ -21,13 +21,15 @@ using namespace cute;
 
 // Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim (d = dv).
 // kBlockM query rows per CTA, 64 per consumer warpgroup; kBlockN keys per pipeline stage.
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// kPingPong: the consumer warpgroups take turns to issue their products (FwdMainloop::turn_begin).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kPingPong = kPingPong_;
 
   static constexpr int kRowsPerWarpgroup = 64;  // the M of one wgmma
   static constexpr int kConsumerWarpgroups = kBlockM / kRowsPerWarpgroup;
@@ -43,6 +45,7 @@ struct FwdTraits {
                 "the register budget exceeds the register file");
 
   static_assert(kBlockM % kRowsPerWarpgroup == 0, "each consumer warpgroup owns 64 whole rows");
+  static_assert(!kPingPong || kConsumerWarpgroups == 2, "ping-pong pairs two consumer warpgroups");
   static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one 128-byte swizzle row)");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a key tile is one wgmma N (multiple of 16, at most 256)");
   static_assert(sizeof(Element) == 2, "16-bit inputs: the S accumulator's layout is the P·V A-operand layout");

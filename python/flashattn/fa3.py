@@ -1,0 +1,285 @@
+"""flashattn.fa3 — the interface of FlashAttention-3 (``flash_attn_interface`` of its ``hopper/``
+package) over this library, for code written against it:
+
+    from flashattn.fa3 import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+Its own argument order (no dropout_p: ``flash_attn_func(q, k, v, softmax_scale, causal, ...)``),
+names (``page_table``, ``seqused_q/k``, ``cu_seqlens_k_new``) and return values:
+
+- ``flash_attn_func`` / ``flash_attn_qkvpacked_func`` / ``flash_attn_varlen_func`` -> out, or
+  (out, softmax_lse) with return_attn_probs=True; differentiable in q, k, v;
+- ``flash_attn_with_kvcache`` -> out, or (out, softmax_lse, out_accum, softmax_lse_accum) with
+  return_softmax_lse=True — the last two are empty tensors (split-KV partials stay internal here);
+- ``flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None)`` -> (out,
+  softmax_lse): out_partial (splits, batch, seqlen, nheads, headdim) and lse_partial (splits,
+  batch, seqlen, nheads), float32; softmax_lse (batch, seqlen, nheads).
+
+flash_attn_with_kvcache takes varlen queries (q (total_q, nheads, d) with cu_seqlens_q and
+max_seqlen_q) and varlen new keys (k, v (total_new, nheads_k, d) with cu_seqlens_k_new), over a
+contiguous or paged (page_table) cache: the new keys are rotated (rotary_cos/sin) and written into
+the cache at cache_seqlens[i]..., then each sequence's queries attend to its cache, bottom-right
+aligned as in every function here.
+
+Argument conventions are those of flash_attn (flashattn.flash_attn_interface): negative window
+sizes and softcap <= 0 mean off, softmax_scale=0.0 is a zero scale. num_splits, pack_gqa,
+sm_margin and scheduler_metadata are performance hints of FlashAttention-3's kernels: accepted
+and not needed here (the CUDA backend picks its split-KV itself). What the library does not
+have raises NotImplementedError naming the argument: qv, the FP8 descale factors (q_descale,
+k_descale, v_descale), attention_chunk != 0, seqused_q, cache_leftpad and rotary_seqlens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import flashattn
+from flashattn import _C, _torch_api, _torch_ops
+from flashattn.flash_attn_interface import _scale_or_default, _softcap, _window_size
+from flashattn.layers.rotary import apply_rotary_emb
+
+__all__ = [
+    "flash_attn_combine",
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+]
+
+_FP8 = "FP8 inputs and their descale factors; pass float16/bfloat16 tensors"
+_WHAT = {
+    "qv": "a separate query part for the value head dim",
+    "q_descale": _FP8,
+    "k_descale": _FP8,
+    "v_descale": _FP8,
+    "attention_chunk": "chunked attention, attention_chunk != 0",
+    "seqused_q": "used queries per sequence; give them in cu_seqlens_q",
+    "cache_leftpad": "left-padded KV caches; shift each sequence to the start of its cache row",
+    "rotary_seqlens": "rotary positions other than cache_seqlens",
+}
+
+
+def _refuse(**arguments):
+    """NotImplementedError naming the first argument that asks for what the library lacks."""
+    for name, value in arguments.items():
+        if value is not None and not (name == "attention_chunk" and value == 0):
+            raise NotImplementedError(f"{name}: not supported by flashattn ({_WHAT[name]})")
+
+
+def _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+    out, lse, _ = flashattn.flash_attn_func(q, k, v, 0.0, _scale_or_default(softmax_scale), causal,
+                                            _window_size(window_size), _softcap(softcap), None, deterministic,
+                                            True)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d), v (..., dv) -> out, or
+    (out, softmax_lse (batch, nheads, seqlen_q)) with return_attn_probs."""
+    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    return _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None,
+                              v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                              deterministic=False, num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """qkv (batch, seqlen, 3, nheads, d), or (batch, seqlen, num_heads_q + 2·num_heads_k, d) with
+    num_heads_q (GQA)."""
+    _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    if qkv.dim() == 5 and qkv.shape[-3] == 3:
+        q, k, v = qkv.unbind(dim=-3)
+    elif qkv.dim() == 4 and num_heads_q is not None and (qkv.shape[2] - num_heads_q) % 2 == 0:
+        num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+        q, k, v = qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=-2)
+    else:
+        raise _C.Error(f"qkv: must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + "
+                       f"2·num_heads_k, headdim) with num_heads_q; got {tuple(qkv.shape)}, num_heads_q={num_heads_q}")
+    return _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                           k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                           num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                           return_attn_probs=False):
+    """q (total_q, nheads, d), k (total_k, nheads_k, d), v (..., dv); cu_seqlens_q/k (batch + 1,)
+    int32; seqused_k (batch,) int32: only the first seqused_k[i] keys of sequence i are used ->
+    out (total_q, nheads, dv), or (out, softmax_lse (nheads, total_q))."""
+    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
+            seqused_q=seqused_q)
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _torch_api._check_tensor(name, x)
+    out, lse = _torch_api._FlashAttnVarlenFunc.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), 0.0,
+        _scale_or_default(softmax_scale), causal, _window_size(window_size), _softcap(softcap), None,
+        deterministic, seqused_k)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merges partial results over disjoint key sets: out_partial (splits, batch, seqlen, nheads,
+    headdim) and lse_partial (splits, batch, seqlen, nheads), float32 -> (out (batch, seqlen,
+    nheads, headdim) of out_dtype (default float32; written into `out` when given), softmax_lse
+    (batch, seqlen, nheads) float32). Not differentiable."""
+    if out_partial.dim() != 5 or lse_partial.dim() != 4:
+        raise _C.Error(f"out_partial: must be (splits, batch, seqlen, nheads, headdim) with lse_partial (splits, "
+                       f"batch, seqlen, nheads); got {tuple(out_partial.shape)} and {tuple(lse_partial.shape)}")
+    splits, batch, seqlen, nheads, head_dim = out_partial.shape
+    if out is None:
+        out = torch.empty((batch, seqlen, nheads, head_dim), dtype=out_dtype or out_partial.dtype,
+                          device=out_partial.device)
+    lse = torch.empty((batch, nheads, seqlen), dtype=torch.float32, device=out_partial.device)
+    # The core takes lse_partial as (splits, batch, nheads, seqlen).
+    _torch_ops._call(_C.combine, out_partial.detach(), lse_partial.detach().transpose(2, 3).contiguous(), out, lse,
+                     stream=_torch_ops._stream(out_partial.device))
+    return out, lse.transpose(1, 2)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False):
+    """q (batch, seqlen_q, nheads, d), or (total_q, nheads, d) with cu_seqlens_q / max_seqlen_q.
+    k_cache/v_cache (batch_cache, seqlen_cache, nheads_k, d/dv), or paged (num_blocks, page_size,
+    nheads_k, d/dv) with page_table (batch, max_blocks) int32. k/v (batch, seqlen_new, nheads_k,
+    d/dv), or (total_new, nheads_k, d/dv) with cu_seqlens_k_new: appended IN PLACE at
+    cache_seqlens[i] (rotated when rotary_cos/sin are given), then attended to. Not
+    differentiable."""
+    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
+            cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens)
+    window = _window_size(window_size)
+    scale = _scale_or_default(softmax_scale)
+    if cu_seqlens_q is None and cu_seqlens_k_new is None:
+        out, lse = flashattn.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, None, page_table,
+            scale, causal, window, _softcap(softcap), rotary_interleaved, None, num_splits, True)
+    else:
+        out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   cache_batch_idx, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale,
+                                   causal, window, _softcap(softcap), rotary_interleaved, num_splits)
+    if not return_softmax_lse:
+        return out
+    no_partials = torch.empty((0,), dtype=torch.float32, device=out.device)
+    return out, lse, no_partials, no_partials
+
+
+# --- varlen queries / new keys over a KV cache ---------------------------------------------------
+
+
+def _rows_of(cu_seqlens, total):
+    """For packed rows (total,) of sequences cu_seqlens (batch + 1,): each row's sequence and
+    its index within it."""
+    counts = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
+    return seq, torch.arange(total, device=counts.device) - cu_seqlens[seq]
+
+
+def _rotate_at(x, cos, sin, interleaved, positions):
+    """Rows x (n, heads, d) rotated at their own positions (n,)."""
+    if x.shape[0] == 0:
+        return x
+    if int(positions.max()) >= cos.shape[0]:
+        raise _C.Error(f"rotary_cos: must cover every rotated position; expected seqlen_ro > "
+                       f"{int(positions.max())}, got {cos.shape[0]}")
+    return apply_rotary_emb(x.unsqueeze(1), cos, sin, interleaved, seqlen_offsets=positions).squeeze(1)
+
+
+def _append(k_cache, v_cache, k, v, seq, positions, cache_batch_idx, page_table):
+    """Writes rows k, v (n, heads_k, d) of sequences seq at cache positions `positions`."""
+    if k.shape[0] == 0:
+        return
+    if page_table is not None:
+        page_size = k_cache.shape[1]
+        capacity = page_table.shape[1] * page_size
+        where = (page_table[seq, positions // page_size].long(), positions % page_size)
+    else:
+        capacity = k_cache.shape[1]
+        rows = seq if cache_batch_idx is None else cache_batch_idx.long()[seq]
+        where = (rows, positions)
+    if int(positions.max()) >= capacity:
+        raise _C.Error(f"k: the new keys do not fit in the cache; position {int(positions.max())} of a capacity "
+                       f"of {capacity} keys per sequence")
+    k_cache.index_put_(where, k)
+    v_cache.index_put_(where, v)
+
+
+def _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary):
+    """q (batch, seqlen_q, h, d), or varlen (total_q, h, d), rotated (rotary: (cos, sin,
+    interleaved, by_row) or None) at cache_seqlens (old) + its index when by_row, else at
+    cache_seqlens -> (q as a batch, varlen rows left-padded; the (sequence, row) of each varlen
+    query in that batch, or None)."""
+    device = q.device
+    if cu_seqlens_q is not None:
+        q_seq, q_idx = _rows_of(cu_seqlens_q.long(), q.shape[0])
+        q_rows = q
+    else:
+        q_seq = torch.arange(q.shape[0], device=device).repeat_interleave(q.shape[1])
+        q_idx = torch.arange(q.shape[1], device=device).repeat(q.shape[0])
+        q_rows = q.reshape(-1, *q.shape[2:])
+    if rotary is not None:
+        cos, sin, interleaved, by_row = rotary
+        q_rows = _rotate_at(q_rows, cos, sin, interleaved, old[q_seq] + (q_idx if by_row else 0))
+    if cu_seqlens_q is None:
+        return q_rows.reshape(q.shape), None
+    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    max_q = int(max_seqlen_q) if max_seqlen_q is not None else int(lengths.max())
+    padded_idx = q_idx + max_q - lengths[q_seq]  # left padding: the last rows are the real ones
+    q_batch = q.new_zeros((batch, max_q) + tuple(q.shape[1:]))
+    q_batch[q_seq, padded_idx] = q_rows
+    return q_batch, (q_seq, padded_idx)
+
+
+def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx, page_table):
+    """Appends k, v (batch, seqlen_new, hk, d), or varlen (total_new, hk, d), rotated, at
+    cache_seqlens (old) of each sequence -> the lengths after the append."""
+    device = k_cache.device
+    if cu_seqlens_k_new is not None:
+        k_seq, k_idx = _rows_of(cu_seqlens_k_new.long(), k.shape[0])
+        k_rows, v_rows = k, v
+    else:
+        k_seq = torch.arange(k.shape[0], device=device).repeat_interleave(k.shape[1])
+        k_idx = torch.arange(k.shape[1], device=device).repeat(k.shape[0])
+        k_rows, v_rows = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    positions = old[k_seq] + k_idx
+    if rotary is not None:
+        cos, sin, interleaved, _ = rotary
+        k_rows = _rotate_at(k_rows, cos, sin, interleaved, positions)
+    _append(k_cache, v_cache, k_rows, v_rows, k_seq, positions, cache_batch_idx, page_table)
+    return old + torch.bincount(k_seq, minlength=batch)
+
+
+def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                    page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
+                    softcap, rotary_interleaved, num_splits):
+    """flash_attn_with_kvcache with varlen queries or new keys: the append and the rotations here
+    (the same rotation as the core's append, flashattn.layers.rotary), the queries left-padded into
+    a batch — which keeps the bottom-right alignment of causal and window masks — for the core's
+    KV-cache attention over the updated caches."""
+    if page_table is not None and cache_batch_idx is not None:
+        raise _C.Error("cache_batch_idx: cannot be combined with a paged cache (page_table)")
+    if cache_seqlens is None:
+        raise _C.Error("cache_seqlens: is required with cu_seqlens_q or cu_seqlens_k_new")
+    batch = (cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k_new).numel() - 1
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+    old = cache_seqlens.long()
+    # Queries rotate at their own positions when causal or windowed (FlashAttention's rule).
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved,
+                                              causal or window != (-1, -1))
+    # The queries first, so that nothing is written into the caches before every check has passed.
+    q_batch, gather = _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary)
+    new = old
+    if k is not None:
+        new = _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx,
+                               page_table)
+    out, lse = flashattn.flash_attn_with_kvcache(
+        q_batch, k_cache, v_cache, None, None, None, None, new.to(torch.int32), cache_batch_idx, None, page_table,
+        softmax_scale, causal, window, softcap, rotary_interleaved, None, num_splits, True)
+    if gather is None:
+        return out, lse
+    q_seq, padded_idx = gather
+    return out[q_seq, padded_idx], lse[q_seq, :, padded_idx].transpose(0, 1)

@@ -1,0 +1,1 @@
+"""flashattn.integrations — attention backends for other libraries (transformers)."""

@@ -1,0 +1,1 @@
+"""flashattn.layers — modules of ``flash_attn.layers`` (rotary embedding)."""

@@ -1,0 +1,250 @@
+"""flashattn.fa3: FlashAttention-3's interface — argument specs, results and gradients against the
+float64 oracle, seqused_k, flash_attn_combine, the KV-cache function with varlen queries and new
+keys over a paged cache (against the library's batch KV-cache path, sequence by sequence), and
+what it refuses."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests need it")
+
+import flashattn  # noqa: E402
+from flashattn import fa3  # noqa: E402
+
+from conftest import torch_devices  # noqa: E402
+from torch_checks import check_batch, check_varlen, randn  # noqa: E402
+
+NO_DEFAULT = object()
+_HINTS = [("num_splits", 1), ("pack_gqa", None), ("deterministic", False), ("sm_margin", 0),
+          ("return_attn_probs", False)]
+_FP8 = [("q_descale", None), ("k_descale", None), ("v_descale", None)]
+_MASKING = [("window_size", (-1, -1)), ("attention_chunk", 0), ("softcap", 0.0)]
+
+
+def _required(names):
+    return [(n, NO_DEFAULT) for n in names]
+
+
+# FlashAttention-3's argument lists (hopper/flash_attn_interface.py).
+SIGNATURES = {
+    "flash_attn_func": _required(["q", "k", "v"]) + [("softmax_scale", None), ("causal", False), ("qv", None)]
+    + _FP8 + _MASKING + _HINTS,
+    "flash_attn_qkvpacked_func": _required(["qkv"]) + [("softmax_scale", None), ("causal", False)] + _FP8
+    + _MASKING + [("deterministic", False), ("num_heads_q", None), ("sm_margin", 0), ("return_attn_probs", False)],
+    "flash_attn_varlen_func": _required(["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                         "max_seqlen_k"])
+    + [("seqused_q", None), ("seqused_k", None), ("softmax_scale", None), ("causal", False), ("qv", None)]
+    + _FP8 + _MASKING + _HINTS,
+    "flash_attn_combine": _required(["out_partial", "lse_partial"]) + [("out", None), ("out_dtype", None)],
+    "flash_attn_with_kvcache": _required(["q", "k_cache", "v_cache"]) + [
+        ("k", None), ("v", None), ("qv", None), ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+        ("cache_batch_idx", None), ("cache_leftpad", None), ("page_table", None), ("cu_seqlens_q", None),
+        ("cu_seqlens_k_new", None), ("max_seqlen_q", None), ("rotary_seqlens", None)] + _FP8 + [
+        ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("attention_chunk", 0),
+        ("softcap", 0.0), ("rotary_interleaved", True), ("scheduler_metadata", None), ("num_splits", 0),
+        ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False)],
+}
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_argspec(name):
+    spec = inspect.getfullargspec(getattr(fa3, name))
+    defaults = spec.defaults or ()
+    got = list(zip(spec.args, [NO_DEFAULT] * (len(spec.args) - len(defaults)) + list(defaults)))
+    assert got == SIGNATURES[name]
+
+
+def cu(lengths, device):
+    return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_flash_attn_func(device):
+    """FA3's order (softmax_scale, causal positionally), (out, lse) on request, gradients."""
+    g = torch.Generator().manual_seed(1)
+    q = randn((2, 29, 4, 64), torch.bfloat16, device, g)
+    k = randn((2, 41, 2, 64), torch.bfloat16, device, g)
+    v = randn((2, 41, 2, 64), torch.bfloat16, device, g)
+    dout = randn((2, 29, 4, 64), torch.bfloat16, device, g)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = fa3.flash_attn_func(qg, kg, vg, 0.2, True, window_size=(12, -3), softcap=5.0, return_attn_probs=True)
+    out.backward(dout)
+    check_batch(q, k, v, out, lse, grads=(qg.grad, kg.grad, vg.grad), dout=dout, softmax_scale=0.2, causal=True,
+                window=(12, -1), softcap=5.0)
+    assert isinstance(fa3.flash_attn_func(q, k, v), torch.Tensor)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_qkvpacked(device):
+    """qkv (b, s, 3, h, d) and the GQA layout (b, s, hq + 2·hk, d): the gradient is one dqkv."""
+    g = torch.Generator().manual_seed(2)
+    qkv = randn((2, 17, 3, 2, 32), torch.float16, device, g).requires_grad_()
+    out = fa3.flash_attn_qkvpacked_func(qkv, causal=True)
+    out.sum().backward()
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv.unbind(2))
+    ref = flashattn.flash_attn_func(q, k, v, causal=True)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(qkv.grad, torch.stack([q.grad, k.grad, v.grad], 2), rtol=0, atol=0)
+
+    packed = randn((1, 9, 4 + 2 * 1, 32), torch.float16, device, g)
+    out = fa3.flash_attn_qkvpacked_func(packed, num_heads_q=4)
+    torch.testing.assert_close(out, flashattn.flash_attn_func(packed[:, :, :4], packed[:, :, 4:5],
+                                                              packed[:, :, 5:6]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_varlen_seqused_k(device):
+    """seqused_k: only the first seqused_k[i] keys of sequence i count, forward and backward;
+    the unused keys get no gradient."""
+    lq, lk, used = [7, 0, 12], [10, 5, 20], [4, 5, 13]
+    h, d = 2, 48
+    g = torch.Generator().manual_seed(3)
+    q = randn((sum(lq), h, d), torch.bfloat16, device, g)
+    k = randn((sum(lk), h, d), torch.bfloat16, device, g)
+    v = randn((sum(lk), h, d), torch.bfloat16, device, g)
+    dout = randn((sum(lq), h, d), torch.bfloat16, device, g)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    seqused = torch.tensor(used, dtype=torch.int32, device=device)
+    out, lse = fa3.flash_attn_varlen_func(qg, kg, vg, cu(lq, device), cu(lk, device), max(lq), max(lk),
+                                          seqused_k=seqused, causal=True, return_attn_probs=True)
+    out.backward(dout)
+    starts = cu(lk, "cpu").tolist()
+    keep = torch.cat([torch.arange(starts[i], starts[i] + used[i]) for i in range(3)]).to(device)
+    dropped = torch.ones(sum(lk), dtype=torch.bool, device=device)
+    dropped[keep] = False
+    check_varlen(q, k[keep], v[keep], cu(lq, "cpu").tolist(), cu(used, "cpu").tolist(), out, lse,
+                 max_seqlen_k=max(used), grads=(qg.grad, kg.grad[keep], vg.grad[keep]), dout=dout, causal=True)
+    assert torch.all(kg.grad[dropped] == 0) and torch.all(vg.grad[dropped] == 0)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=str)
+def test_combine(out_dtype, device):
+    """Attention over three blocks of keys, merged by flash_attn_combine, is attention over all."""
+    g = torch.Generator().manual_seed(4)
+    q = randn((2, 11, 3, 32), torch.bfloat16, device, g)
+    k = randn((2, 30, 3, 32), torch.bfloat16, device, g)
+    v = randn((2, 30, 3, 32), torch.bfloat16, device, g)
+    parts = [fa3.flash_attn_func(q, k[:, a:b], v[:, a:b], return_attn_probs=True) for a, b in ((0, 7), (7, 19),
+                                                                                              (19, 30))]
+    out_partial = torch.stack([o.float() for o, _ in parts])  # (splits, b, sq, h, d)
+    lse_partial = torch.stack([lse.transpose(1, 2) for _, lse in parts])  # (splits, b, sq, h)
+    out, lse = fa3.flash_attn_combine(out_partial, lse_partial, out_dtype=out_dtype)
+    assert out.dtype == (out_dtype or torch.float32) and lse.shape == (2, 11, 3)
+    check_batch(q, k, v, out.to(torch.bfloat16), lse.transpose(1, 2))
+    given = torch.empty((2, 11, 3, 32), dtype=torch.float32, device=device)
+    out_into, _ = fa3.flash_attn_combine(out_partial, lse_partial, out=given)
+    assert out_into is given and torch.equal(given.to(out.dtype), out)
+
+
+def paged_like(cache_rows, table, page_size):
+    """cache_rows (b, cap, hk, d) laid out in the blocks that table (b, cap / page_size) names."""
+    blocks = torch.empty((table.numel(), page_size) + tuple(cache_rows.shape[2:]), dtype=cache_rows.dtype,
+                         device=cache_rows.device)
+    for i in range(table.shape[0]):
+        for j in range(table.shape[1]):
+            blocks[table[i, j]] = cache_rows[i, j * page_size:(j + 1) * page_size]
+    return blocks
+
+
+def shuffled_table(batch, blocks_per_seq, device, g):
+    return torch.randperm(batch * blocks_per_seq, generator=g).view(batch, blocks_per_seq).to(torch.int32).to(device)
+
+
+def unpaged(blocks, table):
+    return torch.stack([blocks[table[i].long()].flatten(0, 1) for i in range(table.shape[0])])
+
+
+@pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_varlen_paged(causal, device):
+    """Chunked prefill as serving engines call it: varlen queries and new keys of each sequence,
+    appended (rotated) into a paged cache and attended to. Each sequence equals the library's
+    batch KV-cache call on its own (rotation, append and attention), cache contents bit-equal."""
+    b, hq, hk, d, cap, page = 3, 4, 2, 32, 24, 4
+    old, n_new, n_q = [5, 0, 9], [2, 3, 1], [2, 3, 1]
+    g = torch.Generator().manual_seed(5)
+    cache_k = randn((b, cap, hk, d), torch.bfloat16, device, g)
+    cache_v = randn((b, cap, hk, d), torch.bfloat16, device, g)
+    q = randn((sum(n_q), hq, d), torch.bfloat16, device, g)
+    k_new = randn((sum(n_new), hk, d), torch.bfloat16, device, g)
+    v_new = randn((sum(n_new), hk, d), torch.bfloat16, device, g)
+    angles = np.outer(np.arange(cap), 10000.0 ** (-np.arange(0, d, 2) / d))
+    cos = torch.from_numpy(np.cos(angles)).to(device=device, dtype=torch.bfloat16)
+    sin = torch.from_numpy(np.sin(angles)).to(device=device, dtype=torch.bfloat16)
+    table = shuffled_table(b, cap // page, device, g)
+    k_blocks, v_blocks = paged_like(cache_k, table, page), paged_like(cache_v, table, page)
+    seqlens = torch.tensor(old, dtype=torch.int32, device=device)
+    out, lse, accum, lse_accum = fa3.flash_attn_with_kvcache(
+        q, k_blocks, v_blocks, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        page_table=table, cu_seqlens_q=cu(n_q, device), cu_seqlens_k_new=cu(n_new, device), max_seqlen_q=max(n_q),
+        causal=causal, rotary_interleaved=False, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (hq, sum(n_q)) and accum.numel() == 0 and lse_accum.numel() == 0
+    cq, ck = cu(n_q, "cpu").tolist(), cu(n_new, "cpu").tolist()
+    for i in range(b):
+        k_ref, v_ref = cache_k[i:i + 1].clone(), cache_v[i:i + 1].clone()
+        out_ref, lse_ref = flashattn.flash_attn_with_kvcache(
+            q[cq[i]:cq[i + 1]].unsqueeze(0), k_ref, v_ref, k_new[ck[i]:ck[i + 1]].unsqueeze(0),
+            v_new[ck[i]:ck[i + 1]].unsqueeze(0), cos, sin, cache_seqlens=seqlens[i:i + 1], causal=causal,
+            rotary_interleaved=False, return_softmax_lse=True)
+        torch.testing.assert_close(out[cq[i]:cq[i + 1]], out_ref[0])
+        torch.testing.assert_close(lse[:, cq[i]:cq[i + 1]], lse_ref[0])
+        assert torch.equal(unpaged(k_blocks, table)[i], k_ref[0])
+        assert torch.equal(unpaged(v_blocks, table)[i], v_ref[0])
+
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_kvcache_batch(device):
+    """Without varlen arguments: the library's KV-cache function under FA3's names (page_table)."""
+    g = torch.Generator().manual_seed(6)
+    q = randn((2, 1, 4, 32), torch.bfloat16, device, g)
+    k_cache = randn((2, 16, 2, 32), torch.bfloat16, device, g)
+    v_cache = randn((2, 16, 2, 32), torch.bfloat16, device, g)
+    table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
+    k_blocks, v_blocks = paged_like(k_cache, table, 8), paged_like(v_cache, table, 8)
+    lengths = torch.tensor([16, 9], dtype=torch.int32, device=device)
+    out = fa3.flash_attn_with_kvcache(q, k_blocks, v_blocks, cache_seqlens=lengths, page_table=table,
+                                      num_splits=3, pack_gqa=True)
+    ref = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+    torch.testing.assert_close(out, ref)
+
+
+def test_kvcache_checks_before_writing():
+    """A rotary table too short for the queries (long enough for the new key) is an error that
+    leaves the cache as it was."""
+    g = torch.Generator().manual_seed(7)
+    q = randn((3, 2, 32), torch.bfloat16, "cpu", g)
+    k_new, v_new = randn((1, 2, 32), torch.bfloat16, "cpu", g), randn((1, 2, 32), torch.bfloat16, "cpu", g)
+    k_cache, v_cache = randn((1, 16, 2, 32), torch.bfloat16, "cpu", g), randn((1, 16, 2, 32), torch.bfloat16, "cpu", g)
+    before = k_cache.clone()
+    cos = sin = torch.ones((7, 16), dtype=torch.bfloat16)
+    with pytest.raises(flashattn.Error, match="rotary_cos"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                    cache_seqlens=5, cu_seqlens_q=cu([3], "cpu"), cu_seqlens_k_new=cu([1], "cpu"),
+                                    max_seqlen_q=3, causal=True)
+    assert torch.equal(k_cache, before)
+
+
+def test_refusals():
+    q = torch.zeros((1, 4, 2, 16), dtype=torch.bfloat16)
+    scale = torch.ones(1)
+    cases = {
+        "q_descale": lambda: fa3.flash_attn_func(q, q, q, q_descale=scale),
+        "v_descale": lambda: fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu([4], "cpu"), cu([4], "cpu"), 4, 4,
+                                                        v_descale=scale),
+        "qv": lambda: fa3.flash_attn_func(q, q, q, qv=q),
+        "attention_chunk": lambda: fa3.flash_attn_func(q, q, q, attention_chunk=2),
+        "seqused_q": lambda: fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu([4], "cpu"), cu([4], "cpu"), 4, 4,
+                                                        seqused_q=cu([4], "cpu")[1:]),
+        "cache_leftpad": lambda: fa3.flash_attn_with_kvcache(q, q, q, cache_leftpad=cu([1], "cpu")[1:]),
+        "rotary_seqlens": lambda: fa3.flash_attn_with_kvcache(q, q, q, rotary_seqlens=cu([1], "cpu")[1:]),
+    }
+    for name, call in cases.items():
+        with pytest.raises(NotImplementedError, match=name):
+            call()

@@ -1,0 +1,156 @@
+"""flashattn as transformers' attention backend ("flashattn"): a small Llama-style model built from
+a config (random weights, nothing downloaded) against the same model on "sdpa" — logits and
+parameter gradients of a full batch, a left-padded batch and a packed (padding-free) row."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests need it")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/test-python pins it)")
+
+import flashattn.integrations.transformers as fa_hf  # noqa: E402
+
+from conftest import torch_devices  # noqa: E402
+
+
+SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_model(implementation, device, config_class, **extra):
+    config = config_class(**SIZES, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+    return model.to(device=device, dtype=torch.float32)
+
+
+def pair(device, config_class=transformers.LlamaConfig, **extra):
+    """A small model built from a config, with the same weights on "flashattn" and on "sdpa"."""
+    ours = tiny_model(fa_hf.NAME, device, config_class, **extra)
+    sdpa = tiny_model("sdpa", device, config_class, **extra)
+    sdpa.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == fa_hf.NAME and sdpa.config._attn_implementation == "sdpa"
+    return ours, sdpa
+
+
+def loss(logits, labels_mask=None):
+    """A loss that weighs every logit differently, over the positions labels_mask keeps."""
+    weights = torch.linspace(-1.0, 1.0, logits.shape[-1], device=logits.device)
+    per_token = (logits * weights).sum(-1)
+    return (per_token if labels_mask is None else per_token * labels_mask).sum()
+
+
+def gradients(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def run(model, labels_mask=None, **inputs):
+    """Logits and the parameter gradients of loss()."""
+    model.zero_grad()
+    logits = model(**inputs).logits
+    loss(logits, labels_mask).backward()
+    return logits.detach(), gradients(model)
+
+
+def assert_same(ours, sdpa, keep=None):
+    """Logits and gradients as sdpa's, in float32 — or, on CUDA, where the float32 model's
+    attention runs in bfloat16 (no fp32 kernels), within bfloat16's error: simulated on the CPU,
+    that attention moves these logits by up to 2e-3 and each gradient by up to 0.5% of its
+    largest entry, so the bounds are 1e-2 and 2%."""
+    (logits, grads), (ref_logits, ref_grads) = ours, sdpa
+    if keep is not None:
+        logits, ref_logits = logits[keep], ref_logits[keep]
+    bf16 = logits.device.type == "cuda"
+    tol = 1e-2 if bf16 else 1e-4
+    torch.testing.assert_close(logits, ref_logits, rtol=tol, atol=tol)
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        atol = 2e-2 * float(ref.abs().max()) if bf16 else 1e-5
+        torch.testing.assert_close(grad, ref, rtol=2e-2 if bf16 else 1e-3, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_full_batch(device):
+    ours, sdpa = pair(device)
+    ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(1)).to(device)
+    assert_same(run(ours, input_ids=ids), run(sdpa, input_ids=ids))
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_left_padded_batch(device):
+    ours, sdpa = pair(device)
+    ids = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(2)).to(device)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :11] = 0
+    keep = mask.bool()
+    got = run(ours, labels_mask=mask, input_ids=ids, attention_mask=mask)
+    assert torch.all(torch.isfinite(got[0]))
+    assert_same(got, run(sdpa, labels_mask=mask, input_ids=ids, attention_mask=mask), keep)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_packed_sequences(device):
+    """Three sequences in one row, position_ids restarting at each (padding-free training): the
+    same logits and gradients as sdpa over each sequence on its own."""
+    ours, sdpa = pair(device)
+    lengths = [7, 12, 5]
+    ids = torch.randint(0, 96, (1, sum(lengths)), generator=torch.Generator().manual_seed(3)).to(device)
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device)
+    got = run(ours, input_ids=ids, position_ids=positions)
+    sdpa.zero_grad()
+    logits, start = [], 0
+    for n in lengths:  # the gradients of the separate sequences add up
+        part = sdpa(input_ids=ids[:, start:start + n]).logits
+        loss(part).backward()
+        logits.append(part.detach())
+        start += n
+    assert_same(got, (torch.cat(logits, dim=1), gradients(sdpa)))
+
+    # The boundaries as a padding-free collator passes them (cu_seq_lens_q/k, max_length_q/k).
+    cu_seqlens = torch.tensor([0, 7, 19, 24], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        explicit = ours(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                        max_length_q=12, max_length_k=12).logits
+    torch.testing.assert_close(explicit, got[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_sliding_window(device):
+    """A Mistral-style model whose sliding window (6) is shorter than the sequence."""
+    ours, sdpa = pair(device, transformers.MistralConfig, sliding_window=6)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(5)).to(device)
+    assert_same(run(ours, input_ids=ids), run(sdpa, input_ids=ids))
+
+
+def test_generate_matches_sdpa():
+    """Greedy decoding with a KV cache (a query of one token over the cached keys)."""
+    ours, sdpa = pair("cpu")
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kw), sdpa.generate(ids, **kw))
+
+
+def test_continuous_batching():
+    """transformers' continuous batching (generate_batch, a paged cache): its FlashAttention path,
+    run on flashattn's functions, gives each prompt the tokens sdpa's greedy generate gives it."""
+    ours, sdpa = pair("cpu")
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
+    config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    paging = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16)
+    with torch.no_grad():
+        batch = ours.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=paging,
+                                    warmup=False)
+        for i, prompt in enumerate(prompts):
+            alone = sdpa.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):]
+            assert batch[f"req_{i}"].generated_tokens == alone.tolist()
+
+
+def test_refuses_sinks():
+    ours, _ = pair("cpu")
+    module = ours.model.layers[0].self_attn
+    x = torch.zeros((1, 4, 3, 16))
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        fa_hf.attention_forward(module, x, x[:, :2], x[:, :2], None, s_aux=torch.zeros(4))
