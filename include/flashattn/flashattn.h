@@ -118,6 +118,11 @@ Support can_implement(const BackwardInputs& in, const BackwardOutputs& out,
                       const Options& opt = {});
 Support can_implement(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt = {});
 
+// Waits for the current CUDA device and throws flashattn::Error for an index value that the
+// device-side check of an earlier call found bad (Options::check_indices); returns when there is
+// none, or when the build has no CUDA backend.
+void check_index_errors();
+
 // The backends compiled into this build, e.g. {cpu, cpu_reference}.
 std::vector<Backend> compiled_backends();
 // A one-line description of the build (version, backends, compiled kernel sets).

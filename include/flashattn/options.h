@@ -51,6 +51,13 @@ struct Options {
   // splits (at most 128). Splitting needs the workspace that *_workspace_size reports for the same
   // options; without it the forward runs unsplit. Ignored by the CPU backends.
   int num_splits = 0;
+  // CUDA calls with index tensors (varlen cu_seqlens / seqused_k, KV-cache cache_seqlens,
+  // cache_batch_idx, block_table, rotary tables): the values are checked on the device and a bad
+  // one stops every kernel of the call before it reads or writes anything. When true (or when the
+  // environment has FLASHATTN_CHECK_INDICES=1) the call waits for its stream and throws the
+  // violation as flashattn::Error; otherwise the next CUDA call on the device that finds it
+  // recorded throws it, and flashattn::check_index_errors() waits for it (docs/errors.md).
+  bool check_indices = false;
 };
 
 }  // namespace flashattn

@@ -31,7 +31,7 @@ import numpy as _np
 
 from flashattn import _C
 from flashattn import numpy as _numpy_impl
-from flashattn._C import Error, build_info, compiled_backends
+from flashattn._C import Error, build_info, check_index_errors, compiled_backends
 
 try:
     import torch as _torch
@@ -66,6 +66,7 @@ __all__ = [
     "Error",
     "build_config",
     "build_info",
+    "check_index_errors",
     "compiled_backends",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

@@ -4,6 +4,7 @@ Options struct of the C++ core."""
 from __future__ import annotations
 
 import math
+import operator
 
 from flashattn import _C
 
@@ -19,11 +20,65 @@ def padded_head_dim(d: int) -> int:
     return -(-d // HEAD_DIM_MULTIPLE) * HEAD_DIM_MULTIPLE
 
 
+# The core's integer arguments are C++ ints (int32): larger Python ints are refused here with
+# the argument's name, instead of by the binding's overload resolution.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+MAX_HEAD_DIM = 256
+# The axes of each kind of attention input, for messages.
+BATCH_LAYOUT = "(batch, seqlen, nheads, headdim)"
+VARLEN_LAYOUT = "(total_tokens, nheads, headdim)"
+KVCACHE_LAYOUT = "(batch, seqlen, nheads, headdim) (paged cache: (num_blocks, page_size, nheads_k, headdim))"
+
+
+def int_arg(name: str, value, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
+    """value as a Python int in [lo, hi]: an int, a NumPy integer or anything with __index__
+    (a 0-d integer tensor); not a bool, a float or a string."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    v = operator.index(value)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}: must be an int in [{lo}, {hi}]; got {v}")
+    return v
+
+
+def float_arg(name: str, value) -> float:
+    """value as a Python float: a real number (int, float, NumPy scalar, 0-d tensor), not a
+    string."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+
+
+def check_rank(name: str, shape, rank: int, layout: str) -> None:
+    """A ValueError naming the tensor when its rank is not `rank` (layout: the expected axes)."""
+    if len(shape) != rank:
+        raise ValueError(f"{name}: must be {layout} (rank {rank}); got shape {tuple(shape)}")
+
+
+def check_head_dim(name: str, head_dim: int) -> None:
+    """The caller's head dim, before padding to a multiple of 8: 1 to 256."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"{name}: head dimension (last axis) must be in [1, {MAX_HEAD_DIM}] (padded to a multiple "
+            f"of {HEAD_DIM_MULTIPLE}); got {head_dim}"
+        )
+
+
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
-    """1/sqrt(d) of the caller's head dim (before any padding) unless given."""
+    """1/sqrt(d) of the caller's head dim (before any padding) when None; otherwise a finite
+    number > 0. (The core reads 0 as "the default": here None says that, and an explicit 0, a
+    negative or a non-finite scale is an error rather than a silent default.)"""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    return float(softmax_scale)
+    scale = float_arg("softmax_scale", softmax_scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(
+            f"softmax_scale: must be a finite number > 0 (None: 1/sqrt(headdim)); got {softmax_scale!r}"
+        )
+    return scale
 
 
 def window_pair(window_size) -> tuple[int, int]:
@@ -34,7 +89,7 @@ def window_pair(window_size) -> tuple[int, int]:
         raise _C.Error(
             f"window_size: must be a pair (left, right) of ints ≥ -1; got {window_size!r}"
         ) from None
-    return int(left), int(right)
+    return int_arg("window_size[0]", left), int_arg("window_size[1]", right)
 
 
 def make_options(
@@ -54,16 +109,16 @@ def make_options(
     opt.causal = bool(causal)
     opt.window_left = int(window_left)
     opt.window_right = int(window_right)
-    opt.softcap = float(softcap)
+    opt.softcap = float_arg("softcap", softcap)
     opt.dropout_p = float(dropout_p)
     opt.deterministic = bool(deterministic)
     opt.num_threads = int(num_threads)
-    opt.num_splits = int(num_splits)
+    opt.num_splits = int_arg("num_splits", num_splits)
     return opt
 
 
 def check_dropout_p(dropout_p) -> float:
-    p = float(dropout_p)
+    p = float_arg("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
         raise _C.Error(f"dropout_p: dropout probability must be in [0, 1); got {dropout_p}")
     return p

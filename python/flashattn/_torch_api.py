@@ -12,8 +12,14 @@ import torch.nn.functional as F
 
 from flashattn import _C, _torch_ops  # noqa: F401  (_torch_ops registers torch.ops.flashattn.*)
 from flashattn._common import (
+    BATCH_LAYOUT,
+    KVCACHE_LAYOUT,
+    VARLEN_LAYOUT,
     check_dropout_p,
+    check_head_dim,
     check_no_leftpad,
+    check_rank,
+    int_arg,
     padded_head_dim,
     resolve_softmax_scale,
     window_pair,
@@ -35,6 +41,22 @@ def _pad_head_dim(x):
 def _check_tensor(name, x):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+
+
+def _check_optional_tensor(name, x):
+    if x is not None and not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(x).__name__}")
+
+
+def _check_inputs(named, rank, layout, optional=()):
+    """Tensors, ranks and head dims of the (name, tensor) pairs in `named` (the attention
+    inputs), and the optional tensors' types, before anything is padded or unpacked."""
+    for name, x in named:
+        _check_tensor(name, x)
+        check_rank(name, x.shape, rank, layout)
+        check_head_dim(name, x.shape[-1])
+    for name, x in optional:
+        _check_optional_tensor(name, x)
 
 
 class _FlashAttnFunc(torch.autograd.Function):
@@ -114,8 +136,7 @@ def _result(out, lse, return_attn_probs):
 
 def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                     deterministic, return_attn_probs):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
+    _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
     out, lse = _FlashAttnFunc.apply(q, k, v, check_dropout_p(dropout_p), softmax_scale, causal,
                                     window_size, softcap, alibi_slopes, deterministic)
     return _result(out, lse, return_attn_probs)
@@ -148,11 +169,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError(
             "block_table: paged K/V in varlen mode is not supported; use flash_attn_with_kvcache"
         )
-    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
-                    ("cu_seqlens_k", cu_seqlens_k)):
+    _check_inputs((("q", q), ("k", k), ("v", v)), 3, VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, x)
     out, lse = _FlashAttnVarlenFunc.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int_arg("max_seqlen_q", max_seqlen_q),
+        int_arg("max_seqlen_k", max_seqlen_k),
         check_dropout_p(dropout_p), softmax_scale, causal, window_size, softcap, alibi_slopes,
         deterministic,
     )
@@ -188,13 +210,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                             return_softmax_lse):
     check_no_leftpad(cache_leftpad)
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, x)
+    _check_inputs(
+        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
+        (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes)),
+    )
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     left, right = window_pair(window_size)
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32,
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        # One length for every sequence, as in flash_attn.
+        cache_seqlens = torch.full((q.shape[0],), int_arg("cache_seqlens", cache_seqlens), dtype=torch.int32,
                                    device=k_cache.device)
     out, lse = _torch_ops.call(
         "fwd_kvcache", q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,

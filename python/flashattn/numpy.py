@@ -17,9 +17,15 @@ import numpy as np
 
 from flashattn import _C
 from flashattn._common import (
+    BATCH_LAYOUT,
+    KVCACHE_LAYOUT,
+    VARLEN_LAYOUT,
     WORKSPACE_ALIGNMENT,
     check_dropout_p,
+    check_head_dim,
     check_no_leftpad,
+    check_rank,
+    int_arg,
     make_options,
     padded_head_dim,
     resolve_softmax_scale,
@@ -32,6 +38,18 @@ _BF16_NAME = "bfloat16"
 def _check_array(name, x):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
+
+
+def _check_inputs(named, rank, layout, optional=()):
+    """Arrays, ranks and head dims of the attention inputs in `named`, and the types of the
+    optional arrays, before anything is padded or unpacked."""
+    for name, x in named:
+        _check_array(name, x)
+        check_rank(name, x.shape, rank, layout)
+        check_head_dim(name, x.shape[-1])
+    for name, x in optional:
+        if x is not None and not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy.ndarray or None, got {type(x).__name__}")
 
 
 def _is_bf16(x) -> bool:
@@ -72,8 +90,8 @@ def _dropout_seed(dropout_p: float) -> int:
 
 def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
              alibi_slopes, return_lse):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_array(name, x)
+    _check_inputs((("q", q), ("k", k), ("v", v)), 4 if varlen is None else 3,
+                  BATCH_LAYOUT if varlen is None else VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
     dropout_p = check_dropout_p(dropout_p)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     left, right = window_pair(window_size)
@@ -137,8 +155,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError(
             "block_table: paged K/V in varlen mode is not supported; use flash_attn_with_kvcache"
         )
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_array(name, x)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                  max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+                  max_seqlen_q=int_arg("max_seqlen_q", max_seqlen_q),
+                  max_seqlen_k=int_arg("max_seqlen_k", max_seqlen_k))
     return _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
                     alibi_slopes, return_attn_probs)
 
@@ -174,15 +195,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     check_no_leftpad(cache_leftpad)
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_array(name, x)
+    _check_inputs(
+        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
+        (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes)),
+    )
     left, right = window_pair(window_size)
     opt = make_options(
         softmax_scale=resolve_softmax_scale(softmax_scale, q.shape[-1]), causal=causal,
-        window_left=left, window_right=right, softcap=softcap,
+        window_left=left, window_right=right, softcap=softcap, num_splits=num_splits,
     )
-    if isinstance(cache_seqlens, (int, np.integer)):
-        cache_seqlens = np.full((q.shape[0],), cache_seqlens, dtype=np.int32)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, np.ndarray):
+        # One length for every sequence, as in flash_attn.
+        cache_seqlens = np.full((q.shape[0],), int_arg("cache_seqlens", cache_seqlens), dtype=np.int32)
     b, sq, h, _ = q.shape
     out = np.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype)
     lse = np.empty((b, h, sq), dtype=np.float32)

@@ -383,7 +383,8 @@ NB_MODULE(_C, m) {
       .def_rw("deterministic", &flashattn::Options::deterministic)
       .def_rw("backend", &flashattn::Options::backend)
       .def_rw("num_threads", &flashattn::Options::num_threads)
-      .def_rw("num_splits", &flashattn::Options::num_splits);
+      .def_rw("num_splits", &flashattn::Options::num_splits)
+      .def_rw("check_indices", &flashattn::Options::check_indices);
 
   m.def("forward", &forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(),
         nb::kw_only(), nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(),
@@ -449,5 +450,8 @@ NB_MODULE(_C, m) {
         "Merges partial (out, lse) pairs over disjoint key sets.");
 
   m.def("build_info", &flashattn::build_info);
+  // Waits for the current CUDA device; raises ValueError for an index value that the device-side
+  // check of an earlier call found bad (a no-op without CUDA).
+  m.def("check_index_errors", &flashattn::check_index_errors, nb::call_guard<nb::gil_scoped_release>());
   m.def("compiled_backends", &compiled_backend_names);
 }

@@ -11,8 +11,12 @@
 #include "common/numeric.h"
 #include "cpu/cpu.h"
 #ifdef FLASHATTN_WITH_CUDA
+#include <cstdlib>
+
 #include "cuda/cuda_backend.h"
+#include "cuda/index_check.h"
 #include "cuda/kvcache_append.h"
+#include "cuda/uncovered.h"
 #endif
 
 namespace flashattn {
@@ -55,12 +59,59 @@ Support require_backend(const Problem& pr, const Options& opt, const char* api) 
   return s;
 }
 
+#ifdef FLASHATTN_WITH_CUDA
+// --- index values in device memory (src/cuda/index_check.h) ------------------------------------
+
+const char* index_api_name(int api) {
+  switch (common::IndexApi(api)) {
+    case common::IndexApi::backward: return "flashattn::backward";
+    case common::IndexApi::forward_kvcache: return "flashattn::forward_kvcache";
+    default: return "flashattn::forward";
+  }
+}
+
+// A violation that the device-side check of an earlier call recorded: the next CUDA call on the
+// device throws it (that call does not run).
+void raise_pending_index_violation() {
+  const common::IndexViolation v = cuda::take_pending_index_violation();
+  if (v) {
+    throw Error(detail::index_violation_message(index_api_name(v.api), v) +
+                " (found on the device by an earlier call, whose kernels then read and wrote nothing)");
+  }
+}
+
+bool synchronous_index_check(const Options& opt) {
+  static const bool from_environment = [] {
+    const char* value = std::getenv("FLASHATTN_CHECK_INDICES");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return opt.check_indices || from_environment;
+}
+
+// Before a CUDA call's kernels: an earlier call's violation, then the check of this call's index
+// tensors, whose flag every kernel of the call reads at its start.
+void start_index_check(Problem& pr, void* stream) {
+  raise_pending_index_violation();
+  if (!pr.index_bounds.any()) return;
+  pr.params.index_error = cuda::index_error_flag();
+  cuda::check_indices(pr.index_bounds, stream);
+}
+
+// After them: when asked for, wait and throw this call's violation.
+void finish_index_check(const Problem& pr, const Options& opt, void* stream) {
+  if (!pr.index_bounds.any() || !synchronous_index_check(opt)) return;
+  const common::IndexViolation v = cuda::take_index_violation(stream);
+  if (v) throw Error(detail::index_violation_message(index_api_name(v.api), v));
+}
+#endif
+
 // split_kv: device workspace the CUDA forward may use for split-KV (see split_kv_workspace_size);
 // too little or none runs unsplit.
 void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream stream, Workspace split_kv = {}) {
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
     cuda::forward(pr.params, stream.handle, opt.dropout_rng_state, split_kv.data, split_kv.bytes);
+    cuda::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, false, stream.handle);
     return;
   }
 #else
@@ -72,6 +123,7 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   } else {
     cpu::flash_forward(pr.params, resolve_threads(opt));
   }
+  cpu::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, false);
 }
 
 // Rows of q across the batch: b · sq, or total_q for a varlen batch.
@@ -170,19 +222,31 @@ Support support_of(Validate&& validate, const Options& opt) {
 
 void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, Workspace workspace,
              Stream stream) {
-  const Problem pr = detail::validate_forward(in, out, opt);
-  run_forward(pr, require_backend(pr, opt, "flashattn::forward"), opt, stream, workspace);
+  Problem pr = detail::validate_forward(in, out, opt);
+  const Support s = require_backend(pr, opt, "flashattn::forward");
+#ifdef FLASHATTN_WITH_CUDA
+  if (s.backend == Backend::cuda) {
+    start_index_check(pr, stream.handle);
+    run_forward(pr, s, opt, stream, workspace);
+    finish_index_check(pr, opt, stream.handle);
+    return;
+  }
+#endif
+  run_forward(pr, s, opt, stream, workspace);
 }
 
 void backward(const BackwardInputs& in, const BackwardOutputs& out, const Options& opt, Workspace workspace,
               Stream stream) {
-  const Problem pr = detail::validate_backward(in, out, opt);
+  Problem pr = detail::validate_backward(in, out, opt);
   const Support s = require_backend(pr, opt, "flashattn::backward");
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
     const std::int64_t rows = total_q_rows(in.q, in.varlen);
     check_workspace("flashattn::backward", workspace, cuda::backward_workspace_size(pr.params, rows));
+    start_index_check(pr, stream.handle);
     cuda::backward(pr.params, rows, workspace.data, stream.handle, opt.dropout_rng_state);
+    cuda::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, true, stream.handle);
+    finish_index_check(pr, opt, stream.handle);
     return;
   }
 #else
@@ -194,6 +258,7 @@ void backward(const BackwardInputs& in, const BackwardOutputs& out, const Option
   } else {
     cpu::flash_backward(pr.params, resolve_threads(opt));
   }
+  cpu::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, true);
 }
 
 void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace workspace,
@@ -231,8 +296,10 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
         p.batch, in.q.numel(), dtype_size(in.q.dtype), in.k_new.defined(), in.rotary_cos.defined());
     // Only the KV-cache region is required; the split-KV part after it is optional.
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
+    start_index_check(pr, stream.handle);
     cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle);
     run_forward(pr, s, opt, stream, workspace_from(workspace, region.bytes));
+    finish_index_check(pr, opt, stream.handle);
     return;
   }
 #else
@@ -377,6 +444,13 @@ Support can_implement(const BackwardInputs& in, const BackwardOutputs& out, cons
 }
 Support can_implement(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt) {
   return support_of([&] { return detail::validate_kvcache(in, out, opt); }, opt);
+}
+
+void check_index_errors() {
+#ifdef FLASHATTN_WITH_CUDA
+  const common::IndexViolation v = cuda::take_device_index_violation();
+  if (v) throw Error(detail::index_violation_message(index_api_name(v.api), v));
+#endif
 }
 
 std::vector<Backend> compiled_backends() {

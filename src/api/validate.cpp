@@ -4,10 +4,55 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
 namespace flashattn::detail {
+
+std::string index_violation_message(const char* api, const common::IndexViolation& v) {
+  using common::IndexRule;
+  const bool q_side = v.side == common::IndexSide::q;
+  const std::string cu = q_side ? "varlen.cu_seqlens_q" : "varlen.cu_seqlens_k";
+  const std::string b = std::to_string(v.batch), value = std::to_string(v.value), bound = std::to_string(v.bound);
+  std::string arg, rule, expected;
+  switch (v.rule) {
+    case IndexRule::ok: return std::string(api) + ": no index violation";
+    case IndexRule::cu_seqlens_start: arg = cu, rule = "prefix sums must start at 0", expected = "0"; break;
+    case IndexRule::cu_seqlens_decreasing:
+      arg = cu, rule = "prefix sums must be non-decreasing", expected = "entry " + std::to_string(v.entry) + " ≥ " + bound;
+      break;
+    case IndexRule::max_seqlen_too_small:
+      arg = q_side ? "varlen.max_seqlen_q" : "varlen.max_seqlen_k", rule = "must be at least every sequence's length",
+      expected = "≥ " + bound;
+      break;
+    case IndexRule::cu_seqlens_past_total:
+      arg = cu, rule = "last prefix sum exceeds the packed rows", expected = "≤ " + bound;
+      break;
+    case IndexRule::seqused_k_range:
+      arg = "varlen.seqused_k", rule = "entry " + b + " must lie in [0, that sequence's key count]",
+      expected = "0 ≤ x ≤ " + bound;
+      break;
+    case IndexRule::cache_seqlens_range:
+      arg = "cache_seqlens", rule = "entry " + b + " plus the appended keys must fit the cache",
+      expected = "0 ≤ x ≤ " + bound;
+      break;
+    case IndexRule::rotary_too_short:
+      arg = "rotary_cos", rule = "must cover every rotated position (cache_seqlens[" + b + "] + max(seqlen_q, seqlen_new))",
+      expected = "seqlen_ro ≥ " + bound;
+      break;
+    case IndexRule::cache_batch_idx_range:
+      arg = "cache_batch_idx", rule = "entry " + b + " out of range", expected = "0 ≤ x < " + bound;
+      break;
+    case IndexRule::block_table_range:
+      arg = "block_table", rule = "entry (" + b + ", " + std::to_string(v.entry) + ") is not a page of the cache",
+      expected = "0 ≤ x < " + bound;
+      break;
+  }
+  return std::string(api) + ": " + arg + ": " + rule + "; expected " + expected + ", got " + value;
+}
+
 namespace {
 
 constexpr int kMaxHeadDim = 256;
@@ -19,6 +64,13 @@ constexpr std::int64_t kMaxSeqlen = std::int64_t(1) << 30;
 
 std::string device_string(Device d) {
   return d.type == DeviceType::cpu ? "cpu" : "cuda:" + std::to_string(d.index);
+}
+
+// A float with the digits that tell it apart (std::to_string prints 1e-40 as 0.000000).
+std::string float_string(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", double(x));
+  return buf;
 }
 
 std::string strides_string(const TensorView& t) {
@@ -199,6 +251,16 @@ void check_alibi(const Checker& c, const Options& opt, std::int64_t b, std::int6
 void set_semantics(const Checker& c, const Options& opt, Device device, common::AttentionParams& p) {
   check_options(c, opt);
   p.softmax_scale = opt.softmax_scale > 0.0f ? opt.softmax_scale : 1.0f / std::sqrt(float(p.head_dim));
+  // Every backend divides by the softcap (tanh(s / softcap)), some after folding the scale in
+  // (softmax_scale / softcap): a softcap so small that either quotient overflows fp32 would give
+  // ∞ · 0 = NaN scores, so it is refused. Above that bound a tiny softcap is exact: scores in
+  // ±softcap, a softmax that is uniform over the visible keys to fp32 precision.
+  if (opt.softcap > 0.0f && !(std::isfinite(1.0f / opt.softcap) && std::isfinite(p.softmax_scale / opt.softcap))) {
+    c.fail("options.softcap",
+           "softcap must be 0 (off) or large enough that 1 / softcap and softmax_scale / softcap are finite in fp32",
+           "≥ " + float_string(std::max(1.0f, p.softmax_scale) / std::numeric_limits<float>::max()),
+           float_string(opt.softcap));
+  }
   p.softcap = opt.softcap;
   p.causal = opt.causal;
   p.window_left = opt.window_left;
@@ -228,6 +290,42 @@ void check_int_vector(const Checker& c, const std::string& name, const TensorVie
   c.contiguous(name, t);
 }
 
+// The index tensors of a varlen call and the extents their values must respect.
+common::IndexBounds varlen_index_bounds(const Varlen& vl, std::int64_t batch, std::int64_t total_q, std::int64_t total_k) {
+  common::IndexBounds ib;
+  ib.batch = int(batch);
+  ib.cu_seqlens_q = int_data(vl.cu_seqlens_q);
+  ib.cu_seqlens_k = int_data(vl.cu_seqlens_k);
+  ib.seqused_k = vl.seqused_k.defined() ? int_data(vl.seqused_k) : nullptr;
+  ib.max_seqlen_q = vl.max_seqlen_q;
+  ib.max_seqlen_k = vl.max_seqlen_k;
+  ib.total_q = total_q;
+  ib.total_k = total_k;
+  return ib;
+}
+
+// The index tensors of a KV-cache call (lengths before the append of sk_new keys) and the extents
+// their values must respect.
+common::IndexBounds kvcache_index_bounds(const KVCacheInputs& in, std::int64_t sq, std::int64_t sk_new,
+                                         std::int64_t capacity) {
+  common::IndexBounds ib;
+  ib.batch = int(in.q.shape[0]);
+  ib.api = common::IndexApi::forward_kvcache;
+  ib.cache_seqlens = in.cache_seqlens.defined() ? int_data(in.cache_seqlens) : nullptr;
+  ib.cache_batch_idx = in.cache_batch_idx.defined() ? int_data(in.cache_batch_idx) : nullptr;
+  if (in.block_table.defined()) {
+    ib.block_table = int_data(in.block_table);
+    ib.block_table_batch_stride = in.block_table.stride[0];
+    ib.page_size = int(in.k_cache.shape[1]);
+  }
+  ib.cache_rows = in.k_cache.shape[0];
+  ib.capacity = capacity;
+  ib.seqlen_new = int(sk_new);
+  ib.seqlen_q = int(sq);
+  ib.rotary_rows = in.rotary_cos.defined() ? in.rotary_cos.shape[0] : -1;
+  return ib;
+}
+
 // Varlen: shapes of the index tensors, and (on the host, where they can be read) their values.
 void check_varlen(const Checker& c, const Varlen& vl, std::int64_t total_q, std::int64_t total_k,
                   Device device, std::int64_t& batch) {
@@ -243,41 +341,10 @@ void check_varlen(const Checker& c, const Varlen& vl, std::int64_t total_q, std:
   if (vl.max_seqlen_q < 0) c.fail("varlen.max_seqlen_q", "must be ≥ 0", "≥ 0", std::to_string(vl.max_seqlen_q));
   if (vl.max_seqlen_k < 0) c.fail("varlen.max_seqlen_k", "must be ≥ 0", "≥ 0", std::to_string(vl.max_seqlen_k));
   if (device.type != DeviceType::cpu) return;
-  const std::int32_t* cq = int_data(vl.cu_seqlens_q);
-  const std::int32_t* ck = int_data(vl.cu_seqlens_k);
-  const std::int32_t* used = vl.seqused_k.defined() ? int_data(vl.seqused_k) : nullptr;
-  struct Side {
-    const char* name;
-    const std::int32_t* cu;
-    std::int64_t total;
-    int max_len;
-    const char* max_name;
-  };
-  for (const Side& s : {Side{"varlen.cu_seqlens_q", cq, total_q, vl.max_seqlen_q, "varlen.max_seqlen_q"},
-                        Side{"varlen.cu_seqlens_k", ck, total_k, vl.max_seqlen_k, "varlen.max_seqlen_k"}}) {
-    if (s.cu[0] != 0) c.fail(s.name, "prefix sums must start at 0", "0", std::to_string(s.cu[0]));
-    for (std::int64_t i = 0; i < batch; ++i) {
-      const std::int64_t len = std::int64_t(s.cu[i + 1]) - s.cu[i];
-      if (len < 0) {
-        c.fail(s.name, "prefix sums must be non-decreasing", "entry " + std::to_string(i + 1) + " ≥ " + std::to_string(s.cu[i]),
-               std::to_string(s.cu[i + 1]));
-      }
-      if (len > s.max_len) {
-        c.fail(s.max_name, "must be at least every sequence's length", "≥ " + std::to_string(len), std::to_string(s.max_len));
-      }
-    }
-    if (s.cu[batch] > s.total) {
-      c.fail(s.name, "last prefix sum exceeds the packed rows", "≤ " + std::to_string(s.total), std::to_string(s.cu[batch]));
-    }
-  }
-  if (used) {
-    for (std::int64_t i = 0; i < batch; ++i) {
-      const std::int64_t len = std::int64_t(ck[i + 1]) - ck[i];
-      if (used[i] < 0 || used[i] > len) {
-        c.fail("varlen.seqused_k", "entry " + std::to_string(i) + " must lie in [0, that sequence's key count]",
-               "0 ≤ x ≤ " + std::to_string(len), std::to_string(used[i]));
-      }
-    }
+  const common::IndexBounds ib = varlen_index_bounds(vl, batch, total_q, total_k);
+  for (int b = 0; b < int(batch); ++b) {
+    const common::IndexViolation v = common::check_sequence_indices(ib, b);
+    if (v) throw Error(index_violation_message(c.api(), v));
   }
 }
 
@@ -416,6 +483,9 @@ Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, con
   pr.dtype = in.q.dtype;
   pr.device = in.q.device;
   pr.params = base_params(dims, in.q, in.k, in.v, in.varlen);
+  pr.total_q = dims.total_q;
+  pr.total_k = dims.total_k;
+  if (dims.varlen) pr.index_bounds = varlen_index_bounds(in.varlen, dims.b, dims.total_q, dims.total_k);
   pr.params.out = row_head(out.out);
   pr.params.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;
   check_alibi(c, opt, dims.b, dims.h, in.q.device, pr.params);
@@ -439,6 +509,12 @@ Problem validate_backward(const BackwardInputs& in, const BackwardOutputs& out, 
   pr.is_backward = true;
   common::AttentionParams& p = pr.params;
   p = base_params(dims, in.q, in.k, in.v, in.varlen);
+  pr.total_q = dims.total_q;
+  pr.total_k = dims.total_k;
+  if (dims.varlen) {
+    pr.index_bounds = varlen_index_bounds(in.varlen, dims.b, dims.total_q, dims.total_k);
+    pr.index_bounds.api = common::IndexApi::backward;
+  }
   p.out = row_head(in.out);
   p.dout = row_head(in.dout);
   p.lse = static_cast<float*>(in.lse.data);
@@ -556,32 +632,13 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   check_like(c, "out", out.out, dims, Rows::query, dims.dv, in.q);
   if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, device);
 
-  // Values, where they can be read: every position written or read stays inside the cache.
+  // Values, where they can be read: every position written or read stays inside the cache (on a
+  // GPU the same rules run on the device: src/cuda/index_check.cu).
+  const common::IndexBounds ib = kvcache_index_bounds(in, dims.sq, sk_new, capacity);
   if (device.type == DeviceType::cpu) {
-    const std::int32_t* seqlens = in.cache_seqlens.defined() ? int_data(in.cache_seqlens) : nullptr;
-    const std::int32_t* idx = in.cache_batch_idx.defined() ? int_data(in.cache_batch_idx) : nullptr;
-    for (std::int64_t b = 0; b < dims.b; ++b) {
-      const std::int64_t len = (seqlens ? seqlens[b] : capacity) + sk_new;
-      if (seqlens && (seqlens[b] < 0 || len > capacity)) {
-        c.fail("cache_seqlens", "entry " + std::to_string(b) + " plus the appended keys must fit the cache",
-               "0 ≤ x ≤ " + std::to_string(capacity - sk_new), std::to_string(seqlens[b]));
-      }
-      if (rotary_dim > 0 && seqlens[b] + std::max(dims.sq, sk_new) > in.rotary_cos.shape[0]) {
-        c.fail("rotary_cos", "must cover every rotated position (cache_seqlens[" + std::to_string(b) + "] + max(seqlen_q, seqlen_new))",
-               "seqlen_ro ≥ " + std::to_string(seqlens[b] + std::max(dims.sq, sk_new)), std::to_string(in.rotary_cos.shape[0]));
-      }
-      if (idx && (idx[b] < 0 || idx[b] >= rows0)) {
-        c.fail("cache_batch_idx", "entry " + std::to_string(b) + " out of range", "0 ≤ x < " + std::to_string(rows0), std::to_string(idx[b]));
-      }
-      if (paged) {
-        const std::int32_t* row = int_data(in.block_table) + b * in.block_table.stride[0];
-        for (std::int64_t blk = 0; blk * rows1 < len; ++blk) {
-          if (row[blk] < 0 || row[blk] >= rows0) {
-            c.fail("block_table", "entry (" + std::to_string(b) + ", " + std::to_string(blk) + ") is not a page of the cache",
-                   "0 ≤ x < " + std::to_string(rows0), std::to_string(row[blk]));
-          }
-        }
-      }
+    for (int b = 0; b < int(dims.b); ++b) {
+      const common::IndexViolation v = common::check_sequence_indices(ib, b);
+      if (v) throw Error(index_violation_message(api, v));
     }
   }
 
@@ -589,6 +646,7 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   pr.dtype = in.q.dtype;
   pr.device = device;
   pr.is_kvcache = true;
+  pr.index_bounds = ib;
   common::AttentionParams& p = pr.params;
   p.storage = storage_of(in.q.dtype);
   p.batch = int(dims.b);

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "common/index_check.h"
 #include "common/params.h"
 #include "flashattn/flashattn.h"
 
@@ -16,7 +17,16 @@ struct Problem {
   Device device = {};
   bool is_backward = false;
   bool is_kvcache = false;
+  // Varlen: the packed row counts of q and k (rows past cu_seqlens[b] belong to no sequence).
+  std::int64_t total_q = 0, total_k = 0;
+  // The call's index tensors and the extents their values must respect (common/index_check.h).
+  // On the host validation has checked the values; on a GPU the backend checks them on the device.
+  common::IndexBounds index_bounds;
 };
+
+// The message of a broken index rule ("<api>: <argument>: <rule>; expected <x>, got <y>"), for the
+// host validation and for a violation the CUDA index check found on the device.
+std::string index_violation_message(const char* api, const common::IndexViolation& v);
 
 // Each throws flashattn::Error naming the argument, the rule, the expected and the actual value.
 // `api` prefixes messages ("flashattn::forward").

@@ -72,10 +72,18 @@ struct AttentionParams {
   // workspace holds them (tests force splitting this way). Ignored by the CPU backends.
   int num_splits = 0;
 
+  // CUDA: the device's index-check flag (src/cuda/index_check.h), set when the call has index
+  // tensors in device memory. A kernel that reads an index exits at its start when the flag is
+  // non-zero: a bad value found by the check is never used. nullptr: no check (host tensors, or
+  // no index tensor).
+  const int* index_error = nullptr;
+
   // --- per-sequence accessors -------------------------------------------------------------------
   FA_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FA_HOST_DEVICE bool is_paged() const { return block_table != nullptr; }
   FA_HOST_DEVICE int group_size() const { return heads / heads_k; }
+  // Device code only (index_error points to device memory).
+  FA_HOST_DEVICE bool index_check_failed() const { return index_error != nullptr && *index_error != 0; }
 
   FA_HOST_DEVICE int seqlen_q(int b) const {
     return is_varlen() ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : max_seqlen_q;

@@ -2,7 +2,8 @@
 // With lse_s the log-sum-exp of split s: lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s − lse)·out_s.
 // A split that saw no key has lse_s = +∞ by this library's convention (or −∞ from other
 // producers): it carries no probability mass and is skipped; a row with no mass at all gets
-// out = 0 and lse = +∞, like a fully masked row.
+// out = 0 and lse = +∞, like a fully masked row. A split whose lse is NaN (a NaN score in its
+// keys) is not skipped: the row's out and lse become NaN, as in the unsplit attention.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -22,13 +23,18 @@ void combine(const CombineArgs& a) {
           return a.lse_partial[((std::int64_t(s) * a.batch + b) * a.heads + h) * a.seqlen_q + i];
         };
         float max_lse = -inf;
+        bool nan_split = false;
         for (int s = 0; s < a.splits; ++s) {
           const float l = lse_of(s);
+          nan_split = nan_split || std::isnan(l);
           if (std::isfinite(l)) max_lse = std::max(max_lse, l);
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
         float lse = inf;
-        if (max_lse != -inf) {
+        if (nan_split) {
+          lse = std::numeric_limits<float>::quiet_NaN();
+          std::fill(acc.begin(), acc.end(), lse);
+        } else if (max_lse != -inf) {
           float sum = 0.0f;
           for (int s = 0; s < a.splits; ++s) {
             if (std::isfinite(lse_of(s))) sum += std::exp(lse_of(s) - max_lse);

@@ -43,6 +43,11 @@ void reference_backward(const common::AttentionParams& p,
 void flash_forward(const common::AttentionParams& p, int num_threads);
 void flash_backward(const common::AttentionParams& p, int num_threads);
 
+// Varlen: the packed rows past cu_seqlens_q[b] (of q, out, dq) and past cu_seqlens_k[b] (of k, v,
+// dk, dv) that no sequence covers. Forward: out = 0, lse = +∞; backward: dq = dk = dv = 0,
+// softmax_d = 0. total_q / total_k: the packed row counts. Nothing to do in dense mode.
+void fill_uncovered_rows(const common::AttentionParams& p, std::int64_t total_q, std::int64_t total_k, bool backward);
+
 }  // namespace flashattn::cpu
 
 namespace flashattn::cpu {

@@ -230,15 +230,17 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
     const int i = w.col_row[std::size_t(c)], hh = w.col_head[std::size_t(c)];
     const float sum = w.row_sum.get()[c];
     T* out_row = out + p.q_offset(p.out, b, i, hh);
-    if (sum > 0.0f) {
+    // No visible key: out = 0, lse = +∞ (SPEC §2.5). A NaN sum (a visible score was NaN, or +∞)
+    // is not "no key": it goes through, making out and lse NaN as in the reference.
+    const bool no_key = sum == 0.0f;
+    if (!no_key) {
       flash::store_row(w.o.get() + c * ldv, p.dropout.keep_scale / sum, dv, out_row);
     } else {
-      // No visible key: out = 0, lse = +∞ (SPEC §2.5).
       std::fill(out_row, out_row + dv, common::from_float<T>(0.0f));
     }
     if (p.lse) {
       p.lse[p.lse_index(b, hh, i)] =
-          sum > 0.0f ? (w.row_max.get()[c] + std::log2(sum)) * flash::kLn2 : flash::kInfinity;
+          no_key ? flash::kInfinity : (w.row_max.get()[c] + std::log2(sum)) * flash::kLn2;
     }
   }
 }

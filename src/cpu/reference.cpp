@@ -66,15 +66,21 @@ struct Ref {
         for (int d = 0; d < p.head_dim; ++d) dot += load(p.q, qo + d) * load(p.k, ko + d);
         const Acc s = rnd(mod(rnd(dot), i, j));
         r.s[std::size_t(i) * r.sk + j] = s;
-        row_max = std::max(row_max, s);
+        // A NaN score sticks (std::max would drop it): the row's lse and out become NaN.
+        if (!std::isnan(row_max) && (std::isnan(s) || s > row_max)) row_max = s;
       }
-      if (row_max == neg_inf) continue;  // no visible key: p = 0, lse = +∞
+      // No visible key (or only scores of −∞): p = 0, lse = +∞.
+      if (row_max == neg_inf) continue;
       Acc sum = 0;
-      for (int j = 0; j < r.sk; ++j) sum += std::exp(r.s[std::size_t(i) * r.sk + j] - row_max);
+      for (int j = 0; j < r.sk; ++j) {
+        if (mask.visible(i, j)) sum += std::exp(r.s[std::size_t(i) * r.sk + j] - row_max);
+      }
       const Acc lse = row_max + std::log(sum);
       r.lse[i] = lse;
       for (int j = 0; j < r.sk; ++j) {
         const std::size_t ij = std::size_t(i) * r.sk + j;
+        // A masked pair has p = 0 even when the row's lse is NaN: it never carries a NaN.
+        if (!mask.visible(i, j)) continue;
         r.prob[ij] = rnd(std::exp(r.s[ij] - lse));
         bool keep = true;
         if (p.dropout_p > 0.0f) keep = common::dropout_keep(p.dropout, p.dropout_stream(b, hh), i, j);

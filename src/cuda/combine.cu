@@ -23,6 +23,7 @@ constexpr int kColsPerPass = kColsPerLane * kWarpSize;
 // each warp must keep many loads in flight to hide the memory latency.
 constexpr int kSplitsInFlight = 8;
 constexpr float kInf = __builtin_huge_valf();
+constexpr int kQuietNaNBits = 0x7fc00000;
 
 template <common::Storage kStorage>
 struct StorageType;
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   const int row = int(batch_row % c.max_seqlen_q);
   const int batch = int(batch_row / c.max_seqlen_q);
   if (batch >= c.batch) return;
+  if (c.index_error != nullptr && *c.index_error != 0) return;  // cu_seqlens_q failed the index check
   const bool varlen = c.cu_seqlens_q != nullptr;
   if (varlen && row >= c.cu_seqlens_q[batch + 1] - c.cu_seqlens_q[batch]) return;
 
@@ -66,13 +68,17 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   // one contributing split is reproduced bit for bit (lse_s + log 1, weight exp 0 = 1); with
   // more, expf / logf may differ from the host library's by an ulp.
   float max_lse = -kInf;
+  bool nan_split = false;
   for (int s = 0; s < c.splits; ++s) {
     const float l = lse_of(s);
+    nan_split = nan_split || isnan(l);
     if (isfinite(l)) max_lse = fmaxf(max_lse, l);
   }
-  // No split saw a key: out = 0, lse = +∞, as for a fully masked row (SPEC §2.5).
-  const bool empty = max_lse == -kInf;
-  float lse = kInf;
+  // No split saw a key: out = 0, lse = +∞, as for a fully masked row (SPEC §2.5). A split whose
+  // lse is NaN (a NaN score among its keys) makes the row's out and lse NaN, as in the unsplit
+  // attention; no split is summed then.
+  const bool empty = max_lse == -kInf || nan_split;
+  float lse = nan_split ? __int_as_float(kQuietNaNBits) : kInf;
   if (!empty) {
     float sum = 0.0f;
     for (int s = 0; s < c.splits; ++s) {
@@ -89,7 +95,7 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   for (int col0 = 0; col0 < c.head_dim_v; col0 += kColsPerPass) {
     float acc[kColsPerLane];
 #pragma unroll
-    for (int k = 0; k < kColsPerLane; ++k) acc[k] = 0.0f;
+    for (int k = 0; k < kColsPerLane; ++k) acc[k] = nan_split ? lse : 0.0f;
     for (int s0 = 0; !empty && s0 < c.splits; s0 += kSplitsInFlight) {
       // Weights and partial rows of kSplitsInFlight splits first, then the sums in split order.
       bool contributes[kSplitsInFlight];

@@ -53,6 +53,8 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     kvcache_append_kernel(const common::AttentionParams p, const common::AppendArgs a, bool q_positions_per_row,
                           std::int32_t* seqlens_after, T* q_rotated) {
+  // A bad cache_seqlens, cache_batch_idx, block_table or rotary table: nothing is written.
+  if (p.index_check_failed()) return;
   const std::int64_t thread = std::int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const std::int64_t threads = std::int64_t(gridDim.x) * kThreads;
   if (seqlens_after != nullptr) {

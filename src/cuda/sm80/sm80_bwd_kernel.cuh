@@ -312,6 +312,7 @@ __device__ __forceinline__ void increment_release(int* counter) {
 template <class Element>
 __global__ void __launch_bounds__(kBwdThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p) {
+  if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
   constexpr int kRowsPerWarp = kBwdBlockM / (kBwdThreads / 32);
   const int head = blockIdx.y, batch = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -343,6 +344,7 @@ __global__ void __launch_bounds__(kBwdThreads)
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum) {
+  if (p.index_check_failed()) return;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -391,6 +393,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  if (p.index_check_failed()) return;
   // P before the dP product (FLASHATTN_SM80_BWD_EARLY_P): only where no score modifier or dropout
   // is compiled in.
   constexpr bool kEarlyP = FLASHATTN_SM80_BWD_EARLY_P != 0 && !kScoreModAndDropout && !kScoreMod;

@@ -354,6 +354,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  // An index tensor failed the device-side check (src/cuda/index_check.h): read and write nothing.
+  if (p.index_check_failed()) return;
 
   // Highest row blocks first: under a causal mask they see the most keys, and starting the long
   // CTAs early shortens the tail of the grid. The splits of one row block are neighbours in the
