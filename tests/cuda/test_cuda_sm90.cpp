@@ -141,8 +141,8 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
   }
   {
     const EnvOverride unset("FLASHATTN_SM90_FWD_PINGPONG", "");
-    EXPECT_TRUE(fc::sm90::fwd_pingpong(64));
-    EXPECT_TRUE(fc::sm90::fwd_pingpong(128));
+    EXPECT_FALSE(fc::sm90::fwd_pingpong(64));
+    EXPECT_FALSE(fc::sm90::fwd_pingpong(128));
     EXPECT_FALSE(fc::sm90::fwd_pingpong(256));
   }
   {
@@ -276,8 +276,8 @@ TEST_P(CudaSm90Forward, Alibi) {
 // More tiles than an H100/H200 has SMs (2 row blocks × 34 heads × 2 sequences = 136 > 132), small
 // enough for the sanitizers: some CTAs of the persistent grid walk two tiles, carrying the K/V
 // rings' phases and the Q barrier's parity from one tile to the next.
-// Both schedules of the consumer warpgroups at d ≤ 128: taking turns (ping-pong, the default
-// there) and not.
+// Both schedules of the consumer warpgroups at d ≤ 128: taking turns (ping-pong) and not (the
+// default).
 TEST_P(CudaSm90Forward, ManyTiles) {
   FA_SKIP_WITHOUT_SM90();
   for (const char* pingpong : {"1", "0"}) {

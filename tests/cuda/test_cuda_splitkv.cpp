@@ -241,6 +241,9 @@ TEST_P(CudaSplitKv, SpecialCases) {
 // also shows that the split path ran); the accuracy is checked by the reference.
 TEST_P(CudaSplitKv, OneShareIsBitExactAndManyAreNot) {
   FA_SKIP_WITHOUT_GPU();
+  // Bitwise against the unsplit path of the same family: the sm80 family's, which splits (the
+  // ordered choice may give an unsplit call to sm90 on a Hopper GPU).
+  const FamilyOverride family("sm80");
   for (int d : {64, 128, 256}) {
     const AttnProblem small = make_problem(decode_config(GetParam(), d, 4, 30));
     SCOPED_TRACE(describe(small.cfg));
@@ -261,6 +264,9 @@ TEST_P(CudaSplitKv, OneShareIsBitExactAndManyAreNot) {
 // The non-split path: no workspace, or num_splits = 1 with one, runs unsplit and still passes.
 TEST_P(CudaSplitKv, UnsplitPathsStillPass) {
   FA_SKIP_WITHOUT_GPU();
+  // Bitwise against the unsplit path of the same family: the sm80 family's, which splits (the
+  // ordered choice may give an unsplit call to sm90 on a Hopper GPU).
+  const FamilyOverride family("sm80");
   for (int d : {64, 128, 256}) {
     const AttnProblem p = make_problem(decode_config(GetParam(), d, 4, 3000));
     SCOPED_TRACE(describe(p.cfg));

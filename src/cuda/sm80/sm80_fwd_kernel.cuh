@@ -756,8 +756,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     const float sum = quad_sum(row_sum[mi]);
-    // No visible key: out = 0, lse = +∞ (SPEC §2.5), never NaN.
-    const bool empty = !(sum > 0.0f);
+    // No visible key: out = 0, lse = +∞ (SPEC §2.5). A NaN sum (a NaN score the row sees) is
+    // not empty: it stays NaN in out and lse.
+    const bool empty = sum == 0.0f;
     // sum ≥ 1 (the row's max contributes exp2(0)): the approximate reciprocal and log2 (MUFU, 2 ulp
     // and 2^-22 absolute) are far inside fp32 accuracy here, where IEEE division and log2f took
     // some 40 instructions per row, a slow-path call included.

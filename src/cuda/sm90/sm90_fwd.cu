@@ -46,10 +46,9 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
 }
 
 bool fwd_pingpong(int head_dim) {
-  const bool by_head_dim = head_dim <= 128;
+  const bool compiled = head_dim <= 128;
   const char* env = std::getenv("FLASHATTN_SM90_FWD_PINGPONG");
-  if (env == nullptr || *env == '\0' || !by_head_dim) return by_head_dim;
-  return std::string(env) != "0";
+  return compiled && env != nullptr && std::string(env) == "1";
 }
 
 }  // namespace flashattn::cuda::sm90

@@ -27,11 +27,10 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 128 ? FwdTileShape{128, 128, 2} : FwdTileShape{128, 64, 2};
 }
 
-// Whether the two consumer warpgroups take turns to issue their products (ping-pong), by head
-// dim: at d ≤ 128 the exponentials cost about half as long as the products and can hide under the
-// other warpgroup's; at d 256 the products are long enough without. Both variants are compiled
-// for d ≤ 128; FLASHATTN_SM90_FWD_PINGPONG=0|1 overrides the choice (read at each call), so that
-// the two can be timed in one build.
+// Whether the two consumer warpgroups of the plain kernel take turns to issue their products
+// (ping-pong). Compiled at d ≤ 128 beside the kernel without (the softcap/ALiBi variant always takes
+// turns there); not yet timed against it, so off unless FLASHATTN_SM90_FWD_PINGPONG=1 (read at
+// each call), which times both in one build.
 bool fwd_pingpong(int head_dim);
 
 // Why the sm90 forward does not serve p in the instantiated head dim `head_dim` (0: none

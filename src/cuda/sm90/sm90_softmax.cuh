@@ -126,7 +126,8 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_sum(row_sum[r]);
-      const bool empty = !(sum > 0.0f);
+      // A NaN sum (a NaN score the row sees) is not empty: it stays NaN in o and lse.
+      const bool empty = sum == 0.0f;
       // sum ≥ 1 (the row's max contributes exp2(0)): the MUFU reciprocal and log2 are exact
       // enough here.
       const float inv = empty ? 0.0f : __fdividef(1.0f, sum);
