@@ -406,8 +406,14 @@ Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const
     c.fail("k", "number of heads in key/value must divide number of heads in query",
            "a divisor of " + std::to_string(dims.h), std::to_string(dims.hk));
   }
-  if (dims.sq > kMaxSeqlen || dims.sk > kMaxSeqlen) {
-    c.fail("q", "sequence lengths must be at most 2^30", "≤ 2^30", std::to_string(std::max(dims.sq, dims.sk)));
+  // Named by where the length comes from: the varlen maxima, or the row axis of q / k.
+  if (dims.sq > kMaxSeqlen) {
+    c.fail(dims.varlen ? "varlen.max_seqlen_q" : "q", "sequence lengths must be at most 2^30", "≤ 2^30",
+           std::to_string(dims.sq));
+  }
+  if (dims.sk > kMaxSeqlen) {
+    c.fail(dims.varlen ? "varlen.max_seqlen_k" : "k", "sequence lengths must be at most 2^30", "≤ 2^30",
+           std::to_string(dims.sk));
   }
   return dims;
 }

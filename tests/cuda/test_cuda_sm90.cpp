@@ -158,6 +158,7 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
 
 TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
   FA_SKIP_WITHOUT_SM90();
+  const FamilyOverride ordered("");  // the ordered choice, also when the suite runs with a family forced
   // 16 row blocks × 8 heads × 4 sequences: a grid of several waves, which the sm80 family would
   // not split either.
   AttnConfig cfg = feature_config(DType::bf16, 128, 2048, 2048);
@@ -193,6 +194,24 @@ TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
     EXPECT_NE(choice.why_not.find("dropout"), std::string::npos) << choice.why_not;
     EXPECT_NE(choice.why_not.find("FLASHATTN_CUDA_FAMILY=sm90"), std::string::npos) << choice.why_not;
   }
+  // No keys (an empty k, whose address may be null): no TMA descriptor can describe it.
+  dp.dropout_p = 0.0f;
+  dp.max_seqlen_k = 0;
+  EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("no keys"), std::string::npos);
+}
+
+// The Python drop-in's empty-keys case exactly: d 16, k and v without an address.
+TEST(CudaFamily, NoKeysWithNullTensorsWritesEmptyRows) {
+  FA_SKIP_WITHOUT_GPU();
+  AttnConfig cfg = feature_config(DType::f16, 16, 5, 0);
+  cfg.heads = cfg.heads_k = 2;
+  cfg.batch = 1;
+  const AttnProblem p = make_problem(cfg);
+  const ForwardResult r = run_cuda_forward(p, [](flashattn::common::AttentionParams& a, DeviceArena&) {
+    a.k.data = nullptr;
+    a.v.data = nullptr;
+  });
+  EXPECT_TRUE(check_forward(p, r));
 }
 
 // --- the forward, forced onto the sm90 family -------------------------------------------------
