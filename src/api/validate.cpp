@@ -471,6 +471,8 @@ common::AttentionParams base_params(const Dims& dims, const TensorView& q, const
     p.cu_seqlens_k = int_data(vl.cu_seqlens_k);
     p.seqused_k = vl.seqused_k.defined() ? int_data(vl.seqused_k) : nullptr;
     p.lse_head_stride = dims.total_q;
+    p.total_q = dims.total_q;
+    p.total_k = dims.total_k;
   } else {
     p.lse_batch_stride = dims.h * dims.sq;
     p.lse_head_stride = dims.sq;

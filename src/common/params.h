@@ -47,6 +47,7 @@ struct AttentionParams {
   const std::int32_t* cu_seqlens_q = nullptr;
   const std::int32_t* cu_seqlens_k = nullptr;
   const std::int32_t* seqused_k = nullptr;
+  std::int64_t total_q = 0, total_k = 0;  // rows of the packed q and k/v (0 in dense mode)
   // KV cache (nullptr when unused).
   const std::int32_t* cache_seqlens = nullptr;    // keys of sequence b (replaces max_seqlen_k)
   const std::int32_t* cache_batch_idx = nullptr;  // K/V batch row of sequence b

@@ -5,6 +5,7 @@
 // and strided layouts, outputs poisoned. Without an sm90 GPU the tests say they were not run.
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,8 +113,12 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   const std::int32_t seqlens[3] = {0, 100, 256};
   const std::pair<std::function<void(c::AttentionParams&)>, const char*> cases[] = {
       {[](c::AttentionParams& q) { q.dropout_p = 0.1f; }, "dropout"},
-      {[&](c::AttentionParams& q) { q.cu_seqlens_q = q.cu_seqlens_k = seqlens; }, "varlen"},
-      {[&](c::AttentionParams& q) { q.seqused_k = seqlens; }, "varlen"},
+      {[](c::AttentionParams& q) { q.max_seqlen_k = 0; }, "no keys"},
+      {[&](c::AttentionParams& q) {
+         q.cu_seqlens_q = q.cu_seqlens_k = seqlens;
+         q.total_q = q.total_k = std::int64_t(1) << 31;
+       },
+       "2^31"},
       {[&](c::AttentionParams& q) { q.cache_seqlens = seqlens; }, "KV caches"},
       {[](c::AttentionParams& q) { q.k.row_stride = 0; }, "k: its strides"},
       {[](c::AttentionParams& q) { q.v.head_stride = std::int64_t(1) << 40; }, "v: its strides"},
@@ -129,6 +134,14 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   one_batch.batch = 1;
   one_batch.q.batch_stride = 0;
   EXPECT_EQ(fc::sm90::fwd_unsupported(one_batch, 128), "");
+  // Varlen batches and seqused_k are served: the packed rows are one batch of the TMA tensors.
+  c::AttentionParams packed = plain;
+  packed.batch = 2;
+  packed.cu_seqlens_q = packed.cu_seqlens_k = seqlens;
+  packed.seqused_k = seqlens + 1;
+  packed.total_q = packed.total_k = 256;
+  packed.q.batch_stride = packed.k.batch_stride = packed.v.batch_stride = 0;
+  EXPECT_EQ(fc::sm90::fwd_unsupported(packed, 128), "");
 }
 
 TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
@@ -297,20 +310,83 @@ TEST_P(CudaSm90Forward, Alibi) {
 // rings' phases and the Q barrier's parity from one tile to the next.
 // Both schedules of the consumer warpgroups at d ≤ 128: taking turns (ping-pong) and not (the
 // default).
+// Both walks of the persistent CTAs: the snake (the default; the second round's 4 tiles go to the
+// last CTAs) and the plain one.
 TEST_P(CudaSm90Forward, ManyTiles) {
   FA_SKIP_WITHOUT_SM90();
   for (const char* pingpong : {"1", "0"}) {
-    SCOPED_TRACE(std::string("FLASHATTN_SM90_FWD_PINGPONG=") + pingpong);
-    const EnvOverride schedule("FLASHATTN_SM90_FWD_PINGPONG", pingpong);
-    for (int d : {64, 128, 256}) {
-      for (bool causal : {false, true}) {
-        AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
-        cfg.heads = 34;
-        cfg.heads_k = 17;
-        cfg.opt.causal = causal;
-        expect_sm90_matches(cfg);
+    for (const char* walk : {"snake", "plain"}) {
+      SCOPED_TRACE(std::string("FLASHATTN_SM90_FWD_PINGPONG=") + pingpong + ", FLASHATTN_SM90_FWD_WALK=" + walk);
+      const EnvOverride schedule("FLASHATTN_SM90_FWD_PINGPONG", pingpong);
+      const EnvOverride order("FLASHATTN_SM90_FWD_WALK", walk);
+      for (int d : {64, 128, 256}) {
+        for (bool causal : {false, true}) {
+          AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
+          cfg.heads = 34;
+          cfg.heads_k = 17;
+          cfg.opt.causal = causal;
+          expect_sm90_matches(cfg);
+        }
       }
     }
+  }
+}
+
+// Varlen batches: TMA over the packed rows from each sequence's first row. Empty query and key
+// sequences, seqused_k, causal, every head dim (varlen_configs); then GQA, d ≠ dv, a window and
+// sequences of several tiles whose tiles straddle the next sequence's rows.
+TEST_P(CudaSm90Forward, Varlen) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : varlen_configs(GetParam())) expect_sm90_matches(cfg);
+  for (bool causal : {false, true}) {
+    AttnConfig cfg = feature_config(GetParam(), 192, 0, 0);
+    cfg.head_dim_v = 128;
+    cfg.varlen_q = {1000, 7, 300, 129, 1};
+    cfg.varlen_k = {1000, 513, 4, 700, 385};
+    cfg.seqused_k = {1000, 500, 4, 650, 1};
+    cfg.heads = 8;
+    cfg.heads_k = 2;
+    cfg.opt.causal = causal;
+    if (causal) cfg.opt.window_left = 200;
+    expect_sm90_matches(cfg);
+    cfg.seqused_k.clear();
+    cfg.layout = Layout::padded;  // gaps between rows and heads poisoned, and outputs with gaps
+    cfg.padded_outputs = true;
+    cfg.head_dim_v = 0;
+    cfg.head_dim = 64;
+    expect_sm90_matches(cfg);
+  }
+}
+
+// The key tile at a sequence's end also holds rows that are not its keys — those seqused_k leaves
+// out, and the next sequence's. Made NaN here, they must stay invisible (P is 0 there, and 0 · NaN
+// would be NaN in the products: the kernel zeroes those V rows). Rows seqused_k leaves out are no
+// key of any sequence, so the reference holds no NaN.
+TEST_P(CudaSm90Forward, VarlenRowsPastTheKeysStayInvisible) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128, 256}) {
+    AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+    cfg.varlen_q = {70, 200, 33, 130};
+    cfg.varlen_k = {70, 200, 33, 300};
+    cfg.seqused_k = {50, 130, 33, 260};
+    cfg.heads = cfg.heads_k = 2;
+    AttnProblem p = make_problem(cfg);
+    SCOPED_TRACE(describe(p.cfg));
+    int row0 = 0;
+    for (std::size_t b = 0; b < cfg.varlen_k.size(); ++b) {
+      for (int j = row0 + cfg.seqused_k[b]; j < row0 + cfg.varlen_k[b]; ++j) {
+        for (int h = 0; h < cfg.heads_k; ++h) {
+          for (int c = 0; c < p.head_dim_v; ++c) {
+            p.v.set({j, h, c}, std::numeric_limits<float>::quiet_NaN());
+            p.k.set({j, h, c % cfg.head_dim}, std::numeric_limits<float>::quiet_NaN());
+          }
+        }
+      }
+      row0 += cfg.varlen_k[b];
+    }
+    const FamilyOverride family("sm90");
+    const ForwardResult r = run_cuda_forward(p);
+    EXPECT_TRUE(check_forward(p, r));
   }
 }
 

@@ -29,9 +29,13 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
 
 // Whether the two consumer warpgroups of the plain kernel take turns to issue their products
 // (ping-pong). Compiled at d ≤ 128 beside the kernel without (the softcap/ALiBi variant always takes
-// turns there); not yet timed against it, so off unless FLASHATTN_SM90_FWD_PINGPONG=1 (read at
-// each call), which times both in one build.
+// turns there). Off unless FLASHATTN_SM90_FWD_PINGPONG=1 (read at each call): on the H200 (bf16,
+// d 64/128, s 512…16k) it measured 0.93–1.03× the kernel without, no better on balance.
 bool fwd_pingpong(int head_dim);
+
+// Whether the persistent CTAs walk the tiles as a snake (the default) or plainly
+// (FLASHATTN_SM90_FWD_WALK=plain, read at each call): PersistentTileScheduler::index.
+bool fwd_snake_walk();
 
 // Why the sm90 forward does not serve p in the instantiated head dim `head_dim` (0: none
 // compiled), or "" when it does. Checks the features and layouts only: the device and the

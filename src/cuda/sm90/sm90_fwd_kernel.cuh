@@ -18,6 +18,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   using Mainloop = FwdMainloop<Traits>;
   using Pipeline = typename Mainloop::Pipeline;
   using Scheduler = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>;
+  if (params.p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
 
@@ -51,7 +52,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
-      for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+      for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
+        const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+        if (index >= tiles) continue;
         const FwdTile t = Scheduler::tile(params.p, index);
         if (t.empty()) continue;
         Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded & 1u, st);
@@ -64,7 +67,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     const int consumer_wg = warpgroup - 1;
     PipelineState<Traits::kStages> k_st, v_st;
     Mainloop::pingpong_start(consumer_wg);
-    for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+    for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
+      const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+      if (index >= tiles) continue;
       const FwdTile t = Scheduler::tile(params.p, index);
       typename Traits::TiledMmaPV mma_pv;
       Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)

@@ -35,20 +35,25 @@ cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
   FwdParams<Traits> params;
   params.p = p;
-  params.shape_q = make_shape(p.max_seqlen_q, p.head_dim, p.heads, p.batch);
-  params.shape_k = make_shape(p.max_seqlen_k, p.head_dim, p.heads_k, p.batch);
-  params.shape_v = make_shape(p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch);
-  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.q, p.max_seqlen_q, p.head_dim, p.heads, p.batch),
+  // Dense: (seqlen, d, heads, batch). Varlen: the packed rows as one batch (FwdTile::q_row0).
+  const bool varlen = p.is_varlen();
+  const int rows_q = varlen ? int(p.total_q) : p.max_seqlen_q;
+  const int rows_k = varlen ? int(p.total_k) : p.max_seqlen_k;
+  const int batch = varlen ? 1 : p.batch;
+  params.shape_q = make_shape(rows_q, p.head_dim, p.heads, batch);
+  params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch);
+  params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch);
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.q, rows_q, p.head_dim, p.heads, batch),
                                typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
-  params.tma_k = make_tma_copy(SM90_TMA_LOAD{},
-                               gmem_rows<Traits>(p.k, p.max_seqlen_k, p.head_dim, p.heads_k, p.batch),
+  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.k, rows_k, p.head_dim, p.heads_k, batch),
                                take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                               gmem_rows<Traits>(p.v, p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch),
+                               gmem_rows<Traits>(p.v, rows_k, p.head_dim_v, p.heads_k, batch),
                                take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.scale_log2 = p.softmax_scale * device::kLog2e;
+  params.snake = fwd_snake_walk();
 
   auto* kernel = &fwd_kernel<Traits>;
   const cudaError_t err =

@@ -31,6 +31,7 @@ struct FwdParams {
   typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
   typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
   float scale_log2;                    // softmax_scale · log2(e)
+  bool snake;                          // the tile walk (PersistentTileScheduler::index)
 };
 
 template <class Traits>
@@ -54,12 +55,14 @@ struct FwdMainloop {
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);  // (sq, d, h, b)
     Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
     Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
-    Tensor gQ = local_tile(mQ(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                           make_coord(t.m_block, _0{}));  // (M, d)
-    Tensor gK = local_tile(mK(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, _0{}));  // (N, d, n)
-    Tensor gV = local_tile(mV(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, _0{}));  // (N, dv, n)
+    // The sequence's rows, from its first one (a varlen batch: rows of the next sequence follow,
+    // read but masked or never written; past the tensor TMA reads zeros).
+    Tensor gQ = local_tile(domain_offset(make_coord(t.q_row0, _0{}), mQ(_, _, t.head, t.tma_batch)),
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));  // (M, d)
+    Tensor gK = local_tile(domain_offset(make_coord(t.k_row0, _0{}), mK(_, _, t.kv_head, t.tma_batch)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
+    Tensor gV = local_tile(domain_offset(make_coord(t.k_row0, _0{}), mV(_, _, t.kv_head, t.tma_batch)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, dv, n)
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});  // (M, d)
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
     Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});  // (N, dv, stage)
@@ -110,6 +113,18 @@ struct FwdMainloop {
     if constexpr (Traits::kPingPong) {
       if (wg == 0) named_barrier_sync(int(FwdBarrier::kSchedulerWg0), Traits::kConsumerThreads);
     }
+  }
+
+  // Rows [from, kBlockN) of V's stage `stage` set to zero by the consumer threads together, made
+  // visible to the tensor cores' reads (async proxy) before any warpgroup goes on.
+  __device__ static void zero_v_rows_from(SharedStorage& ss, int stage, int from, int thread) {
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});  // (N, dv, stage)
+    constexpr int kCols = decltype(size<1>(sV))::value;
+    for (int i = from * kCols + thread; i < kBlockN * kCols; i += Traits::kConsumerThreads) {
+      sV(i / kCols, i % kCols, stage) = Element(0);
+    }
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(int(FwdBarrier::kVTail), Traits::kConsumerThreads);
   }
 
   // thread: index among the consumer threads (0 … kConsumerThreads − 1). Leaves O (fp32, not yet
@@ -214,6 +229,14 @@ struct FwdMainloop {
     softmax.template step<true>(s_rc, correction);
     to_p();
     mma_pv.accumulate_ = GMMA::ScaleOut::Zero;  // the first P·V overwrites acc_o
+    // Rows of this key tile past seqlen_k hold the next sequence's V (varlen) or unused rows
+    // (seqused_k). Their P is 0, but 0 · Inf or NaN is NaN: they are zeroed before the first P·V
+    // reads them. Dense calls read zeros there (past the tensor's extent).
+    const int kv_valid = t.seqlen_k - n * kBlockN;
+    if ((params.p.is_varlen() || params.p.seqused_k != nullptr) && kv_valid < kBlockN) {
+      v_pipe.consumer_wait(v_st);
+      zero_v_rows_from(ss, v_st.index, kv_valid, thread);
+    }
 
     for (--n; n >= t.n_block_min; --n) {
       k_pipe.consumer_wait(k_st);

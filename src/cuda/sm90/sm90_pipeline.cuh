@@ -78,6 +78,7 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 enum class FwdBarrier : int {
   kEpilogueWg0 = 1,  // + warpgroup index: a consumer warpgroup's O staging in shared memory
   kSchedulerWg0 = 4,  // + warpgroup index: ping-pong turns of the consumer warpgroups
+  kVTail = 6,         // all consumers: a V tile's rows past the sequence zeroed
 };
 
 // acc (+)= A · B on the tensor cores, issued by the whole warpgroup. tA: register fragment (RS)

@@ -15,6 +15,11 @@ struct FwdTile {
   int batch;
   int seqlen_q;
   int seqlen_k;
+  // Where the sequence starts in the tensors TMA reads: its first packed row and its batch index
+  // (varlen: cu_seqlens and batch 0 of one packed batch; dense: row 0 of batch `batch`).
+  int q_row0;
+  int k_row0;
+  int tma_batch;
   int n_block_min;
   int n_block_max;
   common::Mask mask;
@@ -22,10 +27,14 @@ struct FwdTile {
   __device__ __forceinline__ bool empty() const { return n_block_min >= n_block_max; }
 };
 
-// Persistent CTAs: one per SM (at most one per tile), each walking the tiles blockIdx.x,
-// blockIdx.x + gridDim.x, … — so that while one tile's output is written, the producer already
-// loads the next tile's Q and first K/V stages. The producer and the consumers walk the same
-// sequence independently and agree on every barrier phase.
+// Persistent CTAs: one per SM (at most one per tile), each walking one tile per round — so that
+// while one tile's output is written, the producer already loads the next tile's Q and first K/V
+// stages. The producer and the consumers walk the same sequence independently and agree on every
+// barrier phase. Round r holds the tiles [r·G, (r+1)·G) of the order below (G CTAs); CTA c takes
+// the c-th of them on even rounds and the (G−1−c)-th on odd rounds (a snake), so that under a mask,
+// where the order runs from long tiles to short ones, no CTA takes the longest tile of every round.
+// The rounds' sets are those of a plain walk; only who takes which tile changes
+// (FLASHATTN_SM90_FWD_WALK=plain restores the plain walk, CTA c always the c-th).
 //
 // Order: without a mask every tile costs the same, and consecutive tiles are the row blocks of
 // one (head, batch), which the CTAs of one wave take together, reading its K/V once from HBM and
@@ -41,6 +50,11 @@ struct PersistentTileScheduler {
   static dim3 grid(const common::AttentionParams& p, int sms) {
     const int n = tiles(p);
     return dim3(n < sms ? n : sms);
+  }
+
+  // The tile CTA `cta` of `ctas` takes in round `round` (may be ≥ tiles() in the last round).
+  __device__ __forceinline__ static int index(int round, int cta, int ctas, bool snake) {
+    return round * ctas + (snake && (round & 1) ? ctas - 1 - cta : cta);
   }
 
   __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index) {
@@ -59,8 +73,18 @@ struct PersistentTileScheduler {
     t.head = head_batch % p.heads;
     t.batch = head_batch / p.heads;
     t.kv_head = t.head / p.group_size();
-    t.seqlen_q = p.seqlen_q(t.batch);
-    t.seqlen_k = p.seqlen_k(t.batch);
+    if (p.is_varlen()) {
+      t.q_row0 = p.cu_seqlens_q[t.batch];
+      t.seqlen_q = p.cu_seqlens_q[t.batch + 1] - t.q_row0;
+      t.k_row0 = p.cu_seqlens_k[t.batch];
+      t.seqlen_k = p.seqused_k ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_row0;
+      t.tma_batch = 0;
+    } else {
+      t.q_row0 = t.k_row0 = 0;
+      t.seqlen_q = p.max_seqlen_q;
+      t.seqlen_k = p.seqused_k ? p.seqused_k[t.batch] : p.max_seqlen_k;
+      t.tma_batch = t.batch;
+    }
     t.mask = p.mask_for(t.seqlen_q, t.seqlen_k);
     const int m_start = t.m_block * kBlockM;
     const int m_end = min(m_start + kBlockM, t.seqlen_q);

@@ -10,11 +10,15 @@
 // dim of --dims; reported in GB/s of the minimum traffic (K and V read once, q read, out written),
 // with the L2 cleared before every timed call.
 //
-// --dropout P and --softcap X time the grid with those on (the kernels' full variant). --l2-flush 1
-// clears the L2 before every timed call of the grid too, as bench/compare.py's timing does.
+// --dropout P and --softcap X time the grid with those on (the kernels' full variant); --alibi 1
+// with ALiBi slopes per head. --varlen equal|mixed times the same tokens as one varlen batch:
+// `equal` b sequences of s (the dense shape through the varlen path), `mixed` lengths s/2 and 3s/2
+// alternating (s/4 and 3s/4 where b = 1), FLOPs counted per sequence. --l2-flush 1 clears the L2
+// before every timed call of the grid too, as bench/compare.py's timing does.
 //
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
-//                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X]
+//                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X] [--alibi 0|1]
+//                  [--varlen equal|mixed]
 //                  [--tokens 16384] [--width 2048]
 //                  [--repeats 30] [--warmup 5] [--l2-flush 0|1] [--json FILE]
 //                  [--decode 1:131072:0,32:32768:16,...] [--decode-sq 1] [--decode-heads 32:8]
@@ -70,6 +74,8 @@ struct Args {
   bool deterministic = false;
   float dropout = 0.0f;
   float softcap = 0.0f;
+  bool alibi = false;
+  std::string varlen;  // "", "equal" or "mixed"
   int tokens = 16384;
   int width = 2048;
   int repeats = 30;
@@ -106,6 +112,11 @@ Args parse(int argc, char** argv) {
     else if (flag == "--deterministic") a.deterministic = v == "1";
     else if (flag == "--dropout") a.dropout = std::stof(v);
     else if (flag == "--softcap") a.softcap = std::stof(v);
+    else if (flag == "--alibi") a.alibi = v == "1";
+    else if (flag == "--varlen") {
+      if (v != "equal" && v != "mixed") throw std::runtime_error("--varlen takes equal or mixed, not " + v);
+      a.varlen = v;
+    }
     else if (flag == "--tokens") a.tokens = std::stoi(v);
     else if (flag == "--width") a.width = std::stoi(v);
     else if (flag == "--repeats") a.repeats = std::stoi(v);
@@ -150,6 +161,24 @@ void set_lse_and_scale(c::AttentionParams& p, float* lse, int h, int rows, int d
   p.lse_batch_stride = std::int64_t(h) * rows;
   p.lse_head_stride = rows;
   p.softmax_scale = 1.0f / std::sqrt(float(d));
+}
+
+// Sequence lengths of --varlen for b sequences of s tokens in all (b·s).
+std::vector<int> varlen_lengths(const std::string& mode, int b, int s) {
+  if (mode == "equal") return std::vector<int>(std::size_t(b), s);
+  if (b == 1) return {s / 4, s - s / 4};
+  std::vector<int> len(static_cast<std::size_t>(b));
+  for (int i = 0; i < b; ++i) len[std::size_t(i)] = i % 2 == 0 ? s / 2 : s + s / 2;
+  if (b % 2 == 1) len.back() = s;  // keeps the total at b·s
+  return len;
+}
+
+template <class T>
+T* device_copy(const std::vector<T>& host) {
+  T* dev = nullptr;
+  check(cudaMalloc(reinterpret_cast<void**>(&dev), host.size() * sizeof(T)), "cudaMalloc");
+  check(cudaMemcpy(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return dev;
 }
 
 // Median of `repeats` CUDA-event timings of call() after `warmup` untimed calls; before_each()
@@ -303,6 +332,18 @@ int main(int argc, char** argv) try {
       check(cudaMalloc(reinterpret_cast<void**>(&lse), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
       check(cudaMalloc(reinterpret_cast<void**>(&softmax_d), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
       for (void*& g : grads) check(cudaMalloc(&g, n * sizeof(std::uint16_t)), "cudaMalloc");
+      const std::vector<int> lengths = args.varlen.empty() ? std::vector<int>{} : varlen_lengths(args.varlen, b, s);
+      std::vector<std::int32_t> cu(1, 0);
+      double sum_sq = 0;  // Σ len² over the sequences (b·s² when dense)
+      for (int len : lengths) {
+        cu.push_back(cu.back() + len);
+        sum_sq += double(len) * len;
+      }
+      if (lengths.empty()) sum_sq = double(b) * s * s;
+      std::int32_t* cu_dev = lengths.empty() ? nullptr : device_copy(cu);
+      std::vector<float> slopes(static_cast<std::size_t>(h));
+      for (int i = 0; i < h; ++i) slopes[std::size_t(i)] = std::exp2(-8.0f * float(i + 1) / float(h));
+      float* slopes_dev = args.alibi ? device_copy(slopes) : nullptr;
       for (int causal : args.causal) {
         c::AttentionParams p;
         p.storage = args.storage;
@@ -333,6 +374,15 @@ int main(int argc, char** argv) try {
           p.dropout.keep_scale = 1.0f / (1.0f - args.dropout);
         }
         set_lse_and_scale(p, lse, h, s, d);
+        p.alibi_slopes = slopes_dev;
+        if (cu_dev != nullptr) {  // one packed batch: lse (h, b·s), rows from cu_seqlens
+          p.batch = int(lengths.size());
+          p.cu_seqlens_q = p.cu_seqlens_k = cu_dev;
+          p.total_q = p.total_k = std::int64_t(b) * s;
+          p.max_seqlen_q = p.max_seqlen_k = *std::max_element(lengths.begin(), lengths.end());
+          p.lse_batch_stride = 0;
+          p.lse_head_stride = p.total_q;
+        }
         p.causal = causal != 0;
         flashattn::cuda::forward(p, nullptr);  // out and lse for the backward
         for (const std::string& pass : args.passes) {
@@ -352,18 +402,21 @@ int main(int argc, char** argv) try {
           const double median = args.l2_flush ? median_ms(args.warmup, args.repeats, call, *grid_flush)
                                               : median_ms(args.warmup, args.repeats, call, [] {});
           cudaFree(workspace);
-          const double flops = (bwd ? 2.5 : 1.0) * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
+          const double flops = (bwd ? 2.5 : 1.0) * 4.0 * h * sum_sq * d / (causal ? 2.0 : 1.0);
           const double tflops = flops / (median * 1e-3) / 1e12;
           // The kernel family that ran (cuda/family.h): the backward is sm80's.
           const char* family = bwd ? "sm80" : flashattn::cuda::family_name(flashattn::cuda::choose_forward_family(p).family);
-          std::printf("flashattn %s %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g: %.3f ms, %.1f TFLOP/s\n",
-                      family, pass.c_str(), args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal,
-                      args.dropout, args.softcap, median, tflops);
+          std::printf(
+              "flashattn %s %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g alibi=%d varlen=%s: %.3f ms, %.1f "
+              "TFLOP/s\n",
+              family, pass.c_str(), args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, args.dropout,
+              args.softcap, int(args.alibi), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
           json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_" << family << "\", \"pass\": \"" << pass
                << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
                << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
                << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
-               << ", \"softcap\": " << args.softcap << ", \"l2_flush\": " << (args.l2_flush ? "true" : "false")
+               << ", \"softcap\": " << args.softcap << ", \"alibi\": " << (args.alibi ? "true" : "false")
+               << ", \"varlen\": \"" << (args.varlen.empty() ? "no" : args.varlen) << "\", \"l2_flush\": " << (args.l2_flush ? "true" : "false")
                << ", \"ms\": " << median
                << ", \"tflops\": " << tflops << "}";
           first = false;
@@ -377,6 +430,8 @@ int main(int argc, char** argv) try {
       cudaFree(lse);
       cudaFree(dout);
       cudaFree(softmax_d);
+      cudaFree(cu_dev);
+      cudaFree(slopes_dev);
       for (void* g : grads) cudaFree(g);
     }
   }
