@@ -321,7 +321,8 @@ TEST(CudaFaultInjection, VarlenBadIndexThrowsAndWritesNothing) {
   const Fault faults[] = {
       {"decreasing_cu_seqlens_q", {0, 30, 20}, {0, 10, 40}, 40, 40, "varlen.cu_seqlens_q"},
       {"cu_seqlens_k_past_tokens", {0, 10, 40}, {0, 10, 41}, 40, 40, "varlen.cu_seqlens_k"},
-      {"cu_seqlens_k_huge", {0, 10, 40}, {0, 10, 2147483647}, 40, 40, "varlen.cu_seqlens_k"},
+      // Its last sequence is longer than any max_seqlen_k may be: that rule is the first it breaks.
+      {"cu_seqlens_k_huge", {0, 10, 40}, {0, 10, 2147483647}, 40, 40, "varlen.max_seqlen_k"},
       {"max_seqlen_k_huge", {0, 10, 40}, {0, 10, 40}, 40, 2147483647, "varlen.max_seqlen_k"},
       {"cu_seqlens_q_not_from_0", {5, 10, 40}, {0, 10, 40}, 40, 40, "varlen.cu_seqlens_q"},
       {"max_seqlen_q_below_a_sequence", {0, 10, 40}, {0, 10, 40}, 29, 40, "varlen.max_seqlen_q"},
