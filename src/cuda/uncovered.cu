@@ -16,8 +16,8 @@ constexpr int kThreads = 256;
 // The rows past cu_seqlens[b] are few or none: a small grid that strides over them.
 constexpr std::int64_t kMaxBlocks = 128;
 
-// Every element (row r ≥ row_begin, head h, column c) of a packed (total, heads, dim) tensor,
-// spread over the grid.
+// Every element (row_begin ≤ row r < total, head h, column c) of a packed (total, heads, dim)
+// tensor, spread over the grid.
 template <class T>
 __device__ void zero_rows(const common::RowHeadTensor& t, std::int64_t row_begin, std::int64_t total, int heads,
                           int dim) {
@@ -55,6 +55,14 @@ __global__ void __launch_bounds__(kThreads)
   fill_stats(p.softmax_d, p.lse_head_stride, q_end, total_q, p.heads, 0.0f);
   zero_rows<T>(p.dk, k_end, total_k, p.heads_k, p.head_dim);
   zero_rows<T>(p.dv, k_end, total_k, p.heads_k, p.head_dim_v);
+  if (p.seqused_k == nullptr) return;
+  // Keys of sequence b past seqused_k[b] are no sequence's keys either: zero gradients.
+  for (int b = 0; b < p.batch; ++b) {
+    const std::int64_t end = p.cu_seqlens_k[b + 1];
+    const std::int64_t begin = std::min<std::int64_t>(end, p.cu_seqlens_k[b] + std::int64_t(p.seqused_k[b]));
+    zero_rows<T>(p.dk, begin, end, p.heads_k, p.head_dim);
+    zero_rows<T>(p.dv, begin, end, p.heads_k, p.head_dim_v);
+  }
 }
 
 }  // namespace

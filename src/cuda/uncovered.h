@@ -1,7 +1,7 @@
 // src/cuda/uncovered.h — the rows of a varlen batch that no sequence covers, on the device: the
 // CUDA counterpart of src/cpu/uncovered.cpp (docs/errors.md). Forward: out = 0, lse = +∞;
 // backward: dq = dk = dv = 0, softmax_d = 0, for packed rows past cu_seqlens_q[b] (q side) and
-// cu_seqlens_k[b] (k side).
+// cu_seqlens_k[b] (k side), and dk = dv = 0 for the keys of each sequence past seqused_k.
 #pragma once
 
 #include <cstdint>

@@ -380,6 +380,35 @@ TEST(CudaFaultInjection, VarlenRowsNoSequenceCoversAreZero) {
   }
 }
 
+// Keys past seqused_k[b] belong to no sequence: their dk and dv are zero (the buffers start
+// poisoned, so a row the backward leaves alone fails).
+TEST(CudaFaultInjection, VarlenKeysPastSequsedKGetZeroGradients) {
+  FA_SKIP_WITHOUT_GPU();
+  if (!kernel_built(fa::cuda::sm80::Family::bwd, fa::common::Storage::bf16, kHeadDim, kHeadDim)) return;
+  VarlenCall c;
+  fa::Varlen vl = c.varlen({0, 10, 31}, {0, 12, 35}, 21, 23);
+  vl.seqused_k = device_i32(c.dev, {5, 20}, {2});
+  const std::size_t bytes = std::size_t(VarlenCall::kTotal * VarlenCall::kH * kHeadDim) * 2;
+  for (auto* g : {c.dk.get(), c.dv.get()}) FA_CUDA_CHECK(cudaMemset(g->view().data, 0x7f, bytes));
+  c.forward(vl, true);
+  c.backward(vl, true);
+  const Tensor dk = c.dk->download(), dv = c.dv->download();
+  for (std::int64_t r = 0; r < VarlenCall::kTotal; ++r) {
+    const bool used = r < 5 || (r >= 12 && r < 32);
+    for (std::int64_t h = 0; h < VarlenCall::kH; ++h) {
+      SCOPED_TRACE("key row " + std::to_string(r) + " head " + std::to_string(h));
+      for (std::int64_t e = 0; e < kHeadDim; ++e) {
+        if (used) {
+          ASSERT_TRUE(std::isfinite(dk.get({r, h, e})) && std::isfinite(dv.get({r, h, e})));
+        } else {
+          ASSERT_EQ(dk.get({r, h, e}), 0.0f);
+          ASSERT_EQ(dv.get({r, h, e}), 0.0f);
+        }
+      }
+    }
+  }
+}
+
 // --- combine ------------------------------------------------------------------------------------
 
 TEST(CudaFaultInjection, CombineSplitWithNanLsePropagates) {

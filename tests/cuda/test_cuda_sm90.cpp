@@ -152,20 +152,17 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
     // Q, K and V stages within the 227 KiB of an H100/H200 (the kernel's static_assert says the same).
     EXPECT_LE(2 * (t.block_m * d + 2 * t.stages * t.block_n * d), 227 * 1024) << d;
   }
+  // Turns only in the softcap/ALiBi kernels, and only where two 64-row warpgroups fit beside
+  // their registers (d ≤ 128).
+  static_assert(fc::sm90::fwd_pingpong(64, true) && fc::sm90::fwd_pingpong(128, true));
+  static_assert(!fc::sm90::fwd_pingpong(256, true) && !fc::sm90::fwd_pingpong(128, false));
   {
-    const EnvOverride unset("FLASHATTN_SM90_FWD_PINGPONG", "");
-    EXPECT_FALSE(fc::sm90::fwd_pingpong(64));
-    EXPECT_FALSE(fc::sm90::fwd_pingpong(128));
-    EXPECT_FALSE(fc::sm90::fwd_pingpong(256));
+    const EnvOverride unset("FLASHATTN_SM90_FWD_WALK", "");
+    EXPECT_TRUE(fc::sm90::fwd_snake_walk());
   }
   {
-    const EnvOverride off("FLASHATTN_SM90_FWD_PINGPONG", "0");
-    EXPECT_FALSE(fc::sm90::fwd_pingpong(128));
-  }
-  {
-    const EnvOverride on("FLASHATTN_SM90_FWD_PINGPONG", "1");
-    EXPECT_TRUE(fc::sm90::fwd_pingpong(64));
-    EXPECT_FALSE(fc::sm90::fwd_pingpong(256));  // compiled without ping-pong there
+    const EnvOverride plain("FLASHATTN_SM90_FWD_WALK", "plain");
+    EXPECT_FALSE(fc::sm90::fwd_snake_walk());
   }
 }
 
@@ -310,22 +307,31 @@ TEST_P(CudaSm90Forward, Alibi) {
 // rings' phases and the Q barrier's parity from one tile to the next.
 // Both schedules of the consumer warpgroups at d ≤ 128: taking turns (ping-pong) and not (the
 // default).
-// Both walks of the persistent CTAs: the snake (the default; the second round's 4 tiles go to the
-// last CTAs) and the plain one.
+// Both walks of the persistent CTAs under the causal mask: the snake (the default; the second
+// round's 4 tiles go to the last CTAs) and the plain one; the plain kernel and the softcap kernel
+// (whose warpgroups take turns at d ≤ 128); dense and varlen (the same rows as one packed batch).
 TEST_P(CudaSm90Forward, ManyTiles) {
   FA_SKIP_WITHOUT_SM90();
-  for (const char* pingpong : {"1", "0"}) {
-    for (const char* walk : {"snake", "plain"}) {
-      SCOPED_TRACE(std::string("FLASHATTN_SM90_FWD_PINGPONG=") + pingpong + ", FLASHATTN_SM90_FWD_WALK=" + walk);
-      const EnvOverride schedule("FLASHATTN_SM90_FWD_PINGPONG", pingpong);
+  for (const char* walk : {"snake", "plain"}) {
+    for (bool softcap : {false, true}) {
+      SCOPED_TRACE(std::string("FLASHATTN_SM90_FWD_WALK=") + walk + (softcap ? ", softcap" : ""));
       const EnvOverride order("FLASHATTN_SM90_FWD_WALK", walk);
       for (int d : {64, 128, 256}) {
         for (bool causal : {false, true}) {
-          AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
-          cfg.heads = 34;
-          cfg.heads_k = 17;
-          cfg.opt.causal = causal;
-          expect_sm90_matches(cfg);
+          for (bool varlen : {false, true}) {
+            AttnConfig cfg = feature_config(GetParam(), d, 256, 200);
+            cfg.heads = 34;
+            cfg.heads_k = 17;
+            cfg.opt.causal = causal;
+            if (softcap) cfg.opt.softcap = 20.0f;
+            if (varlen) {
+              cfg.varlen_q = {256, 256};
+              cfg.varlen_k = {200, 200};
+            } else {
+              cfg.batch = 2;
+            }
+            expect_sm90_matches(cfg);
+          }
         }
       }
     }

@@ -166,7 +166,9 @@ def test_kvcache_varlen_paged(causal, device):
     """Chunked prefill as serving engines call it: varlen queries and new keys of each sequence,
     appended (rotated) into a paged cache and attended to. Each sequence equals the library's
     batch KV-cache call on its own (rotation, append and attention), cache contents bit-equal."""
-    b, hq, hk, d, cap, page = 3, 4, 2, 32, 24, 4
+    # The CUDA kernels take pages of a multiple of 16 rows (src/cuda/README.md); the CPU any size.
+    b, hq, hk, d = 3, 4, 2, 32
+    cap, page = (48, 16) if device == "cuda" else (24, 4)
     old, n_new, n_q = [5, 0, 9], [2, 3, 1], [2, 3, 1]
     g = torch.Generator().manual_seed(5)
     cache_k = randn((b, cap, hk, d), torch.bfloat16, device, g)
@@ -203,12 +205,13 @@ def test_kvcache_varlen_paged(causal, device):
 def test_kvcache_batch(device):
     """Without varlen arguments: the library's KV-cache function under FA3's names (page_table)."""
     g = torch.Generator().manual_seed(6)
+    page = 16 if device == "cuda" else 8  # CUDA: pages of a multiple of 16 rows
     q = randn((2, 1, 4, 32), torch.bfloat16, device, g)
-    k_cache = randn((2, 16, 2, 32), torch.bfloat16, device, g)
-    v_cache = randn((2, 16, 2, 32), torch.bfloat16, device, g)
+    k_cache = randn((2, 2 * page, 2, 32), torch.bfloat16, device, g)
+    v_cache = randn((2, 2 * page, 2, 32), torch.bfloat16, device, g)
     table = torch.tensor([[1, 0], [3, 2]], dtype=torch.int32, device=device)
-    k_blocks, v_blocks = paged_like(k_cache, table, 8), paged_like(v_cache, table, 8)
-    lengths = torch.tensor([16, 9], dtype=torch.int32, device=device)
+    k_blocks, v_blocks = paged_like(k_cache, table, page), paged_like(v_cache, table, page)
+    lengths = torch.tensor([2 * page, 9], dtype=torch.int32, device=device)
     out = fa3.flash_attn_with_kvcache(q, k_blocks, v_blocks, cache_seqlens=lengths, page_table=table,
                                       num_splits=3, pack_gqa=True)
     ref = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)

@@ -60,10 +60,4 @@ bool fwd_snake_walk() {
   return env == nullptr || std::string(env) != "plain";
 }
 
-bool fwd_pingpong(int head_dim) {
-  const bool compiled = head_dim <= 128;
-  const char* env = std::getenv("FLASHATTN_SM90_FWD_PINGPONG");
-  return compiled && env != nullptr && std::string(env) == "1";
-}
-
 }  // namespace flashattn::cuda::sm90

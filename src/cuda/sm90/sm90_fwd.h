@@ -27,14 +27,16 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 128 ? FwdTileShape{128, 128, 2} : FwdTileShape{128, 64, 2};
 }
 
-// Whether the two consumer warpgroups of the plain kernel take turns to issue their products
-// (ping-pong). Compiled at d ≤ 128 beside the kernel without (the softcap/ALiBi variant always takes
-// turns there). Off unless FLASHATTN_SM90_FWD_PINGPONG=1 (read at each call): on the H200 (bf16,
-// d 64/128, s 512…16k) it measured 0.93–1.03× the kernel without, no better on balance.
-bool fwd_pingpong(int head_dim);
+// Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
+// softcap/ALiBi kernels at d ≤ 128, whose exponentials and tanh then run under the other
+// warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns
+// measured 0.93–1.03× its speed without them, and that variant was removed.
+constexpr bool fwd_pingpong(int head_dim, bool score_mod) { return score_mod && head_dim <= 128; }
 
-// Whether the persistent CTAs walk the tiles as a snake (the default) or plainly
-// (FLASHATTN_SM90_FWD_WALK=plain, read at each call): PersistentTileScheduler::index.
+// Whether the persistent CTAs walk the tiles of a masked call (causal or a window) as a snake (the
+// default) or plainly (FLASHATTN_SM90_FWD_WALK=plain, read at each call):
+// PersistentTileScheduler::index. On the H200, causal s 4k/16k: 1.03–1.15× the plain walk.
+// Without a mask every tile costs the same, and the walk is plain.
 bool fwd_snake_walk();
 
 // Why the sm90 forward does not serve p in the instantiated head dim `head_dim` (0: none

@@ -37,7 +37,7 @@ struct FwdEpilogue {
     Tensor c_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor c_rc = make_tensor(c_o.data(), rowcol_layout(c_o.layout()));
     if (p.lse != nullptr && thread % 4 == 0) {
-      float* const lse_rows = p.lse + p.lse_index_at(t.batch, t.q_row0, t.head, m_start);
+      float* const lse_rows = p.lse + p.lse_index_at(t.batch, Traits::kVarlen ? t.q_row0 : 0, t.head, m_start);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int row = get<0>(c_rc(r, 0));
@@ -55,7 +55,7 @@ struct FwdEpilogue {
     const int wg = thread / kWgThreads;
     const int lane = thread % kWgThreads;
     const int col = (lane % kChunks) * kChunk;
-    Element* const out_rows = static_cast<Element*>(p.out.data) + p.q_offset_at(p.out, t.batch, t.q_row0, m_start, t.head);
+    Element* const out_rows = static_cast<Element*>(p.out.data) + p.q_offset_at(p.out, t.batch, Traits::kVarlen ? t.q_row0 : 0, m_start, t.head);
     auto for_each_row = [&](auto&& store_row) {
       CUTE_UNROLL
       for (int pass = 0; pass < kRowsPerWg / kRowsPerPass; ++pass) {

@@ -53,7 +53,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
                                take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.scale_log2 = p.softmax_scale * device::kLog2e;
-  params.snake = fwd_snake_walk();
+  params.snake = fwd_snake_walk() && (p.causal || p.window_left >= 0 || p.window_right >= 0);
 
   auto* kernel = &fwd_kernel<Traits>;
   const cudaError_t err =
@@ -64,23 +64,25 @@ cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The variants of one (dtype, head dim): with softcap / ALiBi compiled in or not, and at d ≤ 128
-// ping-pong or not (fwd_pingpong; the score-mod variant takes the default, ping-pong).
-template <class Element, int kHeadDim, bool kPingPong, bool kScoreMod>
+// The variants of one (dtype, head dim): softcap / ALiBi compiled in or not (with them, the
+// warpgroups take turns at d ≤ 128: fwd_pingpong), dense or varlen (seqused_k included) — the
+// dense kernels carry none of the varlen code.
+template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen>
 using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
-                              fwd_tile(kHeadDim).stages, kPingPong, kScoreMod>;
+                              fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen>;
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   (void)rng_state;  // dropout is not served by this family (fwd_unsupported)
   using Element = typename ElementOf<kStorage>::type;
   const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
-  constexpr bool kPingPongCompiled = kHeadDim <= 128;
-  if (score_mod) return launch_fwd<FwdTraitsOf<Element, kHeadDim, kPingPongCompiled, true>>(p, stream);
-  if (kPingPongCompiled && fwd_pingpong(kHeadDim)) {
-    return launch_fwd<FwdTraitsOf<Element, kHeadDim, kPingPongCompiled, false>>(p, stream);
+  const bool varlen = p.is_varlen() || p.seqused_k != nullptr;
+  if (score_mod) {
+    return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, stream)
+                  : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, stream);
   }
-  return launch_fwd<FwdTraitsOf<Element, kHeadDim, false, false>>(p, stream);
+  return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true>>(p, stream)
+                : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, false>>(p, stream);
 }
 
 }  // namespace flashattn::cuda::sm90

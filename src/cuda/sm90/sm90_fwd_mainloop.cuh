@@ -57,11 +57,13 @@ struct FwdMainloop {
     Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
     // The sequence's rows, from its first one (a varlen batch: rows of the next sequence follow,
     // read but masked or never written; past the tensor TMA reads zeros).
-    Tensor gQ = local_tile(domain_offset(make_coord(t.q_row0, _0{}), mQ(_, _, t.head, t.tma_batch)),
+    const int q_row0 = Traits::kVarlen ? t.q_row0 : 0, k_row0 = Traits::kVarlen ? t.k_row0 : 0;
+    const int batch = Traits::kVarlen ? t.tma_batch : t.batch;
+    Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, t.head, batch)),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));  // (M, d)
-    Tensor gK = local_tile(domain_offset(make_coord(t.k_row0, _0{}), mK(_, _, t.kv_head, t.tma_batch)),
+    Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, batch)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
-    Tensor gV = local_tile(domain_offset(make_coord(t.k_row0, _0{}), mV(_, _, t.kv_head, t.tma_batch)),
+    Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, batch)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, dv, n)
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});  // (M, d)
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
@@ -232,10 +234,12 @@ struct FwdMainloop {
     // Rows of this key tile past seqlen_k hold the next sequence's V (varlen) or unused rows
     // (seqused_k). Their P is 0, but 0 · Inf or NaN is NaN: they are zeroed before the first P·V
     // reads them. Dense calls read zeros there (past the tensor's extent).
-    const int kv_valid = t.seqlen_k - n * kBlockN;
-    if ((params.p.is_varlen() || params.p.seqused_k != nullptr) && kv_valid < kBlockN) {
-      v_pipe.consumer_wait(v_st);
-      zero_v_rows_from(ss, v_st.index, kv_valid, thread);
+    if constexpr (Traits::kVarlen) {
+      const int kv_valid = t.seqlen_k - n * kBlockN;
+      if (kv_valid < kBlockN) {
+        v_pipe.consumer_wait(v_st);
+        zero_v_rows_from(ss, v_st.index, kv_valid, thread);
+      }
     }
 
     for (--n; n >= t.n_block_min; --n) {

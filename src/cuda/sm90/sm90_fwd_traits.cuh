@@ -23,7 +23,9 @@ using namespace cute;
 // kBlockM query rows per CTA, 64 per consumer warpgroup; kBlockN keys per pipeline stage.
 // kPingPong: the consumer warpgroups take turns to issue their products (FwdMainloop::turn_begin).
 // kScoreMod: softcap and ALiBi compiled in (device::TileScoreMod on each score tile).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_>
+// kVarlen: varlen batches or seqused_k (tiles offset by cu_seqlens; V rows past the keys zeroed).
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_,
+          bool kVarlen_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -32,6 +34,7 @@ struct FwdTraits {
   static constexpr int kStages = kStages_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kScoreMod = kScoreMod_;
+  static constexpr bool kVarlen = kVarlen_;
 
   static constexpr int kRowsPerWarpgroup = 64;  // the M of one wgmma
   static constexpr int kConsumerWarpgroups = kBlockM / kRowsPerWarpgroup;
