@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -17,6 +18,8 @@
 #include "api/validate.h"
 #include "common/params.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/device_query.h"
+#include "cuda/sm90/sm90_registry.h"
 #include "cuda/sm80/sm80_registry.h"
 #include "cuda/sm80/sm80_smem.h"
 #include "test_util.h"
@@ -32,6 +35,32 @@ inline bool gpu_available(std::string* why) {
     return false;
   }
   return true;
+}
+
+// Whether this GPU and build run the sm90 family; otherwise why not.
+inline bool sm90_available(std::string* why) {
+  if (!gpu_available(why)) return false;
+  if (flashattn::cuda::current_compute_capability() != 90) {
+    *why = "the sm90 family needs a compute capability 9.0 GPU";
+    return false;
+  }
+  using flashattn::cuda::sm90::compiled_head_dims;
+  using flashattn::cuda::sm90::Family;
+  if (compiled_head_dims(Family::fwd, flashattn::common::Storage::bf16) == "none" &&
+      compiled_head_dims(Family::fwd, flashattn::common::Storage::f16) == "none") {
+    *why = "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90a)";
+    return false;
+  }
+  return true;
+}
+
+// The kernel families this GPU and build run (FLASHATTN_CUDA_FAMILY values), for tests that check
+// each of them; why sm90 is missing, where it is, goes to the test's output.
+inline std::vector<const char*> families_here() {
+  std::string why;
+  if (sm90_available(&why)) return {"sm80", "sm90"};
+  std::printf("NOT RUN on the sm90 family: %s\n", why.c_str());
+  return {"sm80"};
 }
 
 #define FA_SKIP_WITHOUT_GPU()                                                         \

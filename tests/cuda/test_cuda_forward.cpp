@@ -102,55 +102,60 @@ TEST_P(CudaForward, DropoutMatchesReference) {
 
 // With v the identity (sk == dv), out[i, j] = keep_ij · p_ij / (1 − p): the kept set is exactly
 // the non-zero outputs, compared bit for bit with src/common's dropout_keep — the function the
-// CPU backends use. Also: seed/offset read from device memory give the same result.
+// CPU backends use. Also: seed/offset read from device memory give the same result. Once per
+// kernel family this GPU runs.
 TEST_P(CudaForward, DropoutMaskIsBitExact) {
   FA_SKIP_WITHOUT_GPU();
-  for (int n : {64, 128, 256}) {
-    AttnConfig cfg = base(n, 100, n);
-    cfg.heads = 4;
-    cfg.heads_k = 1;
-    cfg.qk_amplitude = 0.5f;  // p_ij ≈ 1/n: far from underflow in either dtype
-    cfg.opt.dropout_p = 0.3f;
-    cfg.opt.dropout_seed = 0xfeedface12345678ull;
-    cfg.opt.dropout_offset = 1000;
-    AttnProblem p = make_problem(cfg);
-    p.v.for_each_index([&](const Index& ix) { p.v.set(ix, ix[1] == ix[3] ? 1.0f : 0.0f); });
-    SCOPED_TRACE(describe(p.cfg));
-    const ForwardResult r = run_cuda_forward(p);
-    EXPECT_TRUE(check_forward(p, r));
-    if (r.not_run) continue;  // a restricted build (skip recorded)
+  for (const char* family : families_here()) {
+    SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family);
+    const FamilyOverride forced(family);
+    for (int n : {64, 128, 256}) {
+      AttnConfig cfg = base(n, 100, n);
+      cfg.heads = 4;
+      cfg.heads_k = 1;
+      cfg.qk_amplitude = 0.5f;  // p_ij ≈ 1/n: far from underflow in either dtype
+      cfg.opt.dropout_p = 0.3f;
+      cfg.opt.dropout_seed = 0xfeedface12345678ull;
+      cfg.opt.dropout_offset = 1000;
+      AttnProblem p = make_problem(cfg);
+      p.v.for_each_index([&](const Index& ix) { p.v.set(ix, ix[1] == ix[3] ? 1.0f : 0.0f); });
+      SCOPED_TRACE(describe(p.cfg));
+      const ForwardResult r = run_cuda_forward(p);
+      EXPECT_TRUE(check_forward(p, r));
+      if (r.not_run) continue;  // a restricted build (skip recorded)
 
-    c::DropoutParams dp;
-    dp.seed = cfg.opt.dropout_seed;
-    dp.offset = cfg.opt.dropout_offset;
-    dp.keep_threshold = c::dropout_keep_threshold(cfg.opt.dropout_p);
-    std::int64_t mismatches = 0, kept = 0, total = 0;
-    for (int b = 0; b < cfg.batch; ++b) {
-      for (int h = 0; h < cfg.heads; ++h) {
-        const std::uint64_t stream = std::uint64_t(b) * cfg.heads + h;
-        for (int i = 0; i < cfg.seqlen_q; ++i) {
-          for (int j = 0; j < n; ++j) {
-            const bool gpu_kept = r.out.get({b, i, h, j}) != 0.0f;
-            const bool keep = c::dropout_keep(dp, stream, i, j);
-            mismatches += gpu_kept != keep;
-            kept += keep;
-            ++total;
+      c::DropoutParams dp;
+      dp.seed = cfg.opt.dropout_seed;
+      dp.offset = cfg.opt.dropout_offset;
+      dp.keep_threshold = c::dropout_keep_threshold(cfg.opt.dropout_p);
+      std::int64_t mismatches = 0, kept = 0, total = 0;
+      for (int b = 0; b < cfg.batch; ++b) {
+        for (int h = 0; h < cfg.heads; ++h) {
+          const std::uint64_t stream = std::uint64_t(b) * cfg.heads + h;
+          for (int i = 0; i < cfg.seqlen_q; ++i) {
+            for (int j = 0; j < n; ++j) {
+              const bool gpu_kept = r.out.get({b, i, h, j}) != 0.0f;
+              const bool keep = c::dropout_keep(dp, stream, i, j);
+              mismatches += gpu_kept != keep;
+              kept += keep;
+              ++total;
+            }
           }
         }
       }
-    }
-    EXPECT_EQ(mismatches, 0) << "of " << total << " elements";
-    EXPECT_NEAR(double(kept) / double(total), 0.7, 0.02);
+      EXPECT_EQ(mismatches, 0) << "of " << total << " elements";
+      EXPECT_NEAR(double(kept) / double(total), 0.7, 0.02);
 
-    // The same seed and offset from device memory (CUDA-graph capture), the values in the
-    // options zeroed: bit-identical output.
-    const std::uint64_t rng_state[2] = {cfg.opt.dropout_seed, cfg.opt.dropout_offset};
-    AttnProblem p2 = p;
-    p2.opt.dropout_seed = 0;
-    p2.opt.dropout_offset = 0;
-    const ForwardResult r2 = run_cuda_forward(p2, {}, rng_state);
-    EXPECT_TRUE(bitwise_equal(r.out, r2.out));
-    EXPECT_TRUE(bitwise_equal(r.lse, r2.lse));
+      // The same seed and offset from device memory (CUDA-graph capture), the values in the
+      // options zeroed: bit-identical output.
+      const std::uint64_t rng_state[2] = {cfg.opt.dropout_seed, cfg.opt.dropout_offset};
+      AttnProblem p2 = p;
+      p2.opt.dropout_seed = 0;
+      p2.opt.dropout_offset = 0;
+      const ForwardResult r2 = run_cuda_forward(p2, {}, rng_state);
+      EXPECT_TRUE(bitwise_equal(r.out, r2.out));
+      EXPECT_TRUE(bitwise_equal(r.lse, r2.lse));
+    }
   }
 }
 

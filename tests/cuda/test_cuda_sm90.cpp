@@ -25,21 +25,6 @@ namespace c = flashattn::common;
 namespace fc = flashattn::cuda;
 using flashattn::DType;
 
-// Whether this GPU and build run the sm90 family; otherwise why not.
-bool sm90_available(std::string* why) {
-  if (!gpu_available(why)) return false;
-  if (fc::current_compute_capability() != 90) {
-    *why = "the sm90 family needs a compute capability 9.0 GPU";
-    return false;
-  }
-  if (fc::sm90::compiled_head_dims(fc::sm90::Family::fwd, c::Storage::bf16) == "none" &&
-      fc::sm90::compiled_head_dims(fc::sm90::Family::fwd, c::Storage::f16) == "none") {
-    *why = "this build has no sm90 kernels (CMAKE_CUDA_ARCHITECTURES without 90a)";
-    return false;
-  }
-  return true;
-}
-
 #define FA_SKIP_WITHOUT_SM90()                                     \
   do {                                                             \
     std::string fa_why_;                                           \
@@ -109,10 +94,10 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   c::AttentionParams scored = plain;
   scored.softcap = 30.0f;
   scored.alibi_slopes = slopes;
-  EXPECT_EQ(fc::sm90::fwd_unsupported(scored, 128), "");  // softcap and ALiBi are served
+  scored.dropout_p = 0.1f;
+  EXPECT_EQ(fc::sm90::fwd_unsupported(scored, 128), "");  // softcap, ALiBi and dropout are served
   const std::int32_t seqlens[3] = {0, 100, 256};
   const std::pair<std::function<void(c::AttentionParams&)>, const char*> cases[] = {
-      {[](c::AttentionParams& q) { q.dropout_p = 0.1f; }, "dropout"},
       {[](c::AttentionParams& q) { q.max_seqlen_k = 0; }, "no keys"},
       {[&](c::AttentionParams& q) {
          q.cu_seqlens_q = q.cu_seqlens_k = seqlens;
@@ -190,23 +175,25 @@ TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
     EXPECT_EQ(choice.family, fc::Family::sm80);
   }
 
-  // A feature this family does not have yet: sm80 runs it, and sm90 says why it declined.
-  dp.dropout_p = 0.1f;
+  dp.dropout_p = 0.1f;  // served too (the softcap/ALiBi/dropout kernel)
+  choice = fc::choose_forward_family(dp);
+  EXPECT_EQ(choice.family, fc::Family::sm90) << choice.why_not;
+  dp.dropout_p = 0.0f;
+
+  // A call this family does not serve (no keys: an empty k, whose address may be null, which no
+  // TMA descriptor can describe): sm80 runs it, and sm90 says why it declined.
+  dp.max_seqlen_k = 0;
   choice = fc::choose_forward_family(dp);
   ASSERT_TRUE(choice.served) << choice.why_not;
   EXPECT_EQ(choice.family, fc::Family::sm80);
   int head_dim = 0;
-  EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("dropout"), std::string::npos);
   {
     const FamilyOverride family("sm90");
     choice = fc::choose_forward_family(dp);
     EXPECT_FALSE(choice.served);
-    EXPECT_NE(choice.why_not.find("dropout"), std::string::npos) << choice.why_not;
+    EXPECT_NE(choice.why_not.find("no keys"), std::string::npos) << choice.why_not;
     EXPECT_NE(choice.why_not.find("FLASHATTN_CUDA_FAMILY=sm90"), std::string::npos) << choice.why_not;
   }
-  // No keys (an empty k, whose address may be null): no TMA descriptor can describe it.
-  dp.dropout_p = 0.0f;
-  dp.max_seqlen_k = 0;
   EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("no keys"), std::string::npos);
 }
 
@@ -335,6 +322,29 @@ TEST_P(CudaSm90Forward, ManyTiles) {
         }
       }
     }
+  }
+}
+
+// Dropout (the Philox mask of docs/dropout.md on the wgmma accumulator, checked against the
+// reference's mask; CudaForward.DropoutMaskIsBitExact compares it bit for bit per family), alone
+// and with softcap, ALiBi, the causal mask and a varlen batch (positions from each sequence's
+// start), where its counters must follow each sequence.
+TEST_P(CudaSm90Forward, Dropout) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : dropout_configs(GetParam())) expect_sm90_matches(cfg);
+  for (bool varlen : {false, true}) {
+    AttnConfig cfg = feature_config(GetParam(), 128, 300, 411);
+    cfg.opt.dropout_p = 0.1f;
+    cfg.opt.dropout_seed = 0x0badc0ffee123457ull;
+    cfg.opt.dropout_offset = 77;
+    cfg.opt.softcap = 10.0f;
+    cfg.alibi = Alibi::per_head;
+    cfg.opt.causal = true;
+    if (varlen) {
+      cfg.varlen_q = {300, 17, 129};
+      cfg.varlen_k = {411, 300, 129};
+    }
+    expect_sm90_matches(cfg);
   }
 }
 

@@ -16,13 +16,15 @@ namespace flashattn::cuda::device {
 //                                                        into the exp2 multiplier; out_scale = 1,
 //                                                        mul = scale for a scale too small to divide by)
 //   neither:     raw = dot                               out_scale = scale (the plain path)
-// with slope' = slope / out_scale. Per element: one MUFU.EX2, one reciprocal and three FP ops for
-// the softcap, three FP ops for ALiBi. (The generic ScoreMod took an IEEE division, a precise
-// tanhf and a 64-bit distance converted to float: a third of the plain forward's speed.)
-// tanh(y) = 1 − 2 / (1 + e^{2y}) with the approximate exp2 and reciprocal is within a few units of
-// 2^-23 of tanh, absolutely (|tanh| ≤ 1): far below the bf16/fp16 rounding of P. The distance is an
-// int32 per row (i + sk − sq − col0: every term below 2^31) less a compile-time column offset per
-// element, exact in float below 2^24.
+// with slope' = slope / out_scale. Per element: one MUFU.TANH and one FP op for the softcap, three
+// FP ops for ALiBi. (The generic ScoreMod took an IEEE division, a precise tanhf and a 64-bit
+// distance converted to float: a third of the plain forward's speed. tanh as 1 − 2 / (1 + e^{2y})
+// took two MUFU operations, EX2 and RCP, beside the softmax's EX2 — the unit the forward waits on.)
+// tanh.approx.f32 is within 2^-10.99 of tanh relatively, so the score c · tanh carries at most
+// |s| · 2^-11: a quarter of the bf16 rounding of the score that SPEC §7's naive attention carries
+// (|s| · 2^-9), whose bound is 3× with softcap. The distance is an int32 per row
+// (i + sk − sq − col0: every term below 2^31) less a compile-time column offset per element, exact
+// in float below 2^24.
 struct TileScoreMod {
   bool softcap = false;
   bool alibi = false;
@@ -43,8 +45,9 @@ struct TileScoreMod {
     diag = int(m.diag_offset);
   }
   __device__ __forceinline__ static float tanh(float y) {
-    constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 · log2(e)
-    return 1.0f - __fdividef(2.0f, 1.0f + exp2_ftz(y * kTwoLog2e));
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(y));
+    return t;
   }
   // ALiBi against columns col0 + Δ: base = i + diag − col0, in float once per row, and then
   // raw = mul · x − slope' · |base − Δ| per element.

@@ -34,7 +34,6 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr || p.is_paged()) {
     return "KV caches (cache_seqlens, cache_batch_idx, paged K/V) are not in this family yet";
   }
-  if (p.dropout_p > 0.0f) return "dropout is not in this family yet";
   // A TMA descriptor needs every extent ≥ 1 (and an empty tensor may have no address at all).
   const bool varlen = p.is_varlen();
   const std::int64_t rows_q = varlen ? p.total_q : p.max_seqlen_q;

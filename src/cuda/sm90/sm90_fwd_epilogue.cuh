@@ -31,7 +31,7 @@ struct FwdEpilogue {
     Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));  // (rows, cols)
     constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
     float lse[kRows];
-    softmax.finalize(acc_o_rc, lse);
+    softmax.finalize(acc_o_rc, lse, Traits::kScoreMod && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f);
 
     const int m_start = t.m_block * kBlockM;
     Tensor c_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));

@@ -31,7 +31,7 @@ auto gmem_rows(const common::RowHeadTensor& t, int rows, int cols, int heads, in
 
 // One launch of the kernel of Traits: TMA descriptors, shared memory, the persistent grid.
 template <class Traits>
-cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
+cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
   FwdParams<Traits> params;
   params.p = p;
@@ -53,6 +53,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
                                take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.scale_log2 = p.softmax_scale * device::kLog2e;
+  params.rng_state = rng_state;
   params.snake = fwd_snake_walk() && (p.causal || p.window_left >= 0 || p.window_right >= 0);
 
   auto* kernel = &fwd_kernel<Traits>;
@@ -64,8 +65,8 @@ cudaError_t launch_fwd(const common::AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The variants of one (dtype, head dim): softcap / ALiBi compiled in or not (with them, the
-// warpgroups take turns at d ≤ 128: fwd_pingpong), dense or varlen (seqused_k included) — the
+// The variants of one (dtype, head dim): softcap / ALiBi / dropout compiled in or not (with them,
+// the warpgroups take turns at d ≤ 128: fwd_pingpong), dense or varlen (seqused_k included) — the
 // dense kernels carry none of the varlen code.
 template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen>
 using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
@@ -73,16 +74,15 @@ using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
-  (void)rng_state;  // dropout is not served by this family (fwd_unsupported)
   using Element = typename ElementOf<kStorage>::type;
-  const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
   const bool varlen = p.is_varlen() || p.seqused_k != nullptr;
   if (score_mod) {
-    return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, stream)
-                  : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, stream);
+    return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, rng_state, stream)
+                  : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, rng_state, stream);
   }
-  return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true>>(p, stream)
-                : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, false>>(p, stream);
+  return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true>>(p, rng_state, stream)
+                : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, false>>(p, rng_state, stream);
 }
 
 }  // namespace flashattn::cuda::sm90

@@ -11,6 +11,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/philox.h"
 #include "cuda/device/score_mod.cuh"
 #include "cuda/sm90/sm90_fwd_traits.cuh"
 #include "cuda/sm90/sm90_pipeline.cuh"
@@ -31,6 +32,7 @@ struct FwdParams {
   typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
   typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
   float scale_log2;                    // softmax_scale · log2(e)
+  const std::uint64_t* rng_state;      // dropout's (seed, offset) read at run time, or nullptr
   bool snake;                          // the tile walk (PersistentTileScheduler::index)
 };
 
@@ -193,6 +195,41 @@ struct FwdMainloop {
     [[maybe_unused]] const device::TileScoreMod mod(
         params.p.template score_mod_for<float>(t.batch, t.head, t.seqlen_q, t.seqlen_k), Traits::kScoreMod);
     if constexpr (Traits::kScoreMod) softmax.scale_log2 = mod.out_scale * device::kLog2e;
+    // Dropout (kScoreMod kernels; SPEC §3, docs/dropout.md): after the row sums, which lse
+    // excludes, and before P is rounded; 1 / (1 − p) comes with the final normalisation. One
+    // Philox call per 16 × 16 block of the tile feeds the 8 probabilities this thread holds of it
+    // (rows g, g + 8; columns 2t, 2t + 1, 2t + 8, 2t + 9 of the block: the wgmma accumulator
+    // layout, which the counter layout follows).
+    [[maybe_unused]] common::DropoutParams dropout = params.p.dropout;
+    [[maybe_unused]] const bool use_dropout = Traits::kScoreMod && params.p.dropout_p > 0.0f;
+    if constexpr (Traits::kScoreMod) {
+      if (use_dropout && params.rng_state != nullptr) {
+        dropout.seed = params.rng_state[0];
+        dropout.offset = params.rng_state[1];
+      }
+    }
+    [[maybe_unused]] const std::uint64_t dropout_stream = params.p.dropout_stream(t.batch, t.head);
+    auto apply_dropout = [&](int n) {
+      if constexpr (Traits::kScoreMod) {
+        if (!use_dropout) return;
+        const int i0 = t.m_block * kBlockM + get<0>(c_rc(0, 0));
+        CUTE_UNROLL
+        for (int jb = 0; jb < decltype(size<1>(s_rc))::value / 4; ++jb) {
+          const int j0 = n * kBlockN + get<1>(c_rc(0, 4 * jb));
+          const std::uint32_t bits =
+              common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4, common::dropout_lane(i0, j0));
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            CUTE_UNROLL
+            for (int c = 0; c < 4; ++c) {
+              const int e = common::dropout_element_at(get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0)),
+                                                       get<1>(c_rc(0, 4 * jb + c)) - get<1>(c_rc(0, 4 * jb)));
+              if (!((bits >> e) & 1u)) s_rc(r, 4 * jb + c) = 0.0f;
+            }
+          }
+        }
+      }
+    };
     auto apply_score_mod = [&](int n) {
       if constexpr (Traits::kScoreMod) {
         if (mod.softcap) {
@@ -229,6 +266,7 @@ struct FwdMainloop {
     apply_score_mod(n);
     if (needs_mask(n)) apply_mask(n);
     softmax.template step<true>(s_rc, correction);
+    apply_dropout(n);
     to_p();
     mma_pv.accumulate_ = GMMA::ScaleOut::Zero;  // the first P·V overwrites acc_o
     // Rows of this key tile past seqlen_k hold the next sequence's V (varlen) or unused rows
@@ -255,6 +293,7 @@ struct FwdMainloop {
       apply_score_mod(n);
       if (needs_mask(n)) apply_mask(n);
       softmax.template step<false>(s_rc, correction);
+      apply_dropout(n);
       cute::warpgroup_wait<0>();
       v_pipe.consumer_release(v_st, leader);
       v_st.advance();

@@ -22,7 +22,8 @@ using namespace cute;
 // Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim (d = dv).
 // kBlockM query rows per CTA, 64 per consumer warpgroup; kBlockN keys per pipeline stage.
 // kPingPong: the consumer warpgroups take turns to issue their products (FwdMainloop::turn_begin).
-// kScoreMod: softcap and ALiBi compiled in (device::TileScoreMod on each score tile).
+// kScoreMod: softcap, ALiBi and dropout compiled in (device::TileScoreMod on each score tile, the
+// Philox mask on each probability tile), each taken when the call asks for it.
 // kVarlen: varlen batches or seqused_k (tiles offset by cu_seqlens; V rows past the keys zeroed).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_,
           bool kVarlen_>

@@ -119,10 +119,10 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalises o by the row sums and returns each row's natural-log lse (+∞ and o = 0 for a row
-  // without a visible key, SPEC §2.5).
+  // Normalises o by the row sums (times out_scale: dropout's 1 / (1 − p)) and returns each row's
+  // natural-log lse (+∞ and o = 0 for a row without a visible key, SPEC §2.5).
   template <class O>
-  __device__ __forceinline__ void finalize(O& o, float (&lse)[kRows]) {
+  __device__ __forceinline__ void finalize(O& o, float (&lse)[kRows], float out_scale = 1.0f) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_sum(row_sum[r]);
@@ -130,7 +130,7 @@ struct OnlineSoftmax {
       const bool empty = sum == 0.0f;
       // sum ≥ 1 (the row's max contributes exp2(0)): the MUFU reciprocal and log2 are exact
       // enough here.
-      const float inv = empty ? 0.0f : __fdividef(1.0f, sum);
+      const float inv = empty ? 0.0f : __fdividef(out_scale, sum);
       lse[r] = empty ? device::kInf : (row_max[r] * scale_log2 + __log2f(sum)) * device::kLn2;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o); ++c) o(r, c) *= inv;
