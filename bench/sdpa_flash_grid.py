@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """bench/sdpa_flash_grid.py — PyTorch's FlashAttention-2 (SDPA restricted to the flash backend), and
-with --backends flash,cudnn also cuDNN's fused attention (SDPA's cuDNN backend), on the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16, batch·seqlen =
+with --backends flash,cudnn also cuDNN's fused attention (SDPA's cuDNN backend), and with fa3
+FlashAttention-3 through its `flash_attn_interface` module where it is importable (built by hand;
+q/k/v then (b, s, h, d) contiguous, as flashattn_cuda_bench lays them out), on the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16, batch·seqlen =
 16384 tokens, heads·d = 2048, q/k/v (b, h, s, d) contiguous, CUDA events, median of 30 after 5
 warm-up calls (all enqueued before one synchronisation, so the host's dispatch is not timed); the
 backward is autograd's backward of one forward (retain_graph); backward FLOPs = 2.5 × forward,
@@ -9,10 +11,12 @@ halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
 flashattn_cuda_bench --l2-flush 1 and bench/compare.py do.
 
   python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 [--dropout 0.1] [--l2-flush 1]
-                                  [--backends flash,cudnn] [--passes fwd,bwd] --json torch.json
+                                  [--backends flash,cudnn,fa3] [--passes fwd,bwd] --json torch.json
 """
 
 import argparse
+import contextlib
+import importlib
 import json
 
 import torch
@@ -30,15 +34,24 @@ def main():
     ap.add_argument("--causal", type=ints, default=[0, 1])
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (the forward as well)")
     ap.add_argument("--l2-flush", type=int, choices=(0, 1), default=0, help="clear the L2 before every timed call")
-    ap.add_argument("--backends", default="flash", help="SDPA backends to time, of flash,cudnn")
+    ap.add_argument("--backends", default="flash", help="backends to time, of flash,cudnn (SDPA), fa3")
     ap.add_argument("--passes", default="fwd,bwd", help="of fwd,bwd")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "fa3": None}
     chosen = [b for b in args.backends.split(",") if b]
     unknown = [b for b in chosen if b not in backends]
     if unknown:
         ap.error(f"--backends: unknown {','.join(unknown)} (of {','.join(backends)})")
+    fa3 = None
+    if "fa3" in chosen:
+        if args.dropout > 0:
+            ap.error("--backends fa3: FlashAttention-3 has no dropout")
+        try:
+            fa3 = importlib.import_module("flash_attn_interface")
+        except Exception as e:  # noqa: BLE001 — any import failure means: not timed, and why
+            print(f"fa3 not timed: flash_attn_interface is not importable ({type(e).__name__}: {e})", flush=True)
+            chosen.remove("fa3")
     wanted_passes = set(args.passes.split(","))
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if args.l2_flush else None
     rows = []
@@ -49,14 +62,26 @@ def main():
             q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
             for causal, backend in ((bool(c), be) for c in args.causal for be in chosen):
-                with sdpa_kernel([backends[backend]]):
-                    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
-                                                                           dropout_p=args.dropout)
+                if backend == "fa3":  # (b, s, h, d) contiguous; the first output is out
+                    xs = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
+
+                    def attend(q_, k_, v_, causal=causal):
+                        res = fa3.flash_attn_func(q_, k_, v_, causal=causal)
+                        return res[0] if isinstance(res, tuple) else res
+                else:
+                    xs = [q, k, v, dout]
+
+                    def attend(q_, k_, v_, causal=causal):
+                        return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal,
+                                                                                dropout_p=args.dropout)
+                chosen_kernel = sdpa_kernel([backends[backend]]) if backends[backend] else contextlib.nullcontext()
+                with chosen_kernel:
+                    qx, kx, vx, dx = xs
+                    qg, kg, vg = (t.detach().requires_grad_() for t in (qx, kx, vx))
+                    out = attend(qg, kg, vg)
                     passes = {
-                        "fwd": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                                        dropout_p=args.dropout),
-                        "bwd": lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True),
+                        "fwd": lambda: attend(qx, kx, vx),
+                        "bwd": lambda: torch.autograd.grad(out, (qg, kg, vg), dx, retain_graph=True),
                     }
                     for name, run in passes.items():
                         if name not in wanted_passes:
@@ -77,10 +102,10 @@ def main():
                         torch.cuda.synchronize()
                         ms = sorted(e0.elapsed_time(e1) for e0, e1 in events)[len(events) // 2]
                         flops = (2.5 if name == "bwd" else 1.0) * 4 * b * h * s * s * d / (2 if causal else 1)
-                        rows.append(dict(impl=f"torch_sdpa_{backend}", pass_=name, dtype="bf16", d=d, seqlen=s, batch=b,
+                        rows.append(dict(impl="fa3" if backend == "fa3" else f"torch_sdpa_{backend}", pass_=name, dtype="bf16", d=d, seqlen=s, batch=b,
                                          heads=h, causal=causal, dropout=args.dropout, l2_flush=bool(flush is not None), ms=ms,
                                          tflops=flops / (ms * 1e-3) / 1e12))
-                        print(f"torch sdpa {backend} {name} bf16 d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
+                        print(f"{'' if backend == 'fa3' else 'torch sdpa '}{backend} {name} bf16 d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
                               f"{rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     with open(args.json, "w") as f:
