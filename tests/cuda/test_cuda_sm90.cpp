@@ -132,14 +132,16 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
 TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
   for (int d : {64, 128, 256}) {
     const fc::sm90::FwdTileShape t = fc::sm90::fwd_tile(d);
-    EXPECT_EQ(t.block_m, 128) << d;  // two consumer warpgroups of 64 rows
+    EXPECT_EQ(t.block_m % 64, 0) << d;  // consumer warpgroups of 64 rows: two, or three at d 64
+    EXPECT_LE(t.block_m, d == 64 ? 192 : 128) << d;
     EXPECT_EQ(t.block_n % 16, 0) << d;
     // Q, K and V stages within the 227 KiB of an H100/H200 (the kernel's static_assert says the same).
     EXPECT_LE(2 * (t.block_m * d + 2 * t.stages * t.block_n * d), 227 * 1024) << d;
   }
-  // Turns only in the softcap/ALiBi kernels, and only where two 64-row warpgroups fit beside
-  // their registers (d ≤ 128).
-  static_assert(fc::sm90::fwd_pingpong(64, true) && fc::sm90::fwd_pingpong(128, true));
+  // Turns only in the softcap/ALiBi/dropout kernels, and only where there are two 64-row
+  // warpgroups (d 128; d 64 with its 128-row tile) and registers for them (not d 256).
+  static_assert(fc::sm90::fwd_pingpong(128, true));
+  static_assert(fc::sm90::fwd_pingpong(64, true) == (fc::sm90::fwd_tile(64).block_m == 128));
   static_assert(!fc::sm90::fwd_pingpong(256, true) && !fc::sm90::fwd_pingpong(128, false));
   {
     const EnvOverride unset("FLASHATTN_SM90_FWD_WALK", "");

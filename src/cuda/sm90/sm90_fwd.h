@@ -19,19 +19,32 @@ struct FwdTileShape {
   int block_n;
   int stages;
 };
-// Tiles per head dim (bf16/fp16):
-//   d 64:  128 × 128, 2 stages —  80 KiB (Q 16 + K 32 + V 32)
-//   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64)
-//   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64)
+// Tiles per head dim (bf16/fp16), 64 query rows per consumer warpgroup:
+//   d 64:  192 × 96, 2 stages — 72 KiB (Q 24 + K 24 + V 24) + O 24: three consumer warpgroups at
+//          160 registers (at d 64 the exponentials weigh as much as the products; a third
+//          warpgroup gives the tensor cores another one's products to run meanwhile). 192 × 128
+//          spills 40–92 bytes at 160 registers; 96 keys none. Not yet timed against the 128 × 128
+//          tile it replaces (run C: d 64 0.80–0.86× the best of FA3 and cuDNN from 4k keys):
+//          -DFLASHATTN_SM90_FWD_D64_ROWS=128 builds that one for the comparison.
+//   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
+//   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes
+#ifndef FLASHATTN_SM90_FWD_D64_ROWS
+#define FLASHATTN_SM90_FWD_D64_ROWS 192
+#endif
+inline constexpr int kD64Rows = FLASHATTN_SM90_FWD_D64_ROWS;
+static_assert(kD64Rows == 192 || kD64Rows == 128, "FLASHATTN_SM90_FWD_D64_ROWS is 192 or 128");
 constexpr FwdTileShape fwd_tile(int head_dim) {
-  return head_dim <= 128 ? FwdTileShape{128, 128, 2} : FwdTileShape{128, 64, 2};
+  return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, 96, 2} : FwdTileShape{128, 128, 2})
+                        : (head_dim <= 128 ? FwdTileShape{128, 128, 2} : FwdTileShape{128, 64, 2});
 }
 
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
-// softcap/ALiBi/dropout kernels at d ≤ 128, whose tanh and Philox rounds then run under the other
+// softcap/ALiBi/dropout kernels at d 128 (two consumer warpgroups), whose tanh and Philox rounds then run under the other
 // warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns
 // measured 0.93–1.03× its speed without them, and that variant was removed.
-constexpr bool fwd_pingpong(int head_dim, bool score_mod) { return score_mod && head_dim <= 128; }
+constexpr bool fwd_pingpong(int head_dim, bool score_mod) {
+  return score_mod && head_dim <= 128 && fwd_tile(head_dim).block_m == 128;  // turns pair two warpgroups
+}
 
 // Whether the persistent CTAs walk the tiles of a masked call (causal or a window) as a snake (the
 // default) or plainly (FLASHATTN_SM90_FWD_WALK=plain, read at each call):
