@@ -278,6 +278,9 @@ def worker(rank, args, init_file, out_path):
         torch.set_num_threads(args.threads)
         device = torch.device("cpu")
         backend = "gloo"
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        # All ranks are on this host: loopback needs no resolvable host name (CI containers).
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     r = Rank(rank, world, device)

@@ -12,7 +12,9 @@ one device; gradients flow back to the local q, k, v.
   again with their fp32 dK/dV accumulators one step behind them, so every rank ends up with the
   gradients of its own block. Each (query shard, key block) pair is computed exactly: the
   global causal / sliding-window mask is expressed per block with the library's bottom-right
-  aligned windows on cropped views (blocks that see nothing are skipped).
+  aligned windows on cropped views (blocks that see nothing are skipped), and ALiBi of global
+  distances by the library's ALiBi with the slope's sign chosen per call and the call's lse
+  shifted by a constant (see _alibi_calls).
 - ``ulysses_flash_attn_func``: head parallelism by all-to-all (DeepSpeed-Ulysses). Two
   all-to-alls trade the sequence shard for a head shard, each rank attends over the whole
   sequence for nheads / world heads, and one all-to-all trades back.
@@ -30,17 +32,14 @@ in memory; its communication (world − 1 K/V blocks forward, twice that plus th
 accumulators backward) hides behind the computation when the shards are long enough. Ulysses
 needs nheads % world == 0 (and nheads_k % world == 0 or world % nheads_k == 0), moves less data
 (4 all-to-alls of a shard each way) but cannot overlap them, and supports everything the
-single-device function does — ALiBi and dropout included. Prefer Ulysses when the heads divide
+single-device function does — dropout included. Prefer Ulysses when the heads divide
 across the ranks and the interconnect is fast all-to-all (NVLink within a node); prefer ring
 attention across nodes, for few heads, or for very long sequences.
 
-Not supported by ring attention (each raises NotImplementedError naming the argument):
-``dropout_p > 0`` — the library's dropout mask is a function of the row and column indices
-*within a call* (docs/dropout.md) and the API has no position offset, so a block computed apart
-cannot draw the mask the whole sequence would; ``alibi_slopes`` — the library's ALiBi bias is
-−slope·|i + sk − sq − j| in the call's own indices, and a block whose key offset is not the
-call's sk − sq (every off-diagonal block) cannot express the global distance. Use
-``ulysses_flash_attn_func`` for both.
+Not supported by ring attention: ``dropout_p > 0`` (NotImplementedError) — the library's dropout
+mask is a function of the row and column indices *within a call* (docs/dropout.md) and the API
+has no position offset, so a block computed apart cannot draw the mask the whole sequence would.
+Use ``ulysses_flash_attn_func``, which draws it exactly.
 """
 
 from __future__ import annotations
@@ -228,7 +227,8 @@ def _all_gather_uneven(x, sizes, dim, group):
 # exact: the last cropped row then sees the last cropped column, so the call's diagonal lies in
 # the band. Wider calls (one per query segment, or one for the whole block) are tried first.
 
-_Call = namedtuple("_Call", "r0 r1 c0 c1 wl wr")
+# flip and shift: the ALiBi terms of the call (below); 1 and 0 without ALiBi.
+_Call = namedtuple("_Call", "r0 r1 c0 c1 wl wr flip shift", defaults=(1, 0))
 
 
 def _pair_band(qs, ks, left, right):
@@ -292,9 +292,14 @@ def _bbox(rects):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(q_segments, k_segments, left, right):
+def _plan(q_segments, k_segments, left, right, alibi=False):
     """The library calls (rows, columns, window) that compute exactly the part of the global
-    mask between a rank's query segments and a K/V block's segments; () when it is empty."""
+    mask between a rank's query segments and a K/V block's segments; () when it is empty. With
+    alibi, also the ALiBi bias of global positions (one segment pair per call; see _alibi_calls)."""
+    if alibi:
+        return tuple(call for qs in q_segments for ks in k_segments
+                     for call in _alibi_calls(_rect_of(qs, ks), _pair_band(qs, ks, left, right),
+                                              (qs.start - qs.local) - (ks.start - ks.local)))
     pairs = [(_rect_of(qs, ks), _pair_band(qs, ks, left, right)) for qs in q_segments for ks in k_segments]
     crops = [c for rect, band in pairs if (c := _crop(rect, band)) is not None]
     if not crops:
@@ -334,6 +339,44 @@ def _cropped_calls(rect, band, pairs):
     return _cropped_calls((r0, mid, c0, c1), band, pairs) + _cropped_calls((mid, r1, c0, c1), band, pairs)
 
 
+def _diagonal(rect):
+    """The local j − i of a call's bottom-right aligned diagonal (its sk − sq, shifted)."""
+    r0, r1, c0, c1 = rect
+    return (c1 - c0) - (r1 - r0) + c0 - r0
+
+
+# ALiBi of global positions. In a cell of a segment pair the global distance is |δ − d| (δ = j − i
+# local, d the pair's offset); the library's bias in a call is −slope·|δ − diag| (diag: the call's
+# diagonal). Where d = diag they agree. Elsewhere, a call whose cells all lie on one side of d
+# (sign τ of δ − d) and on one side of diag (sign σ of δ − diag) computes −slope·|δ − d| exactly as
+# the library's bias with the slope multiplied by flip = τ·σ plus the constant slope·shift, shift =
+# τ·(d − diag): a per-row constant, which the softmax leaves alone and which only moves the call's
+# lse (lse += slope·shift; the backward is given lse − slope·shift). A cell band that straddles d or
+# diag is cut there, so every call qualifies. Numerically the shift is exact enough: a large
+# shift means a distant block, whose weight exp(−slope·distance) is negligible.
+
+def _alibi_calls(rect, band, d):
+    crop = _crop(rect, band)
+    if crop is None:
+        return []
+    lo, hi = _clip(band, crop)
+    diag = _diagonal(crop)
+    if d != diag:
+        for cut in (diag, d):
+            if lo < cut < hi:
+                return _alibi_calls(crop, (lo, cut), d) + _alibi_calls(crop, (cut + 1, hi), d)
+    window = _fit(crop, [(crop, band)])
+    if window is None:  # the library's window normalisation; halve the rows (as _cropped_calls)
+        r0, r1, c0, c1 = crop
+        mid = (r0 + r1) // 2
+        return _alibi_calls((r0, mid, c0, c1), band, d) + _alibi_calls((mid, r1, c0, c1), band, d)
+    if d == diag:
+        return [_Call(*crop, *window)]
+    tau = 1 if lo >= d else -1
+    sigma = 1 if lo >= diag else -1
+    return [_Call(*crop, *window, tau * sigma, tau * (d - diag))]
+
+
 def _merge_rows(calls, pairs):
     """Calls on the same columns and adjacent rows, as one call where that is exact."""
     calls = sorted(calls, key=lambda c: (c.c0, c.c1, c.r0))
@@ -355,7 +398,9 @@ def _merge_rows(calls, pairs):
 # One library call of a ring step: rows / cols index the sequence axis (dim 1) of the rank's q and
 # of the K/V block (slices, or index tensors for varlen batches); varlen is None for a batch call,
 # else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of the gathered rows and columns.
-_TensorCall = namedtuple("_TensorCall", "rows cols wl wr varlen")
+# alibi: None without ALiBi; else (flip, shift) of the call (batch), or per gathered sequence
+# (varlen) the tensors (sequence index, flip, shift, rows).
+_TensorCall = namedtuple("_TensorCall", "rows cols wl wr varlen alibi")
 
 
 def _take(x, index):
@@ -385,10 +430,11 @@ class _BatchLayout:
     def block_tokens(self, src):
         return self.lengths[src]
 
-    def calls(self, src, left, right, device):
+    def calls(self, src, left, right, device, alibi):
         plan = _plan(_segments(self.seqlen, self.world, self.rank, self.layout),
-                     _segments(self.seqlen, self.world, src, self.layout), left, right)
-        return [_TensorCall(slice(c.r0, c.r1), slice(c.c0, c.c1), c.wl, c.wr, None) for c in plan]
+                     _segments(self.seqlen, self.world, src, self.layout), left, right, alibi)
+        return [_TensorCall(slice(c.r0, c.r1), slice(c.c0, c.c1), c.wl, c.wr, None,
+                            (c.flip, c.shift) if alibi else None) for c in plan]
 
 
 class _VarlenLayout:
@@ -412,7 +458,7 @@ class _VarlenLayout:
     def block_tokens(self, src):
         return self.lengths[src]
 
-    def calls(self, src, left, right, device):
+    def calls(self, src, left, right, device, alibi):
         # Calls of the same window go into one varlen call; a call whose rows or columns meet
         # those of an earlier call of its sequence goes into a later round, so that no row or
         # column repeats within one varlen call (its results are added by index).
@@ -421,50 +467,75 @@ class _VarlenLayout:
             n = self._len(b)
             placed = {}  # (wl, wr, round) -> this sequence's calls there
             for c in _plan(_segments(n, self.world, self.rank, self.layout),
-                           _segments(n, self.world, src, self.layout), left, right):
+                           _segments(n, self.world, src, self.layout), left, right, alibi):
                 k = 0
                 while any(p.r0 < c.r1 and c.r0 < p.r1 or p.c0 < c.c1 and c.c0 < p.c1
                           for p in placed.get((c.wl, c.wr, k), ())):
                     k += 1
                 placed.setdefault((c.wl, c.wr, k), []).append(c)
                 qs, ks = self.starts[self.rank][b], self.starts[src][b]
-                rounds.setdefault((c.wl, c.wr, k), []).append((qs + c.r0, qs + c.r1, ks + c.c0, ks + c.c1))
+                rounds.setdefault((c.wl, c.wr, k), []).append(
+                    (qs + c.r0, qs + c.r1, ks + c.c0, ks + c.c1, b, c.flip, c.shift))
         calls = []
         for (wl, wr, _), spans in rounds.items():
-            rows = torch.cat([torch.arange(r0, r1) for r0, r1, _, _ in spans])
-            cols = torch.cat([torch.arange(c0, c1) for _, _, c0, c1 in spans])
-            cu_q = torch.tensor([0] + [r1 - r0 for r0, r1, _, _ in spans], dtype=torch.int32).cumsum(0)
-            cu_k = torch.tensor([0] + [c1 - c0 for _, _, c0, c1 in spans], dtype=torch.int32).cumsum(0)
-            varlen = (cu_q.to(torch.int32).to(device), cu_k.to(torch.int32).to(device),
-                      max(r1 - r0 for r0, r1, _, _ in spans), max(c1 - c0 for _, _, c0, c1 in spans))
-            calls.append(_TensorCall(rows.to(device), cols.to(device), wl, wr, varlen))
+            rows = torch.cat([torch.arange(sp[0], sp[1]) for sp in spans])
+            cols = torch.cat([torch.arange(sp[2], sp[3]) for sp in spans])
+            n_rows = torch.tensor([sp[1] - sp[0] for sp in spans])
+            n_cols = torch.tensor([sp[3] - sp[2] for sp in spans])
+            zero = torch.zeros(1, dtype=torch.int64)
+            varlen = (torch.cat((zero, n_rows.cumsum(0))).to(device=device, dtype=torch.int32),
+                      torch.cat((zero, n_cols.cumsum(0))).to(device=device, dtype=torch.int32),
+                      int(n_rows.max()), int(n_cols.max()))
+            terms = None
+            if alibi:
+                terms = (torch.tensor([sp[4] for sp in spans], device=device),
+                         torch.tensor([float(sp[5]) for sp in spans], device=device),
+                         torch.tensor([float(sp[6]) for sp in spans], device=device), n_rows.to(device))
+            calls.append(_TensorCall(rows.to(device), cols.to(device), wl, wr, varlen, terms))
         return calls
 
 
-def _forward_call(q, k, v, call, scale, softcap):
+def _alibi_terms(call, slopes):
+    """(the slopes to give the library call, the shift of its lse (broadcastable to (b, h, n)))
+    for ALiBi slopes (h) or (b, h); (None, None) without ALiBi."""
+    if slopes is None:
+        return None, None
+    if call.varlen is None:
+        flip, shift = call.alibi
+        per_row = slopes if slopes.dim() == 2 else slopes[None]              # (b or 1, h)
+        return (slopes * flip).contiguous(), (per_row * shift)[..., None]
+    seq, flip, shift, n_rows = call.alibi
+    per_seq = slopes if slopes.dim() == 2 else slopes[None].expand(int(seq.max()) + 1, -1)
+    span = per_seq.index_select(0, seq)                                      # (sequences of the call, h)
+    rows_shift = (span * shift[:, None]).repeat_interleave(n_rows, dim=0)   # (n, h)
+    return (span * flip[:, None]).contiguous(), rows_shift.t()[None]
+
+
+def _forward_call(q, k, v, call, scale, softcap, slopes):
     """out (b, n, h, dv) in q's dtype and lse (b, h, n) fp32 of one call (varlen: b = 1)."""
     qc, kc, vc = _take(q, call.rows), _take(k, call.cols), _take(v, call.cols)
     if call.varlen is None:
-        out, lse, _ = _torch_ops.call("fwd", qc, kc, vc, 0.0, scale, False, call.wl, call.wr, softcap, None, None)
+        out, lse, _ = _torch_ops.call("fwd", qc, kc, vc, 0.0, scale, False, call.wl, call.wr, softcap, slopes,
+                                      None)
         return out, lse
     cu_q, cu_k, max_q, max_k = call.varlen
     out, lse, _ = _torch_ops.call("varlen_fwd", qc[0], kc[0], vc[0], cu_q, cu_k, None, max_q, max_k, 0.0, scale,
-                                  False, call.wl, call.wr, softcap, None, None)
+                                  False, call.wl, call.wr, softcap, slopes, None)
     return out[None], lse[None]
 
 
-def _backward_call(dout, q, k, v, out, lse, call, scale, softcap, deterministic):
-    """dq, dk, dv of one call, with the whole row's out and lse (so P and softmax_d are global)."""
+def _backward_call(dout, q, k, v, out, lse, call, scale, softcap, slopes, deterministic):
+    """dq, dk, dv of one call, given the whole row's out and lse (in the call's terms: minus its
+    ALiBi shift), so that P and softmax_d are those of the whole sequence."""
     rows, cols = call.rows, call.cols
     args = (_take(dout, rows), _take(q, rows), _take(k, cols), _take(v, cols), _take(out, rows))
-    lse_rows = (lse[:, :, rows] if isinstance(rows, slice) else lse.index_select(2, rows)).contiguous()
     if call.varlen is None:
-        dq, dk, dv, _ = _torch_ops.call("bwd", *args, lse_rows, 0.0, scale, False, call.wl, call.wr, softcap, None,
+        dq, dk, dv, _ = _torch_ops.call("bwd", *args, lse, 0.0, scale, False, call.wl, call.wr, softcap, slopes,
                                         deterministic, None)
         return dq, dk, dv
     cu_q, cu_k, max_q, max_k = call.varlen
-    dq, dk, dv, _ = _torch_ops.call("varlen_bwd", *(a[0] for a in args), lse_rows[0], cu_q, cu_k, None, max_q,
-                                    max_k, 0.0, scale, False, call.wl, call.wr, softcap, None, deterministic, None)
+    dq, dk, dv, _ = _torch_ops.call("varlen_bwd", *(a[0] for a in args), lse[0], cu_q, cu_k, None, max_q, max_k,
+                                    0.0, scale, False, call.wl, call.wr, softcap, slopes, deterministic, None)
     return dq[None], dk[None], dv[None]
 
 
@@ -564,7 +635,7 @@ class _RingAttention(torch.autograd.Function):
     """q (b, s, h, d), k (b, s, hk, d), v (b, s, hk, dv): this rank's shard (varlen: b = 1)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale, left, right, softcap, deterministic, group):
+    def forward(ctx, q, k, v, layout, scale, left, right, softcap, alibi_slopes, deterministic, group):
         head_dim_v = v.shape[-1]
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         b, s, h, _ = q_p.shape
@@ -580,11 +651,12 @@ class _RingAttention(torch.autograd.Function):
                 incoming = block.new_empty(b * layout.block_tokens((src - 1) % ring.world) * hk * (d + dv))
                 pending = ring.start(block, incoming, _TAG_KV)
             kb, vb = _unpack(block, b, layout.block_tokens(src), hk, d, dv)
-            calls = layout.calls(src, left, right, q.device)
+            calls = [(call, *_alibi_terms(call, alibi_slopes))
+                     for call in layout.calls(src, left, right, q.device, alibi_slopes is not None)]
             steps.append(calls)
-            for call in calls:
-                out, lse = _forward_call(q_p, kb, vb, call, scale, softcap)
-                _merge(acc_out, acc_lse, call.rows, out, lse)
+            for call, slopes, lse_shift in calls:
+                out, lse = _forward_call(q_p, kb, vb, call, scale, softcap, slopes)
+                _merge(acc_out, acc_lse, call.rows, out, lse if lse_shift is None else lse + lse_shift)
             if step + 1 < ring.world:
                 ring.wait(pending)
                 block = incoming
@@ -621,8 +693,12 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = _unpack(block, b, n, hk, d, dv)
             grads = torch.zeros(b * n * hk * (d + dv), dtype=torch.float32, device=q_p.device)
             dk_acc, dv_acc = _unpack(grads, b, n, hk, d, dv)
-            for call in ctx.steps[step]:
-                dq, dk, dv_ = _backward_call(dout_p, q_p, kb, vb, out_p, lse, call, scale, softcap, deterministic)
+            for call, slopes, lse_shift in ctx.steps[step]:
+                rows = call.rows
+                lse_rows = lse[:, :, rows] if isinstance(rows, slice) else lse.index_select(2, rows)
+                lse_rows = (lse_rows if lse_shift is None else lse_rows - lse_shift).contiguous()
+                dq, dk, dv_ = _backward_call(dout_p, q_p, kb, vb, out_p, lse_rows, call, scale, softcap, slopes,
+                                             deterministic)
                 _add_rows(dq_acc, call.rows, dq)
                 _add_rows(dk_acc, call.cols, dk)
                 _add_rows(dv_acc, call.cols, dv_)
@@ -644,20 +720,21 @@ class _RingAttention(torch.autograd.Function):
             ring.wait(pending_grads)
         dk, dv_ = _unpack(grads_in, b, s, hk, d, dv)
         return (dq_acc[..., :head_dim].to(q_p.dtype), dk[..., :head_dim_k].to(k_p.dtype),
-                dv_[..., :head_dim_v].to(v_p.dtype)) + (None,) * 7
+                dv_[..., :head_dim_v].to(v_p.dtype)) + (None,) * 8
 
 
-def _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, layout):
+def _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, layout, batch):
     _check_layout(layout)
     if check_dropout_p(dropout_p) > 0.0:
         raise NotImplementedError(
             "dropout_p: ring attention cannot draw the single-device dropout mask (the library's Philox counter "
             "uses row and column indices within a call, and the API has no position offset); use "
             "ulysses_flash_attn_func, which draws it exactly, or dropout_p=0")
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            "alibi_slopes: ring attention cannot express ALiBi between blocks of different ranks (the library's "
-            "bias uses the distance within a call, with no position offset); use ulysses_flash_attn_func")
+    heads = q.shape[-2]
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device
+                                     or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads))):
+        raise _C.Error(f"alibi_slopes: must be float32 of shape ({heads},) or ({batch}, {heads}) on q's device; got "
+                       f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
     if softcap < 0:
         raise _C.Error(f"softcap: must be ≥ 0; got {softcap}")
     left, right = window_pair(window_size)
@@ -678,18 +755,20 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
 
     q (batch, seqlen_local, nheads, headdim), k/v (batch, seqlen_local, nheads_k, headdim[_v]):
     this rank's shard of one sequence (of q, k and v alike), cut by ``shard(x, layout=layout)``.
-    causal, window_size and softcap apply to global positions, as on one device; GQA/MQA as in
-    flash_attn_func. Returns this rank's out (batch, seqlen_local, nheads, headdim_v), or with
-    return_attn_probs=True (out, softmax_lse (batch, nheads, seqlen_local), None). dropout_p > 0
-    and alibi_slopes raise NotImplementedError (see the module); use ulysses_flash_attn_func.
+    causal, window_size, softcap and alibi_slopes ((nheads,) or (batch, nheads) fp32) apply to
+    global positions, as on one device; GQA/MQA as in flash_attn_func. Returns this rank's out
+    (batch, seqlen_local, nheads, headdim_v), or with return_attn_probs=True (out, softmax_lse
+    (batch, nheads, seqlen_local), None). dropout_p > 0 raises NotImplementedError (see the
+    module); use ulysses_flash_attn_func.
     """
     _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
     scale, left, right, softcap = _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                                  alibi_slopes, layout)
+                                                  alibi_slopes, layout, q.shape[0])
     rank, world = _group_info(group)
     lengths = _gather_lengths(q.shape[1], group, q.device)
     plan = _BatchLayout(lengths, layout, rank, world)
-    out, lse = _RingAttention.apply(q, k, v, plan, scale, left, right, softcap, bool(deterministic), group)
+    out, lse = _RingAttention.apply(q, k, v, plan, scale, left, right, softcap, alibi_slopes, bool(deterministic),
+                                    group)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -715,13 +794,13 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         raise ValueError(f"max_seqlen_q: must be at least the longest sequence of cu_seqlens_q ({longest}); got "
                          f"{max_seqlen_q} and max_seqlen_k {max_seqlen_k}")
     scale, left, right, softcap = _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                                  alibi_slopes, layout)
+                                                  alibi_slopes, layout, len(cu_q) - 1)
     rank, world = _group_info(group)
     plan = _VarlenLayout(cu_q, layout, rank, world)
     if q.shape[0] != plan.lengths[rank]:
         raise ValueError(f"q: rank {rank} holds {q.shape[0]} tokens; layout {layout!r} of cu_seqlens gives it "
                          f"{plan.lengths[rank]} (shard with flashattn.distributed.shard(..., cu_seqlens=...))")
-    out, lse = _RingAttention.apply(q[None], k[None], v[None], plan, scale, left, right, softcap,
+    out, lse = _RingAttention.apply(q[None], k[None], v[None], plan, scale, left, right, softcap, alibi_slopes,
                                     bool(deterministic), group)
     out, lse = out[0], lse[0]
     return (out, lse, None) if return_attn_probs else out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import traceback
 
@@ -33,6 +34,10 @@ CASES = {
     "ring_zigzag_window": dict(fn="ring", layout="zigzag", window=(6, 3)),
     "ring_contiguous_causal_window_softcap": dict(fn="ring", layout="contiguous", causal=True, window=(9, -1),
                                                   softcap=4.0, deterministic=True),
+    "ring_zigzag_causal_alibi": dict(fn="ring", layout="zigzag", causal=True, alibi=True, hk=2),
+    "ring_contiguous_alibi_window_softcap": dict(fn="ring", layout="contiguous", alibi=True, window=(7, 4),
+                                                 softcap=3.0),
+    "ring_varlen_zigzag_alibi": dict(fn="ring_varlen", layout="zigzag", alibi=True, seqlens=[19, 3, 26]),
     "ring_varlen_zigzag_causal": dict(fn="ring_varlen", layout="zigzag", causal=True, seqlens=[13, 1, 29, 8],
                                       hk=2),
     "ring_varlen_contiguous_window": dict(fn="ring_varlen", layout="contiguous", window=(5, 5), seqlens=[22, 0, 17]),
@@ -65,7 +70,10 @@ def run_case(name, case, device):
     k = randn(lead + (c["hk"], c["d"]), dtype, gen, device)
     v = randn(lead + (c["hk"], c["dv"]), dtype, gen, device)
     dout = randn(lead + (c["h"], c["dv"]), dtype, gen, device)
-    alibi = (torch.rand((c["b"], c["h"]), generator=gen) * 0.5).to(device) if c.get("alibi") else None
+    alibi = None
+    if c.get("alibi"):
+        # (b, h) slopes for batches, (h) for varlen batches: both forms are exercised.
+        alibi = (torch.rand((c["h"],) if varlen else (c["b"], c["h"]), generator=gen) * 0.5).to(device)
 
     shard_kw = dict(layout=layout, cu_seqlens=cu) if varlen else dict(layout=layout)
     local = [fd.shard(x, **shard_kw).detach().requires_grad_(x is not dout) for x in (q, k, v, dout)]
@@ -96,7 +104,7 @@ def run_case(name, case, device):
     out_w, dq, dk, dv = whole
     check = dict(causal=causal, window=window, softcap=softcap, grads=(dq, dk, dv), dout=dout)
     if varlen:
-        check_varlen(q, k, v, cu, cu, out_w, lse_whole, max_seqlen_k=max(c["seqlens"]), **check)
+        check_varlen(q, k, v, cu, cu, out_w, lse_whole, max_seqlen_k=max(c["seqlens"]), alibi=alibi, **check)
     else:
         rng_state = None
         if dropout_p > 0:
@@ -113,6 +121,9 @@ def main():
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        # All ranks are on this host: loopback needs no resolvable host name (CI containers).
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     results = {}

@@ -25,7 +25,7 @@ import cp_worker  # noqa: E402
 WORLD_CASES = {
     2: list(cp_worker.CASES),
     4: ["ring_zigzag_causal", "ring_contiguous_causal_window_softcap", "ring_varlen_zigzag_causal",
-        "ulysses_dropout_mqa", "ulysses_zigzag_alibi_window"],
+        "ring_zigzag_causal_alibi", "ring_varlen_zigzag_alibi", "ulysses_dropout_mqa", "ulysses_zigzag_alibi_window"],
 }
 GPU_CASES = ["ring_zigzag_causal", "ring_varlen_zigzag_causal", "ulysses_causal_gqa"]
 WORKER_TIMEOUT_S = 300
@@ -97,10 +97,12 @@ def test_ring_refuses_dropout():
         fd.ring_flash_attn_func(q, k, v, dropout_p=0.1)
 
 
-def test_ring_refuses_alibi():
+def test_ring_checks_alibi_slopes():
     q, k, v = inputs()
-    with pytest.raises(NotImplementedError, match="alibi_slopes: ring attention"):
-        fd.ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match=r"alibi_slopes: must be float32 of shape \(2,\) or \(1, 2\)"):
+        fd.ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="alibi_slopes: must be float32"):
+        fd.ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.float64))
 
 
 def test_bad_layout_and_no_group():

@@ -30,17 +30,29 @@ def positions(length, world, rank, layout):
                           + [np.zeros(0, dtype=np.int64)])
 
 
-def check_plan(length, world, layout, left, right):
+def check_plan(length, world, layout, left, right, alibi=False):
+    """With alibi, also: in every cell a call sees, the library's bias of that call (slope 1 times
+    the call's flip: −flip·|i + sk − sq − j| in the call's indices) plus the call's lse shift is
+    the global bias −|i_g − j_g|."""
     truth = visible(length, length, left, right)
     for rank, src in itertools.product(range(world), repeat=2):
         rows, cols = positions(length, world, rank, layout), positions(length, world, src, layout)
         want = truth[np.ix_(rows, cols)].astype(int)
         got = np.zeros_like(want)
         plan = fd._plan(fd._segments(length, world, rank, layout), fd._segments(length, world, src, layout),
-                        left, right)
+                        left, right, alibi)
         for call in plan:
             assert call.wl >= -1 and call.wr >= -1, call
-            got[call.r0:call.r1, call.c0:call.c1] += library_cells(call)
+            cells = library_cells(call)
+            got[call.r0:call.r1, call.c0:call.c1] += cells
+            if alibi:
+                sq, sk = call.r1 - call.r0, call.c1 - call.c0
+                i, j = np.nonzero(cells)
+                library = -call.flip * np.abs(i + sk - sq - j) + call.shift
+                exact = -np.abs(rows[call.r0 + i] - cols[call.c0 + j])
+                assert np.array_equal(library, exact), (call, rank, src)
+            else:
+                assert (call.flip, call.shift) == (1, 0)
         assert np.array_equal(got, want), (length, world, layout, left, right, rank, src, plan)
         if not want.any():
             assert plan == (), "a block without visible cells is skipped"
@@ -54,13 +66,21 @@ def test_plan_is_the_global_mask(length, world, layout, window):
     check_plan(length, world, layout, *window)
 
 
+@pytest.mark.parametrize("layout", fd.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("length", [7, 33])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (5, 0), (3, 2), (0, -1), (40, 40)])
+def test_alibi_plan_is_the_global_bias(length, world, layout, window):
+    check_plan(length, world, layout, *window, alibi=True)
+
+
 def test_plan_random_windows():
     rng = np.random.default_rng(7)
     for _ in range(60):
         length = int(rng.integers(1, 70))
         world = int(rng.integers(1, 6))
         left, right = (int(x) for x in rng.integers(-1, 30, size=2))
-        check_plan(length, world, str(rng.choice(fd.LAYOUTS)), left, right)
+        check_plan(length, world, str(rng.choice(fd.LAYOUTS)), left, right, alibi=bool(rng.integers(2)))
 
 
 def test_causal_zigzag_steps_are_one_call_each():
@@ -90,7 +110,7 @@ def test_causal_contiguous_skips_later_blocks():
             plan = fd._plan(fd._segments(length, world, rank, "contiguous"),
                             fd._segments(length, world, src, "contiguous"), -1, 0)
             expected = () if src > rank else ((0, 10, 0, 10, -1, 0 if src == rank else -1),)
-            assert tuple(tuple(c) for c in plan) == expected
+            assert tuple(tuple(c)[:6] for c in plan) == expected
 
 
 @pytest.mark.parametrize("layout", fd.LAYOUTS)
