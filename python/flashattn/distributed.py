@@ -774,8 +774,8 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                alibi_slopes=None, deterministic=False, return_attn_probs=False, *, group=None,
-                                layout="contiguous"):
+                                alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+                                *, group=None, layout="contiguous"):
     """flash_attn_varlen_func over a varlen batch whose every sequence is sharded across `group`.
 
     cu_seqlens_q / cu_seqlens_k: the prefix sums of the WHOLE batch ((batch + 1) int32, equal:
@@ -783,8 +783,11 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     nheads_k, headdim[_v]): this rank's tokens, as ``shard(x, cu_seqlens=cu_seqlens_q,
     layout=layout)`` cuts them (``local_cu_seqlens`` gives their boundaries). max_seqlen_q/k are
     checked against cu_seqlens. Returns this rank's out (total_local, nheads, headdim_v), or
-    (out, softmax_lse (nheads, total_local), None).
+    (out, softmax_lse (nheads, total_local), None). block_table (paged K/V) is not supported.
     """
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged K/V is not supported by ring attention (each rank's K/V shard "
+                                  "travels as one contiguous block)")
     _check_inputs((("q", q), ("k", k), ("v", v)), 3, VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
     cu_q, cu_k = _as_list(cu_seqlens_q), _as_list(cu_seqlens_k)
     if cu_q != cu_k:

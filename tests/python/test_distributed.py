@@ -5,6 +5,7 @@ attention refuses and the shard / unshard round trip."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -87,6 +88,18 @@ def test_nccl_gpu(tmp_path):
 # --- refusals, without a process group --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ours,theirs", [(fd.ring_flash_attn_func, flashattn.flash_attn_func),
+                                         (fd.ulysses_flash_attn_func, flashattn.flash_attn_func),
+                                         (fd.ring_flash_attn_varlen_func, flashattn.flash_attn_varlen_func)])
+def test_signatures_extend_flash_attn(ours, theirs):
+    """flash_attn's positional arguments and defaults, in its order, then group= and layout=."""
+    mine = list(inspect.signature(ours).parameters.values())
+    ref = list(inspect.signature(theirs).parameters.values())
+    assert [(p.name, p.default) for p in mine[:len(ref)]] == [(p.name, p.default) for p in ref]
+    assert [(p.name, p.kind) for p in mine[len(ref):]] == [("group", inspect.Parameter.KEYWORD_ONLY),
+                                                            ("layout", inspect.Parameter.KEYWORD_ONLY)]
+
+
 def inputs(s=8, h=2, d=16):
     return [torch.randn(1, s, h, d) for _ in range(3)]
 
@@ -103,6 +116,13 @@ def test_ring_checks_alibi_slopes():
         fd.ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(3))
     with pytest.raises(ValueError, match="alibi_slopes: must be float32"):
         fd.ring_flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.float64))
+
+
+def test_ring_varlen_refuses_block_table():
+    q, k, v = (x[0] for x in inputs())
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="block_table: paged K/V"):
+        fd.ring_flash_attn_varlen_func(q, k, v, cu, cu, 8, 8, block_table=torch.zeros(1, 1, dtype=torch.int32))
 
 
 def test_bad_layout_and_no_group():
