@@ -194,10 +194,18 @@ def _global_rank(group, rank):
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def _comm_device(group, device):
+    """Where the group's backend takes tensors: their own device, except CUDA tensors over a
+    backend without NCCL (gloo), which go through host memory."""
+    if device.type == "cuda" and "nccl" not in str(dist.get_backend(group)).lower():
+        return torch.device("cpu")
+    return device
+
+
 def _gather_lengths(n, group, device):
-    """Every rank's value of the int n (a small all-gather on `device`, as NCCL needs)."""
+    """Every rank's value of the int n (a small all-gather)."""
     world = dist.get_world_size(group)
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    mine = torch.tensor([n], dtype=torch.int64, device=_comm_device(group, device))
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     return [int(t.item()) for t in every]
@@ -208,10 +216,11 @@ def _all_gather_uneven(x, sizes, dim, group):
     longest = max(sizes)
     pad = list(x.shape)
     pad[dim] = longest - x.shape[dim]
-    padded = torch.cat([x, x.new_zeros(pad)], dim=dim).contiguous() if pad[dim] else x.contiguous()
+    padded = torch.cat([x, x.new_zeros(pad)], dim=dim) if pad[dim] else x
+    padded = padded.to(_comm_device(group, x.device)).contiguous()
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded, group=group)
-    return [g.narrow(dim, 0, n) for g, n in zip(gathered, sizes)]
+    return [g.narrow(dim, 0, n).to(x.device) for g, n in zip(gathered, sizes)]
 
 
 # --- the exact mask of one block -------------------------------------------------------------------
@@ -577,40 +586,53 @@ def _compute_only():
 
 
 class _Ring:
-    """P2P to the next rank and from the previous one, in flight while the caller computes. On
-    CUDA the transfers are issued from a stream of their own, which first waits for the work that
-    produced the buffer; the compute stream waits for the transfer only when it needs the data."""
+    """P2P to the next rank and from the previous one, in flight while the caller computes. With
+    NCCL the transfers are issued from a CUDA stream of their own, which first waits for the work
+    that produced the buffer; the compute stream waits for the transfer only when it needs the
+    data. CUDA tensors over gloo travel through host copies (correct, not fast: for tests on one
+    GPU)."""
 
     def __init__(self, group, device):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
         self.next, self.prev = (_global_rank(group, (self.rank + step) % self.world) for step in (1, -1))
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host = _comm_device(group, device) != device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and not self.host else None
         self.device = device
         self.simulate = _SIMULATE_COMMUNICATION
 
     def start(self, send, recv, tag):
-        """Sends `send` to the next rank and receives `recv` from the previous one."""
+        """Sends `send` to the next rank and starts receiving `recv` from the previous one; the
+        handle is for wait()."""
         if self.simulate:
             if recv.shape == send.shape:
                 recv.copy_(send)
-            return []
+            return [], None, None
+        if self.host:
+            send, landing = send.cpu(), torch.empty(recv.shape, dtype=recv.dtype)
+        else:
+            landing = recv
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
+               dist.P2POp(dist.irecv, landing, self.prev, self.group, tag)]
+        copy_back = (landing, recv) if self.host else None
         if self.stream is None:
-            return dist.batch_isend_irecv(ops)
+            # The handle keeps the (host) send buffer alive until the transfer is waited for.
+            return dist.batch_isend_irecv(ops), copy_back, send
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             reqs = dist.batch_isend_irecv(ops)
         # The caching allocator must not hand these buffers out again before the transfer is done.
         send.record_stream(self.stream)
         recv.record_stream(self.stream)
-        return reqs
+        return reqs, None, send
 
-    def wait(self, reqs):
+    def wait(self, handle):
+        reqs, copy_back, _ = handle
         if self.stream is None:
             for r in reqs:
                 r.wait()
+            if copy_back is not None:
+                copy_back[1].copy_(copy_back[0])
             return
         with torch.cuda.stream(self.stream):
             for r in reqs:
@@ -825,6 +847,13 @@ class _SeqHeadExchange:
         self.to_sequence = None if order == sorted(order) else torch.tensor(order, device=device).argsort()
         self.to_ranks = None if self.to_sequence is None else torch.tensor(order, device=device)
 
+    def _all_to_all(self, recv, send, recv_sizes, send_sizes):
+        host = _comm_device(self.group, send.device)
+        landing = recv if host == recv.device else torch.empty(recv.shape, dtype=recv.dtype, device=host)
+        dist.all_to_all_single(landing, send.to(host), recv_sizes, send_sizes, group=self.group)
+        if landing is not recv:
+            recv.copy_(landing)
+
     def to_heads(self, x):
         """x (b, s_local, H, *rest) -> (b, S, H / world, *rest)."""
         b, s, heads = x.shape[:3]
@@ -833,8 +862,7 @@ class _SeqHeadExchange:
         send = x.reshape(b, s, self.world, part, *rest).movedim(2, 0).contiguous()
         recv = x.new_empty((sum(self.lengths) * b * part * _numel(rest),))
         unit = b * part * _numel(rest)
-        dist.all_to_all_single(recv, send.reshape(-1), [n * unit for n in self.lengths], [s * unit] * self.world,
-                               group=self.group)
+        self._all_to_all(recv, send.reshape(-1), [n * unit for n in self.lengths], [s * unit] * self.world)
         pieces = torch.split(recv, [n * unit for n in self.lengths])
         y = torch.cat([p.view(b, n, part, *rest) for p, n in zip(pieces, self.lengths)], dim=1)
         return y if self.to_sequence is None else y.index_select(1, self.to_sequence)
@@ -849,8 +877,7 @@ class _SeqHeadExchange:
         unit = b * part * _numel(rest)
         send = torch.cat([c.reshape(-1) for c in torch.split(y, self.lengths, dim=1)])
         recv = y.new_empty((self.world * s * unit,))
-        dist.all_to_all_single(recv, send, [s * unit] * self.world, [n * unit for n in self.lengths],
-                               group=self.group)
+        self._all_to_all(recv, send, [s * unit] * self.world, [n * unit for n in self.lengths])
         return recv.view(self.world, b, s, part, *rest).movedim(0, 2).reshape(b, s, self.world * part, *rest)
 
 
@@ -969,7 +996,9 @@ def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=F
     rng_state = None
     if dropout_p > 0.0:
         rng_state = _torch_ops.draw_rng_state(q.device)
-        dist.broadcast(rng_state, _global_rank(group, 0), group=group)
+        shared = rng_state.to(_comm_device(group, q.device))
+        dist.broadcast(shared, _global_rank(group, 0), group=group)
+        rng_state = shared.to(q.device)
     kv_repeat = 1 if heads_k % world == 0 else world // heads_k
     out, lse = _UlyssesAttention.apply(q, k, v, exchange, kv_repeat, dropout_p, scale, left, right, float(softcap),
                                        alibi_slopes, bool(deterministic), rng_state)

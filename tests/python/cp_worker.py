@@ -5,7 +5,10 @@ lse, dq, dk, dv back into whole-sequence tensors and checks them against the flo
 the whole sequence with the SPEC §7 rule (torch_checks) — and rank 0 writes {case: "ok" | the
 error} as JSON.
 
-    python cp_worker.py RANK WORLD BACKEND INIT_FILE OUT_JSON CASE[,CASE...]
+    python cp_worker.py RANK WORLD BACKEND DEVICE INIT_FILE OUT_JSON CASE[,CASE...]
+
+DEVICE is cpu, or cuda: with nccl rank r uses GPU r; with gloo every rank uses GPU 0 (CUDA tensors
+through host copies — how one GPU runs the CUDA path).
 """
 
 from __future__ import annotations
@@ -114,13 +117,13 @@ def run_case(name, case, device):
 
 
 def main():
-    rank, world, backend, init_file, out_json, names = sys.argv[1:7]
+    rank, world, backend, device, init_file, out_json, names = sys.argv[1:8]
     rank, world = int(rank), int(world)
     torch.set_num_threads(1)  # the ranks share two cores
-    device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+    if device == "cuda":
+        index = rank if backend == "nccl" else 0
+        torch.cuda.set_device(index)
+        device = f"cuda:{index}"
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         # All ranks are on this host: loopback needs no resolvable host name (CI containers).
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"

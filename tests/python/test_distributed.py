@@ -28,16 +28,17 @@ WORLD_CASES = {
     4: ["ring_zigzag_causal", "ring_contiguous_causal_window_softcap", "ring_varlen_zigzag_causal",
         "ring_zigzag_causal_alibi", "ring_varlen_zigzag_alibi", "ulysses_dropout_mqa", "ulysses_zigzag_alibi_window"],
 }
-GPU_CASES = ["ring_zigzag_causal", "ring_varlen_zigzag_causal", "ulysses_causal_gqa"]
+GPU_CASES = ["ring_zigzag_causal", "ring_zigzag_causal_alibi", "ring_varlen_zigzag_causal", "ring_zigzag_window",
+             "ulysses_causal_gqa", "ulysses_dropout_mqa"]
 WORKER_TIMEOUT_S = 300
 
 
-def launch(world, backend, cases, tmp_path):
+def launch(world, backend, cases, tmp_path, device="cpu"):
     """Runs `world` worker processes; returns {case: "ok" | error text}."""
     init_file = tmp_path / "store"
     out_json = tmp_path / "results.json"
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "cp_worker.py"), str(rank), str(world), backend,
-                               str(init_file), str(out_json), ",".join(cases)],
+                               device, str(init_file), str(out_json), ",".join(cases)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
              for rank in range(world)]
     logs = []
@@ -73,14 +74,28 @@ def test_gloo_cpu(gloo_results, world, case):
     assert result == "ok", result
 
 
-def test_nccl_gpu(tmp_path):
+def require_gpu():
     if not torch.cuda.is_available():
         pytest.skip("not run: no GPU")
     if "cuda" not in flashattn.compiled_backends():
         pytest.skip("not run: a GPU is visible but this build has no CUDA backend (-DFLASHATTN_CUDA=ON)")
+
+
+def test_gpu_gloo_one_device(tmp_path):
+    """CUDA tensors on one GPU: two ranks share GPU 0, their transfers go through host memory
+    over gloo — the kernels, combine and accumulators of the CUDA path, without NCCL."""
+    require_gpu()
+    results = launch(2, "gloo", GPU_CASES, tmp_path, device="cuda")
+    failed = {k: v for k, v in results.items() if v != "ok"}
+    assert not failed, failed
+
+
+def test_gpu_nccl(tmp_path):
+    """Two GPUs over NCCL: the overlapped transfers on their own stream."""
+    require_gpu()
     if torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available():
         pytest.skip(f"not run: NCCL context parallelism needs 2 GPUs, {torch.cuda.device_count()} visible")
-    results = launch(2, "nccl", GPU_CASES, tmp_path)
+    results = launch(2, "nccl", GPU_CASES, tmp_path, device="cuda")
     failed = {k: v for k, v in results.items() if v != "ok"}
     assert not failed, failed
 
