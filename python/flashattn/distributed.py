@@ -424,6 +424,19 @@ def _add_rows(acc, index, x):
         acc.index_add_(1, index, x.to(acc.dtype))
 
 
+def _shard_lengths(local, seqlen, layout, rank, world, group, device):
+    """Every rank's token count: from the whole sequence's length when the caller gives it, else
+    by an all-gather of the local counts (on CUDA that waits for the device: one synchronisation
+    per call, which seqlen= saves)."""
+    if seqlen is None:
+        return _gather_lengths(local, group, device)
+    lengths = [sum(s.length for s in _segments(int(seqlen), world, p, layout)) for p in range(world)]
+    if lengths[rank] != local:
+        raise ValueError(f"seqlen: layout {layout!r} of a {seqlen}-token sequence gives rank {rank} {lengths[rank]} "
+                         f"tokens; q holds {local}")
+    return lengths
+
+
 class _BatchLayout:
     """Batch tensors (b, s, h, d): one sequence, the same shards in every batch row."""
 
@@ -772,7 +785,7 @@ def _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                          softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                         group=None, layout="contiguous"):
+                         group=None, layout="contiguous", seqlen=None):
     """flash_attn_func over a sequence sharded across `group` (default: the world), by ring attention.
 
     q (batch, seqlen_local, nheads, headdim), k/v (batch, seqlen_local, nheads_k, headdim[_v]):
@@ -781,13 +794,14 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     global positions, as on one device; GQA/MQA as in flash_attn_func. Returns this rank's out
     (batch, seqlen_local, nheads, headdim_v), or with return_attn_probs=True (out, softmax_lse
     (batch, nheads, seqlen_local), None). dropout_p > 0 raises NotImplementedError (see the
-    module); use ulysses_flash_attn_func.
+    module); use ulysses_flash_attn_func. seqlen: the whole sequence's length, optional — without
+    it the ranks all-gather their local lengths, which on CUDA synchronises with the device.
     """
     _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
     scale, left, right, softcap = _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                                   alibi_slopes, layout, q.shape[0])
     rank, world = _group_info(group)
-    lengths = _gather_lengths(q.shape[1], group, q.device)
+    lengths = _shard_lengths(q.shape[1], seqlen, layout, rank, world, group, q.device)
     plan = _BatchLayout(lengths, layout, rank, world)
     out, lse = _RingAttention.apply(q, k, v, plan, scale, left, right, softcap, alibi_slopes, bool(deterministic),
                                     group)
@@ -960,14 +974,15 @@ class _UlyssesAttention(torch.autograd.Function):
 
 def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                            group=None, layout="contiguous"):
+                            group=None, layout="contiguous", seqlen=None):
     """flash_attn_func over a sequence sharded across `group`, by all-to-all head parallelism.
 
     Arguments and results as ring_flash_attn_func; in addition alibi_slopes ((nheads,) or (batch,
     nheads) fp32, the same on every rank) and dropout_p > 0 work: the dropout mask is the one a
     single-device call with the same rng_state draws (the [seed, offset] pair is drawn on the
     group's first rank and broadcast). Needs nheads % world == 0, and nheads_k % world == 0 or
-    world % nheads_k == 0 (then each K/V head is repeated world / nheads_k times)."""
+    world % nheads_k == 0 (then each K/V head is repeated world / nheads_k times). seqlen as in
+    ring_flash_attn_func."""
     _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
     _check_layout(layout)
     dropout_p = check_dropout_p(dropout_p)
@@ -990,7 +1005,7 @@ def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=F
     if causal:
         right = 0
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    lengths = _gather_lengths(q.shape[1], group, q.device)
+    lengths = _shard_lengths(q.shape[1], seqlen, layout, rank, world, group, q.device)
     _BatchLayout(lengths, layout, rank, world)  # checks the shard sizes
     exchange = _SeqHeadExchange(lengths, layout, rank, world, group, q.device)
     rng_state = None

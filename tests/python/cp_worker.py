@@ -32,7 +32,7 @@ BATCH = dict(b=2, seqlen=37, h=4, hk=4, d=32, dv=32, dtype="bfloat16")
 CASES = {
     "ring_contiguous_full": dict(fn="ring", layout="contiguous"),
     "ring_contiguous_causal": dict(fn="ring", layout="contiguous", causal=True),
-    "ring_zigzag_causal": dict(fn="ring", layout="zigzag", causal=True),
+    "ring_zigzag_causal": dict(fn="ring", layout="zigzag", causal=True, give_seqlen=True),
     "ring_zigzag_causal_gqa_fp32": dict(fn="ring", layout="zigzag", causal=True, hk=1, dtype="float32", d=24, dv=40),
     "ring_zigzag_window": dict(fn="ring", layout="zigzag", window=(6, 3)),
     "ring_contiguous_causal_window_softcap": dict(fn="ring", layout="contiguous", causal=True, window=(9, -1),
@@ -90,7 +90,7 @@ def run_case(name, case, device):
         longest = max(c["seqlens"])
         out, lse, _ = fd.ring_flash_attn_varlen_func(ql, kl, vl, cu_t, cu_t, longest, longest, **kw)
     elif c["fn"] == "ring":
-        out, lse, _ = fd.ring_flash_attn_func(ql, kl, vl, **kw)
+        out, lse, _ = fd.ring_flash_attn_func(ql, kl, vl, seqlen=c["seqlen"] if c.get("give_seqlen") else None, **kw)
     else:
         out, lse, _ = fd.ulysses_flash_attn_func(ql, kl, vl, **kw)
     assert out.shape == ql.shape[:-1] + (c["dv"],) and out.dtype == dtype

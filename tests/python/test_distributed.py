@@ -107,12 +107,13 @@ def test_gpu_nccl(tmp_path):
                                          (fd.ulysses_flash_attn_func, flashattn.flash_attn_func),
                                          (fd.ring_flash_attn_varlen_func, flashattn.flash_attn_varlen_func)])
 def test_signatures_extend_flash_attn(ours, theirs):
-    """flash_attn's positional arguments and defaults, in its order, then group= and layout=."""
+    """flash_attn's positional arguments and defaults, in its order, then group=, layout= (and
+    seqlen= for batch tensors)."""
     mine = list(inspect.signature(ours).parameters.values())
     ref = list(inspect.signature(theirs).parameters.values())
     assert [(p.name, p.default) for p in mine[:len(ref)]] == [(p.name, p.default) for p in ref]
-    assert [(p.name, p.kind) for p in mine[len(ref):]] == [("group", inspect.Parameter.KEYWORD_ONLY),
-                                                            ("layout", inspect.Parameter.KEYWORD_ONLY)]
+    extra = ["group", "layout"] + (["seqlen"] if ours is not fd.ring_flash_attn_varlen_func else [])
+    assert [(p.name, p.kind) for p in mine[len(ref):]] == [(name, inspect.Parameter.KEYWORD_ONLY) for name in extra]
 
 
 def inputs(s=8, h=2, d=16):
@@ -178,6 +179,14 @@ def test_world_of_one_matches_flash_attn_func(single_rank_group):
     (grad,) = torch.autograd.grad(out, qkv, dout)
     (ref_grad,) = torch.autograd.grad(ref, qkv, dout)
     assert torch.equal(grad, ref_grad)
+
+
+def test_seqlen_must_match_the_shard(single_rank_group):
+    q, k, v = inputs(s=8)
+    with pytest.raises(ValueError, match="seqlen: layout 'zigzag' of a 9-token sequence gives rank 0 9 tokens; q "
+                                         "holds 8"):
+        fd.ring_flash_attn_func(q, k, v, layout="zigzag", seqlen=9)
+    assert torch.equal(fd.ring_flash_attn_func(q, k, v, seqlen=8), fd.ring_flash_attn_func(q, k, v))
 
 
 def test_shard_unshard_round_trip(single_rank_group):
