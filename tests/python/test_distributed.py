@@ -1,7 +1,8 @@
 """flashattn.distributed across processes: 2 and 4 ranks of a gloo process group on the CPU (and,
-where two GPUs are visible, 2 ranks over NCCL), each case checked against the float64 attention
-of the whole sequence with the SPEC §7 rule (see cp_worker.py), plus the arguments that ring
-attention refuses and the shard / unshard round trip."""
+where a GPU is visible, 2 ranks with CUDA tensors sharing it over gloo, and 2 GPUs over NCCL),
+each case checked against the float64 attention of the whole sequence with the SPEC §7 rule (see
+cp_worker.py); plus the signatures, the arguments ring attention refuses, a group of one against
+flash_attn_func, and the shard / unshard helpers."""
 
 from __future__ import annotations
 
