@@ -24,7 +24,7 @@ one device; gradients flow back to the local q, k, v.
 Layouts. ``layout="contiguous"`` gives rank r the r-th of world consecutive chunks.
 ``layout="zigzag"`` cuts the sequence into 2·world chunks and gives rank r chunks r and
 2·world − 1 − r, so that under a causal mask every rank has the same amount of work (with
-contiguous shards the last rank computes world times as much as the first). Lengths need not
+contiguous shards the last rank computes 2·world − 1 times as much as the first). Lengths need not
 divide: chunk i of n chunks of a length-L sequence has L // n + (i < L % n) tokens.
 
 Which to pick: ring attention works for any head count and keeps only two K/V blocks per rank
