@@ -646,6 +646,36 @@ def run_setup_lines(runs) -> list:
     return out
 
 
+def context_parallel_section() -> list:
+    """How to run bench/context_parallel.py (its JSON is not part of this report yet)."""
+    return [
+        "## Context parallelism (bench/context_parallel.py)", "",
+        "Not measured on GPUs yet: no multi-GPU run of this benchmark has been made. CI runs it end to end on "
+        "two CPU ranks over gloo with tiny shapes (`tests/python/test_bench_context_parallel.py`), which checks "
+        "that it works, not how fast it is.", "",
+        "`bench/context_parallel.py` starts `--world` processes on one host (one GPU each over NCCL, or CPU "
+        "processes over gloo with `--device cpu`) and times, forward and forward+backward, flashattn's ring "
+        "attention (`flashattn.distributed.ring_flash_attn_func`, zigzag shards by default, `--layout`), its "
+        "Ulysses all-to-all (`ulysses_flash_attn_func`), the whole sequence on one device "
+        "(`flashattn.flash_attn_func`), and PyTorch's context-parallel SDPA "
+        "(`torch.distributed.tensor.experimental.context_parallel`) where it runs (on the CPU it does not: "
+        "its SDPA has no CPU sharding rule, and the JSON keeps that reason). Per method: the median of the "
+        "slowest rank's time, tokens/s and TFLOP/s per device (FlashAttention's FLOP convention), peak CUDA "
+        "memory per device, and the largest difference of the gathered output from the single-device one. "
+        "For the ring it also times the same calls with every transfer replaced by a local copy "
+        "(compute-only) and the transfers alone (comm-only); total − compute-only is the communication left "
+        "exposed, and 1 − exposed ÷ comm-only the fraction hidden behind the computation.", "",
+        "```bash",
+        "python bench/context_parallel.py --world 8 --seqlen 131072 --heads 32 --head-dim 128 --causal "
+        "--out build/cp",
+        "python bench/context_parallel.py --world 2 --device cpu --seqlen 64 --heads 4 --head-dim 32 "
+        "--repeats 2 --out build/cp   # CPU ranks (what CI runs)",
+        "```", "",
+        "It writes `OUT/context_parallel-<tag>.json` (configuration, device and versions, one entry per "
+        "method and direction, with the reason where a method did not run).", "",
+    ]
+
+
 def report(runs, img_files, img_link, earlier=()) -> str:
     """earlier: (link, what) pairs — reports of earlier runs that hold cases these runs do not."""
     cases = merged_cases(runs)
@@ -682,7 +712,7 @@ def report(runs, img_files, img_link, earlier=()) -> str:
         out += ["## Plots", ""] + [f"![{name[:-4]}]({img_link}/{name})" for name in img_files] + [""]
     out += grid_section(cases) + features_section(cases) + decode_section(runs, cases) + decode_graph_section(cases)
     out += memory_section(cases)
-    out += cpu_section(runs, cases) + cpp_section(runs, cases)
+    out += cpu_section(runs, cases) + cpp_section(runs, cases) + context_parallel_section()
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -442,6 +442,18 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rota
     )
 
 
+# --- combine -----------------------------------------------------------------------------------
+
+
+def combine(out_partial: Tensor, lse_partial: Tensor, out: Tensor, lse: Optional[Tensor] = None) -> None:
+    """The core's combine, in place: merges partial results over disjoint key sets.
+    out_partial (splits, b, sq, h, dv) fp32 and lse_partial (splits, b, h, sq) fp32 contiguous ->
+    out (b, sq, h, dv) of any float dtype (last dim contiguous) and lse (b, h, sq) fp32
+    contiguous. A split whose lse is not finite (a row that saw no key there) counts for nothing.
+    Not differentiable (no autograd history is recorded)."""
+    _call(_C.combine, out_partial.detach(), lse_partial.detach(), out, lse, stream=_stream(out_partial.device))
+
+
 # --- direct calls ------------------------------------------------------------------------------
 
 _IMPLS = {"fwd": _fwd, "bwd": _bwd, "varlen_fwd": _varlen_fwd, "varlen_bwd": _varlen_bwd,

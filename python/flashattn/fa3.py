@@ -131,8 +131,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
                           device=out_partial.device)
     lse = torch.empty((batch, nheads, seqlen), dtype=torch.float32, device=out_partial.device)
     # The core takes lse_partial as (splits, batch, nheads, seqlen).
-    _torch_ops._call(_C.combine, out_partial.detach(), lse_partial.detach().transpose(2, 3).contiguous(), out, lse,
-                     stream=_torch_ops._stream(out_partial.device))
+    _torch_ops.combine(out_partial, lse_partial.transpose(2, 3).contiguous(), out, lse)
     return out, lse.transpose(1, 2)
 
 
