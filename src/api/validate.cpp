@@ -672,6 +672,7 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   p.lse_batch_stride = dims.h * dims.sq;
   p.lse_head_stride = dims.sq;
   p.cache_batch_idx = in.cache_batch_idx.defined() ? int_data(in.cache_batch_idx) : nullptr;
+  p.cache_batches = rows0;
   if (paged) {
     p.block_table = int_data(in.block_table);
     p.block_table_batch_stride = in.block_table.stride[0];

@@ -53,6 +53,7 @@ struct AttentionParams {
   const std::int32_t* cache_batch_idx = nullptr;  // K/V batch row of sequence b
   const std::int32_t* block_table = nullptr;      // (b, blocks_per_seq): paged K/V
   std::int64_t block_table_batch_stride = 0;
+  std::int64_t cache_batches = 0;  // the caches' leading extent: their batches, or pages (0: no cache)
   int page_size = 0;  // rows per page; K/V batch_stride then steps one page
 
   // Semantics.

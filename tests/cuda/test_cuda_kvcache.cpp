@@ -2,11 +2,13 @@
 // appended in place (contiguous, paged with shuffled pages, cache_batch_idx) and rotary embedding
 // (interleaved or not, q at per-row positions under a causal or windowed mask): afterwards the
 // cache is bit for bit what the CPU backend makes of the same inputs, and out/lse pass SPEC §7
-// against the fp64 reference of attention over that cache, per sequence. A workspace that is too
+// against the fp64 reference of attention over that cache, per sequence — once per kernel family
+// this GPU runs (sm90 without paged caches, which it does not serve yet). A workspace that is too
 // small (or misaligned) throws and leaves cache and outputs untouched. Without a GPU every test
 // that needs one skips and says it was not run.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -175,49 +177,57 @@ TEST_P(CudaKvcacheAppend, CacheMatchesCpuAndOutputMatchesReference) {
   const AppendCase& ac = GetParam();
   const auto storage = ac.dtype == DType::f16 ? flashattn::common::Storage::f16 : flashattn::common::Storage::bf16;
   if (!kernel_built(flashattn::cuda::sm80::Family::fwd, storage, ac.d, ac.dv)) return;  // skip recorded
-  const KvcacheCall call(ac);
-
-  // The CPU backend on a deep copy of the cache.
-  Cache cpu_cache = call.cache;
-  cpu_cache.k = call.cache.k.clone();
-  cpu_cache.v = call.cache.v.clone();
-  const ForwardResult cpu = call.make_outputs();
-  flashattn::Options cpu_opt = call.opt;
-  cpu_opt.backend = Backend::cpu;
-  flashattn::forward_kvcache(call.host_inputs(cpu_cache), {cpu.out.tv(), cpu.lse.tv()}, cpu_opt);
-
-  const ForwardResult gpu = call.make_outputs();
-  DeviceCall dc(call, gpu);
-  const std::size_t bytes = dc.workspace_bytes();
-  if (ac.sk_new > 0 || ac.rotary_dim > 0) {
-    EXPECT_GT(bytes, 0u);
-  }
-  dc.run({dc.dev.alloc(bytes), bytes});
-
-  // Every element of both caches (poisoned gaps and spare pages included) equals the CPU's.
-  EXPECT_TRUE(bitwise_equal(call.cache.k, cpu_cache.k)) << "k cache";
-  EXPECT_TRUE(bitwise_equal(call.cache.v, cpu_cache.v)) << "v cache";
-
-  const bool per_row = ac.mask != MaskKind::none;
-  for (int b = 0; b < call.batch(); ++b) {
-    SCOPED_TRACE("sequence " + std::to_string(b));
-    const int cs = call.cached[std::size_t(b)];
-    AttnProblem p = sequence_problem(call.cache, b, cs + ac.sk_new, ac.sq, ac.heads, call.opt);
-    if (ac.rotary_dim > 0) {
-      for (int i = 0; i < ac.sq; ++i) {
-        const int position = cs + (per_row ? i : 0);
-        for (int hh = 0; hh < ac.heads; ++hh) {
-          QRow row{&call.q, &p.q, {b, i, hh, 0}, {0, i, hh, 0}};
-          c::rotate(row, TableRow{&call.cos, position}, TableRow{&call.sin, position}, ac.rotary_dim, ac.interleaved);
-          for (int x = ac.rotary_dim; x < ac.d; ++x) row.set(x, row.get(x));
-        }
-      }
-    } else {
-      call.q.for_each_index([&](const Index& ix) {
-        if (ix[0] == b) p.q.set({0, ix[1], ix[2], ix[3]}, call.q.get(ix));
-      });
+  for (const char* family : families_here()) {
+    SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family);
+    const FamilyOverride forced(family);
+    if (std::string(family) == "sm90" && ac.kind == CacheKind::paged) {
+      std::printf("NOT RUN on the sm90 family: paged caches are not in it yet\n");
+      continue;
     }
-    EXPECT_TRUE(check_forward(p, sequence_outputs(p, gpu.out, gpu.lse, b)));
+    const KvcacheCall call(ac);
+
+    // The CPU backend on a deep copy of the cache.
+    Cache cpu_cache = call.cache;
+    cpu_cache.k = call.cache.k.clone();
+    cpu_cache.v = call.cache.v.clone();
+    const ForwardResult cpu = call.make_outputs();
+    flashattn::Options cpu_opt = call.opt;
+    cpu_opt.backend = Backend::cpu;
+    flashattn::forward_kvcache(call.host_inputs(cpu_cache), {cpu.out.tv(), cpu.lse.tv()}, cpu_opt);
+
+    const ForwardResult gpu = call.make_outputs();
+    DeviceCall dc(call, gpu);
+    const std::size_t bytes = dc.workspace_bytes();
+    if (ac.sk_new > 0 || ac.rotary_dim > 0) {
+      EXPECT_GT(bytes, 0u);
+    }
+    dc.run({dc.dev.alloc(bytes), bytes});
+
+    // Every element of both caches (poisoned gaps and spare pages included) equals the CPU's.
+    EXPECT_TRUE(bitwise_equal(call.cache.k, cpu_cache.k)) << "k cache";
+    EXPECT_TRUE(bitwise_equal(call.cache.v, cpu_cache.v)) << "v cache";
+
+    const bool per_row = ac.mask != MaskKind::none;
+    for (int b = 0; b < call.batch(); ++b) {
+      SCOPED_TRACE("sequence " + std::to_string(b));
+      const int cs = call.cached[std::size_t(b)];
+      AttnProblem p = sequence_problem(call.cache, b, cs + ac.sk_new, ac.sq, ac.heads, call.opt);
+      if (ac.rotary_dim > 0) {
+        for (int i = 0; i < ac.sq; ++i) {
+          const int position = cs + (per_row ? i : 0);
+          for (int hh = 0; hh < ac.heads; ++hh) {
+            QRow row{&call.q, &p.q, {b, i, hh, 0}, {0, i, hh, 0}};
+            c::rotate(row, TableRow{&call.cos, position}, TableRow{&call.sin, position}, ac.rotary_dim, ac.interleaved);
+            for (int x = ac.rotary_dim; x < ac.d; ++x) row.set(x, row.get(x));
+          }
+        }
+      } else {
+        call.q.for_each_index([&](const Index& ix) {
+          if (ix[0] == b) p.q.set({0, ix[1], ix[2], ix[3]}, call.q.get(ix));
+        });
+      }
+      EXPECT_TRUE(check_forward(p, sequence_outputs(p, gpu.out, gpu.lse, b)));
+    }
   }
 }
 

@@ -104,7 +104,17 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
          q.total_q = q.total_k = std::int64_t(1) << 31;
        },
        "2^31"},
-      {[&](c::AttentionParams& q) { q.cache_seqlens = seqlens; }, "KV caches"},
+      {[&](c::AttentionParams& q) {
+         q.block_table = seqlens;
+         q.page_size = 16;
+       },
+       "paged"},
+      {[&](c::AttentionParams& q) {
+         q.cache_seqlens = seqlens;
+         q.cu_seqlens_q = q.cu_seqlens_k = seqlens;
+         q.total_q = q.total_k = 256;
+       },
+       "varlen queries over a KV cache"},
       {[](c::AttentionParams& q) { q.k.row_stride = 0; }, "k: its strides"},
       {[](c::AttentionParams& q) { q.v.head_stride = std::int64_t(1) << 40; }, "v: its strides"},
   };
@@ -127,6 +137,12 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   packed.total_q = packed.total_k = 256;
   packed.q.batch_stride = packed.k.batch_stride = packed.v.batch_stride = 0;
   EXPECT_EQ(fc::sm90::fwd_unsupported(packed, 128), "");
+  // KV caches (not paged): cache_seqlens and cache_batch_idx are served.
+  c::AttentionParams cached = plain;
+  cached.cache_seqlens = seqlens;
+  cached.cache_batch_idx = seqlens;
+  cached.cache_batches = 5;
+  EXPECT_EQ(fc::sm90::fwd_unsupported(cached, 128), "");
 }
 
 TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {

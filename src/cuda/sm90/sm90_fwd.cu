@@ -31,9 +31,9 @@ std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t,
 
 std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   (void)head_dim;
-  if (p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr || p.is_paged()) {
-    return "KV caches (cache_seqlens, cache_batch_idx, paged K/V) are not in this family yet";
-  }
+  if (p.is_paged()) return "paged KV caches are not in this family yet";
+  const bool cache = p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr;
+  if (cache && p.is_varlen()) return "varlen queries over a KV cache are not in this family yet";
   // A TMA descriptor needs every extent ≥ 1 (and an empty tensor may have no address at all).
   const bool varlen = p.is_varlen();
   const std::int64_t rows_q = varlen ? p.total_q : p.max_seqlen_q;
@@ -44,11 +44,12 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (rows_q >= kTmaRowLimit || rows_k >= kTmaRowLimit) return "more than 2^31 − 1 packed rows for a TMA descriptor";
   const std::int64_t element_bytes = 2;
   const int batch = varlen ? 1 : p.batch;
-  for (const auto& [name, t, rows, heads] :
-       {std::tuple<const char*, const common::RowHeadTensor*, std::int64_t, int>{"q", &p.q, rows_q, p.heads},
-        {"k", &p.k, rows_k, p.heads_k},
-        {"v", &p.v, rows_k, p.heads_k}}) {
-    const std::string problem = tma_layout_problem(name, *t, rows, heads, batch, element_bytes);
+  const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
+  for (const auto& [name, t, rows, heads, batches] :
+       {std::tuple<const char*, const common::RowHeadTensor*, std::int64_t, int, int>{"q", &p.q, rows_q, p.heads, batch},
+        {"k", &p.k, rows_k, p.heads_k, batch_k},
+        {"v", &p.v, rows_k, p.heads_k, batch_k}}) {
+    const std::string problem = tma_layout_problem(name, *t, rows, heads, batches, element_bytes);
     if (!problem.empty()) return problem;
   }
   return "";

@@ -35,21 +35,23 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   constexpr int kHeadDim = Traits::kHeadDim;
   FwdParams<Traits> params;
   params.p = p;
-  // Dense: (seqlen, d, heads, batch). Varlen: the packed rows as one batch (FwdTile::q_row0).
+  // Dense: (seqlen, d, heads, batch). Varlen: the packed rows as one batch (FwdTile::q_row0). A
+  // KV cache: (capacity, d, heads_k, the cache's batches).
   const bool varlen = p.is_varlen();
   const int rows_q = varlen ? int(p.total_q) : p.max_seqlen_q;
   const int rows_k = varlen ? int(p.total_k) : p.max_seqlen_k;
   const int batch = varlen ? 1 : p.batch;
+  const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
   params.shape_q = make_shape(rows_q, p.head_dim, p.heads, batch);
-  params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch);
-  params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch);
+  params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch_k);
+  params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch_k);
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.q, rows_q, p.head_dim, p.heads, batch),
                                typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
-  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.k, rows_k, p.head_dim, p.heads_k, batch),
+  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.k, rows_k, p.head_dim, p.heads_k, batch_k),
                                take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                               gmem_rows<Traits>(p.v, rows_k, p.head_dim_v, p.heads_k, batch),
+                               gmem_rows<Traits>(p.v, rows_k, p.head_dim_v, p.heads_k, batch_k),
                                take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.scale_log2 = p.softmax_scale * device::kLog2e;
@@ -76,7 +78,8 @@ template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
   const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
-  const bool varlen = p.is_varlen() || p.seqused_k != nullptr;
+  // Per-sequence key counts or rows: the varlen kernel (also for KV caches).
+  const bool varlen = p.is_varlen() || p.seqused_k != nullptr || p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr;
   if (score_mod) {
     return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, rng_state, stream)
                   : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, rng_state, stream);

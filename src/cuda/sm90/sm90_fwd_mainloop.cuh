@@ -60,12 +60,13 @@ struct FwdMainloop {
     // The sequence's rows, from its first one (a varlen batch: rows of the next sequence follow,
     // read but masked or never written; past the tensor TMA reads zeros).
     const int q_row0 = Traits::kVarlen ? t.q_row0 : 0, k_row0 = Traits::kVarlen ? t.k_row0 : 0;
-    const int batch = Traits::kVarlen ? t.tma_batch : t.batch;
-    Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, t.head, batch)),
+    const int q_batch = Traits::kVarlen ? t.q_tma_batch : t.batch;
+    const int k_batch = Traits::kVarlen ? t.k_tma_batch : t.batch;
+    Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, t.head, q_batch)),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));  // (M, d)
-    Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, batch)),
+    Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, k_batch)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
-    Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, batch)),
+    Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, k_batch)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, dv, n)
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});  // (M, d)
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
@@ -270,7 +271,7 @@ struct FwdMainloop {
     to_p();
     mma_pv.accumulate_ = GMMA::ScaleOut::Zero;  // the first P·V overwrites acc_o
     // Rows of this key tile past seqlen_k hold the next sequence's V (varlen) or unused rows
-    // (seqused_k). Their P is 0, but 0 · Inf or NaN is NaN: they are zeroed before the first P·V
+    // (seqused_k, a KV cache past cache_seqlens). Their P is 0, but 0 · Inf or NaN is NaN: they are zeroed before the first P·V
     // reads them. Dense calls read zeros there (past the tensor's extent).
     if constexpr (Traits::kVarlen) {
       const int kv_valid = t.seqlen_k - n * kBlockN;

@@ -24,7 +24,8 @@ using namespace cute;
 // kPingPong: the consumer warpgroups take turns to issue their products (FwdMainloop::turn_begin).
 // kScoreMod: softcap, ALiBi and dropout compiled in (device::TileScoreMod on each score tile, the
 // Philox mask on each probability tile), each taken when the call asks for it.
-// kVarlen: varlen batches or seqused_k (tiles offset by cu_seqlens; V rows past the keys zeroed).
+// kVarlen: varlen batches, seqused_k or a KV cache (tiles offset by cu_seqlens or in the cache's
+// batch cache_batch_idx[b]; V rows past the keys zeroed).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_,
           bool kVarlen_>
 struct FwdTraits {

@@ -16,10 +16,12 @@ struct FwdTile {
   int seqlen_q;
   int seqlen_k;
   // Where the sequence starts in the tensors TMA reads: its first packed row and its batch index
-  // (varlen: cu_seqlens and batch 0 of one packed batch; dense: row 0 of batch `batch`).
+  // (varlen: cu_seqlens and batch 0 of one packed batch; dense: row 0 of batch `batch`; a KV
+  // cache: row 0 of the cache's batch cache_batch_idx[batch]).
   int q_row0;
   int k_row0;
-  int tma_batch;
+  int q_tma_batch;
+  int k_tma_batch;
   int n_block_min;
   int n_block_max;
   common::Mask mask;
@@ -78,12 +80,13 @@ struct PersistentTileScheduler {
       t.seqlen_q = p.cu_seqlens_q[t.batch + 1] - t.q_row0;
       t.k_row0 = p.cu_seqlens_k[t.batch];
       t.seqlen_k = p.seqused_k ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_row0;
-      t.tma_batch = 0;
+      t.q_tma_batch = t.k_tma_batch = 0;
     } else {
       t.q_row0 = t.k_row0 = 0;
       t.seqlen_q = p.max_seqlen_q;
-      t.seqlen_k = p.seqused_k ? p.seqused_k[t.batch] : p.max_seqlen_k;
-      t.tma_batch = t.batch;
+      t.seqlen_k = p.seqlen_k(t.batch);  // seqused_k, cache_seqlens or all
+      t.q_tma_batch = t.batch;
+      t.k_tma_batch = p.kv_batch(t.batch);
     }
     t.mask = p.mask_for(t.seqlen_q, t.seqlen_k);
     const int m_start = t.m_block * kBlockM;
