@@ -20,7 +20,7 @@ namespace flashattn {
 // lse (h, total_q).
 struct Varlen {
   TensorView cu_seqlens_q;  // (b + 1) int32, prefix sums starting at 0
-  TensorView cu_seqlens_k;  // (b + 1) int32
+  TensorView cu_seqlens_k;  // (b + 1) int32; optional with a paged K/V (ForwardInputs::block_table)
   TensorView seqused_k;     // optional (b) int32: use only the first seqused_k[i] keys
   int max_seqlen_q = 0;
   int max_seqlen_k = 0;
@@ -29,9 +29,16 @@ struct Varlen {
 
 struct ForwardInputs {
   TensorView q;  // (b, sq, h, d)   or varlen (total_q, h, d)
-  TensorView k;  // (b, sk, hk, d)  or varlen (total_k, hk, d)
-  TensorView v;  // (b, sk, hk, dv) or varlen (total_k, hk, dv)
+  TensorView k;  // (b, sk, hk, d)  or varlen (total_k, hk, d)  or paged (num_blocks, page_size, hk, d)
+  TensorView v;  // (b, sk, hk, dv) or varlen (total_k, hk, dv) or paged (num_blocks, page_size, hk, dv)
   Varlen varlen = {};
+  // Paged prefill (varlen calls only; forward only): optional (b, max_blocks_per_seq) int32. Given,
+  // k/v are paged caches and row i lists the pages of sequence i in order (key j of sequence i is
+  // row j % page_size of page block_table[i][j / page_size]). The key count of sequence i is
+  // varlen.seqused_k[i], or cu_seqlens_k[i + 1] − cu_seqlens_k[i] without seqused_k (one of the
+  // two is required; with both, seqused_k[i] must not exceed that difference). Keys are at most
+  // varlen.max_seqlen_k and max_blocks_per_seq · page_size per sequence.
+  TensorView block_table;
 };
 
 struct ForwardOutputs {
