@@ -73,6 +73,12 @@ struct KVCacheInputs {
   TensorView v_new;            // optional (b, sk_new, hk, dv)
   TensorView cache_seqlens;    // optional (b) int32; absent = the whole cache is valid
   TensorView cache_batch_idx;  // optional (b) int32: the cache row of each batch entry
+  // optional (b) int32, left padding: the keys of sequence i start at row cache_leftpad[i] of its
+  // cache row (rows before it are not attended to; 0 ≤ cache_leftpad[i] ≤ cache_seqlens[i]). Needs
+  // cache_seqlens; not with a paged cache. Masks and ALiBi count key positions from that row, so
+  // sequence i has cache_seqlens[i] + sk_new − cache_leftpad[i] keys; k_new is still written at
+  // row cache_seqlens[i] and rotary positions are still cache rows, as in the reference API.
+  TensorView cache_leftpad;
   TensorView block_table;      // optional (b, max_blocks_per_seq) int32: paged cache
   TensorView rotary_cos;       // optional (seqlen_ro, rotary_dim / 2), q's dtype
   TensorView rotary_sin;       // optional, like rotary_cos

@@ -291,6 +291,9 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     a.rotary_interleaved = in.rotary_interleaved;
   }
   const bool q_positions_per_row = common::rotary_q_positions_per_row(p);
+  // Left padding moves where the attention's keys start, not where the append writes (absolute
+  // rows): the params get it after the append.
+  const auto* leftpad = in.cache_leftpad.defined() ? static_cast<const std::int32_t*>(in.cache_leftpad.data) : nullptr;
 
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
@@ -302,6 +305,7 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
     start_index_check(pr, stream.handle);
     cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle);
+    p.k_leftpad = leftpad;
     run_forward(pr, s, opt, stream, workspace_from(workspace, region.bytes));
     finish_index_check(pr, opt, stream.handle);
     return;
@@ -325,6 +329,7 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     p.q = common::contiguous_q(q_rotated.data(), p);
   }
   if (!seqlens_after.empty()) p.cache_seqlens = seqlens_after.data();
+  p.k_leftpad = leftpad;
   run_forward(pr, s, opt, stream);
 }
 

@@ -50,6 +50,10 @@ std::string index_violation_message(const char* api, const common::IndexViolatio
       arg = "block_table", rule = "entry (" + b + ", " + std::to_string(v.entry) + ") is not a page of the cache",
       expected = "0 ≤ x < " + bound;
       break;
+    case IndexRule::cache_leftpad_range:
+      arg = "cache_leftpad", rule = "entry " + b + " must lie in [0, cache_seqlens[" + b + "]]",
+      expected = "0 ≤ x ≤ " + bound;
+      break;
     case IndexRule::paged_keys_past_capacity:
       arg = "block_table",
       rule = "row " + b + " (max_blocks_per_seq · page_size keys) cannot hold the keys of sequence " + b +
@@ -331,6 +335,7 @@ common::IndexBounds kvcache_index_bounds(const KVCacheInputs& in, std::int64_t s
   ib.api = common::IndexApi::forward_kvcache;
   ib.cache_seqlens = in.cache_seqlens.defined() ? int_data(in.cache_seqlens) : nullptr;
   ib.cache_batch_idx = in.cache_batch_idx.defined() ? int_data(in.cache_batch_idx) : nullptr;
+  ib.cache_leftpad = in.cache_leftpad.defined() ? int_data(in.cache_leftpad) : nullptr;
   if (in.block_table.defined()) {
     ib.block_table = int_data(in.block_table);
     ib.block_table_batch_stride = in.block_table.stride[0];
@@ -685,6 +690,13 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   }
   if (in.cache_seqlens.defined()) check_int_vector(c, "cache_seqlens", in.cache_seqlens, dims.b, device);
   if (in.cache_batch_idx.defined()) check_int_vector(c, "cache_batch_idx", in.cache_batch_idx, dims.b, device);
+  if (in.cache_leftpad.defined()) {
+    check_int_vector(c, "cache_leftpad", in.cache_leftpad, dims.b, device);
+    if (paged) c.fail("cache_leftpad", "cannot be combined with a paged cache (block_table)", "none", "a tensor");
+    if (!in.cache_seqlens.defined()) {
+      c.fail("cache_seqlens", "is required with cache_leftpad (the keys lie between the two)", "a (b) int32 tensor", "none");
+    }
+  }
   std::int64_t rotary_dim = 0;
   if (in.rotary_cos.defined() != in.rotary_sin.defined()) {
     c.fail(in.rotary_cos.defined() ? "rotary_sin" : "rotary_cos", "rotary_cos and rotary_sin must be given together", "both or neither", "one");

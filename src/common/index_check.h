@@ -23,6 +23,7 @@ enum class IndexRule : int {
   cache_batch_idx_range,   // cache_batch_idx[b] outside [0, cache rows)
   block_table_range,       // a used block_table entry outside [0, pages)
   paged_keys_past_capacity,  // paged varlen: a sequence's keys exceed its block_table row's pages
+  cache_leftpad_range,     // cache_leftpad[b] outside [0, cache_seqlens[b]]
 };
 
 // Which side a varlen rule is about.
@@ -57,6 +58,7 @@ struct IndexBounds {
   // KV cache: lengths BEFORE the append of seqlen_new keys.
   const std::int32_t* cache_seqlens = nullptr;    // (batch)
   const std::int32_t* cache_batch_idx = nullptr;  // (batch)
+  const std::int32_t* cache_leftpad = nullptr;    // (batch), with cache_seqlens
   // Paged K/V, of a KV-cache call or of a varlen forward (paged prefill).
   const std::int32_t* block_table = nullptr;     // (batch, blocks per sequence)
   std::int64_t block_table_batch_stride = 0;
@@ -140,6 +142,9 @@ FA_HOST_DEVICE IndexViolation check_sequence_indices(const IndexBounds& ib, int 
     len = before + ib.seqlen_new;
     if (before < 0 || len > ib.capacity) {
       return violation(IndexRule::cache_seqlens_range, IndexSide::k, b, b, before, ib.capacity - ib.seqlen_new);
+    }
+    if (ib.cache_leftpad != nullptr && (ib.cache_leftpad[b] < 0 || ib.cache_leftpad[b] > before)) {
+      return violation(IndexRule::cache_leftpad_range, IndexSide::k, b, b, ib.cache_leftpad[b], before);
     }
     const long long rotated_end = before + (ib.seqlen_q > ib.seqlen_new ? ib.seqlen_q : ib.seqlen_new);
     if (ib.rotary_rows >= 0 && rotated_end > ib.rotary_rows) {
