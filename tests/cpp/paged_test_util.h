@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "test_util.h"
@@ -16,6 +17,20 @@ namespace fa_test {
 // Where the key counts of a paged call come from (FA2's public function passes cu_seqlens_k;
 // vLLM passes seqused_k alone; both may be given).
 enum class PagedLengths { seqused_k, cu_seqlens_k, both };
+
+// A varlen configuration: per-sequence query and key lengths, heads, kv heads, head dims (dv 0: = d).
+inline AttnConfig varlen_config(DType dtype, std::vector<int> sq, std::vector<int> sk, int h, int hk, int d,
+                                int dv = 0) {
+  AttnConfig c;
+  c.dtype = dtype;
+  c.varlen_q = std::move(sq);
+  c.varlen_k = std::move(sk);
+  c.heads = h;
+  c.heads_k = hk;
+  c.head_dim = d;
+  c.head_dim_v = dv;
+  return c;
+}
 
 inline const char* lengths_name(PagedLengths l) {
   return l == PagedLengths::seqused_k ? "seqused_k" : l == PagedLengths::cu_seqlens_k ? "cu_seqlens_k" : "both";

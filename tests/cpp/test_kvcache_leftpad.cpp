@@ -8,89 +8,20 @@
 #include <string>
 #include <vector>
 
+#include "leftpad_test_util.h"
 #include "test_util.h"
 
 namespace fa_test {
 namespace {
 
-struct LeftpadCase {
-  DType dtype = DType::bf16;
-  int sq = 3, sk_new = 0, heads = 4, heads_k = 2, d = 64;
-  std::vector<int> seqlens = {20, 7, 33};  // cache_seqlens (before the append)
-  std::vector<int> leftpad = {5, 0, 33};
-  bool causal = true;
-  Alibi alibi = Alibi::none;
-};
-
 void run_leftpad(const LeftpadCase& lc, Backend backend) {
-  const int b = int(lc.seqlens.size());
-  AttnConfig cfg;
-  cfg.dtype = lc.dtype;
-  cfg.heads = lc.heads;
-  cfg.heads_k = lc.heads_k;
-  cfg.head_dim = lc.d;
-  cfg.alibi = lc.alibi;
-  cfg.opt.causal = lc.causal;
-  for (int i = 0; i < b; ++i) {
-    cfg.varlen_q.push_back(lc.sq);
-    cfg.varlen_k.push_back(lc.seqlens[std::size_t(i)] - lc.leftpad[std::size_t(i)] + lc.sk_new);
-  }
-  const AttnProblem p = make_problem(cfg);
-  SCOPED_TRACE(describe(p.cfg) + " sk_new=" + std::to_string(lc.sk_new));
-  const int hk = lc.heads_k, d = lc.d, h = lc.heads;
-  const int capacity = 40;
-  Tensor k_cache(lc.dtype, {b, capacity, hk, d}), v_cache(lc.dtype, {b, capacity, hk, d});  // poison
-  Tensor k_new(lc.dtype, {b, std::max(lc.sk_new, 1), hk, d}), v_new(lc.dtype, {b, std::max(lc.sk_new, 1), hk, d});
-  for (int i = 0; i < b; ++i) {
-    const int row0 = int(p.cu_seqlens_k.get({i})), pad = lc.leftpad[std::size_t(i)];
-    const int cached = lc.seqlens[std::size_t(i)] - pad;
-    for (int j = 0; j < cfg.varlen_k[std::size_t(i)]; ++j)
-      for (int g = 0; g < hk; ++g)
-        for (int e = 0; e < d; ++e) {
-          const float kx = p.k.get({row0 + j, g, e}), vx = p.v.get({row0 + j, g, e});
-          if (j < cached) {
-            k_cache.set({i, pad + j, g, e}, kx);
-            v_cache.set({i, pad + j, g, e}, vx);
-          } else {
-            k_new.set({i, j - cached, g, e}, kx);
-            v_new.set({i, j - cached, g, e}, vx);
-          }
-        }
-  }
-  const Tensor seqlens = Tensor::from_i32(std::vector<std::int32_t>(lc.seqlens.begin(), lc.seqlens.end()));
-  const Tensor leftpad = Tensor::from_i32(std::vector<std::int32_t>(lc.leftpad.begin(), lc.leftpad.end()));
-  const Tensor q = p.q.view(0, {b, lc.sq, h, d}, {lc.sq * p.q.stride()[0], p.q.stride()[0], p.q.stride()[1], 1});
-  flashattn::KVCacheInputs in;
-  in.q = q.tv();
-  in.k_cache = k_cache.tv();
-  in.v_cache = v_cache.tv();
-  in.cache_seqlens = seqlens.tv();
-  in.cache_leftpad = leftpad.tv();
-  if (lc.sk_new > 0) {
-    in.k_new = k_new.tv();
-    in.v_new = v_new.tv();
-  }
-  Tensor out(lc.dtype, {b, lc.sq, h, d});
-  Tensor lse(DType::f32, {b, h, lc.sq});
-  flashattn::Options opt = p.opt;
+  LeftpadCall c = make_leftpad_call(lc);
+  SCOPED_TRACE(describe(c.p.cfg) + " sk_new=" + std::to_string(lc.sk_new));
+  flashattn::Options opt = c.p.opt;
   opt.backend = backend;
-  flashattn::forward_kvcache(in, {out.tv(), lse.tv()}, opt);
-
-  // The result in the varlen problem's layout: out (total_q, h, d), lse (h, total_q).
-  ForwardResult res = make_forward_outputs(p);
-  for (int i = 0; i < b; ++i)
-    for (int r = 0; r < lc.sq; ++r)
-      for (int hh = 0; hh < h; ++hh) {
-        res.lse.set({hh, i * lc.sq + r}, lse.get({i, hh, r}));
-        for (int e = 0; e < d; ++e) res.out.set({i * lc.sq + r, hh, e}, out.get({i, r, hh, e}));
-      }
-  EXPECT_TRUE(check_forward(p, res));
-  // k_new was written at the absolute rows cache_seqlens[i] + t.
-  for (int i = 0; i < b; ++i)
-    for (int t = 0; t < lc.sk_new; ++t)
-      for (int e = 0; e < d; ++e) {
-        ASSERT_EQ(k_cache.get({i, lc.seqlens[std::size_t(i)] + t, 0, e}), k_new.get({i, t, 0, e})) << i << " " << t;
-      }
+  flashattn::forward_kvcache(c.inputs(), {c.out.tv(), c.lse.tv()}, opt);
+  EXPECT_TRUE(check_forward(c.p, c.varlen_result()));
+  EXPECT_TRUE(c.appended_at_cache_seqlens());
 }
 
 TEST(KvcacheLeftpad, MatchesVarlenOracle) {

@@ -38,18 +38,6 @@ void run_paged(const PagedCase& pc, Backend backend) {
   EXPECT_TRUE(check_forward(p, res));
 }
 
-AttnConfig varlen_config(DType dtype, std::vector<int> sq, std::vector<int> sk, int h, int hk, int d, int dv = 0) {
-  AttnConfig c;
-  c.dtype = dtype;
-  c.varlen_q = std::move(sq);
-  c.varlen_k = std::move(sk);
-  c.heads = h;
-  c.heads_k = hk;
-  c.head_dim = d;
-  c.head_dim_v = dv;
-  return c;
-}
-
 // Page sizes 1, 16 and 256 over odd lengths (a sequence shorter than a page, one that spans
 // many, one that ends exactly on a page boundary), with every source of the key counts.
 TEST(PagedPrefill, PageSizesAndLengthSources) {

@@ -20,17 +20,6 @@ namespace {
 
 namespace fa = flashattn;
 
-AttnConfig varlen_config(DType dtype, std::vector<int> sq, std::vector<int> sk, int h, int hk, int d) {
-  AttnConfig c;
-  c.dtype = dtype;
-  c.varlen_q = std::move(sq);
-  c.varlen_k = std::move(sk);
-  c.heads = h;
-  c.heads_k = hk;
-  c.head_dim = d;
-  return c;
-}
-
 struct DeviceCall {
   DeviceArena dev;
   fa::ForwardInputs in;
