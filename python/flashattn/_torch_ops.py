@@ -524,6 +524,13 @@ def call(name: str, *args):
 
 
 
+def _kernel_layout(out: Tensor, head_dim_v: int) -> bool:
+    """Whether the core can write `out` as the op's out: its head dim (no padding sliced off),
+    the last dimension contiguous, 16-byte aligned, the other strides multiples of 8 elements."""
+    return (out.shape[-1] == head_dim_v and out.stride(-1) == 1 and out.data_ptr() % 16 == 0
+            and all(s % 8 == 0 for s in out.stride()[:-1]))
+
+
 def call_into(name: str, out: Optional[Tensor], *args):
     """call(name, *args) for a forward (fwd, varlen_fwd, fwd_kvcache) whose result goes into
     `out`, a flash_attn_* function's out= (None: a new tensor), already checked against the
@@ -535,9 +542,8 @@ def call_into(name: str, out: Optional[Tensor], *args):
     runs as usual and its result is copied into out. Returns the op's values with out first."""
     if out is None:
         return call(name, *args)
-    in_place = (out.shape[-1] == args[2].shape[-1] and out.stride(-1) == 1 and out.data_ptr() % 16 == 0
-                and all(s % 8 == 0 for s in out.stride()[:-1]))
-    if in_place and direct_call_allowed(args + (out,)):
+    # (direct_call_allowed first: under torch.compile it is False, and data_ptr is not traced.)
+    if direct_call_allowed(args + (out,)) and _kernel_layout(out, args[2].shape[-1]):
         result = _IMPLS_INTO[name](out, *args)
         for i in _MUTATED.get(name, ()):
             torch.autograd.graph.increment_version(args[i])

@@ -356,3 +356,44 @@ def test_kvcache_padded_head_dim_appends(device):
     v_packed = torch.cat([v_cache[i, :keys[i]] for i in range(b)])
     check_varlen(q.reshape(b * sq, h, d), k_packed, v_packed, cu([sq] * b, "cpu").tolist(), cu(keys, "cpu").tolist(),
                  out.reshape(b * sq, h, dv), None, max_seqlen_k=capacity, causal=True)
+
+
+# --- the ops: opcheck of the new arguments, torch.compile of a paged call with out= --------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_paged_and_leftpad(device):
+    lq, lk = [3, 6], [20, 9]
+    q, k, v, k_cache, v_cache, table = paged_problem(device, torch.bfloat16, lq, lk, 4, 2, 32, 16, 53)
+    used = torch.tensor(lk, dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.flashattn.varlen_fwd.default,
+                          (q, k_cache, v_cache, cu(lq, device), None, used, max(lq), max(lk), 0.0, 0.2, True, -1, -1,
+                           0.0, None, None, table))
+    g = torch.Generator().manual_seed(54)
+    make = lambda *s: randn(s, torch.float16, device, g)  # noqa: E731
+    q, kc, vc, kn, vn = make(2, 3, 4, 32), make(2, 16, 2, 32), make(2, 16, 2, 32), make(2, 2, 2, 32), make(2, 2, 2, 32)
+    seqlens = torch.tensor([3, 7], dtype=torch.int32, device=device)
+    leftpad = torch.tensor([1, 7], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.flashattn.fwd_kvcache.default,
+                          (q, kc, vc, kn, vn, seqlens, None, None, None, None, None, 0.17, True, -1, -1, 0.0, True, 0,
+                           leftpad))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_paged_prefill_with_out(device):
+    """The vLLM-style call traced whole by torch.compile (fullgraph): the same result as eager,
+    written into out."""
+    lq, lk = [4, 1], [30, 17]
+    q, k, v, k_cache, v_cache, table = paged_problem(device, torch.float16, lq, lk, 4, 2, 32, 16, 55)
+    used = torch.tensor(lk, dtype=torch.int32, device=device)
+    cq = cu(lq, device)
+
+    def step(q, out):
+        return flashattn.flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cq, max_seqlen_q=4,
+                                                seqused_k=used, max_seqlen_k=30, causal=True, block_table=table)
+
+    eager = step(q, torch.empty_like(q)).clone()
+    out = torch.full_like(q, float("nan"))
+    with torch.no_grad():
+        torch.compile(step, fullgraph=True)(q, out)
+    assert torch.equal(out, eager)
