@@ -392,7 +392,10 @@ void check_paged_kv(const Checker& c, const TensorView& k, const TensorView& v, 
   const std::int64_t pages = k.shape[0], page_size = k.shape[1];
   c.shape("k", k, {pages, page_size, hk, d});
   c.shape("v", v, {pages, page_size, hk, dv});
-  if (page_size <= 0) c.fail("k", "page size (dimension 1 of a paged cache) must be positive", "≥ 1", std::to_string(page_size));
+  if (page_size <= 0 || page_size > kMaxSeqlen) {
+    c.fail("k", "page size (dimension 1 of a paged cache) must be positive and at most 2^30", "1 to 2^30",
+           std::to_string(page_size));
+  }
   const std::int64_t capacity = block_table.shape[1] * page_size;
   if (capacity > kMaxSeqlen) {
     c.fail("block_table", "keys per sequence (max_blocks_per_seq · page_size) must be at most 2^30",
