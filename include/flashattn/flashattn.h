@@ -20,7 +20,7 @@ namespace flashattn {
 // lse (h, total_q).
 struct Varlen {
   TensorView cu_seqlens_q;  // (b + 1) int32, prefix sums starting at 0
-  TensorView cu_seqlens_k;  // (b + 1) int32
+  TensorView cu_seqlens_k;  // (b + 1) int32; optional with a paged K/V (ForwardInputs::block_table)
   TensorView seqused_k;     // optional (b) int32: use only the first seqused_k[i] keys
   int max_seqlen_q = 0;
   int max_seqlen_k = 0;
@@ -29,9 +29,16 @@ struct Varlen {
 
 struct ForwardInputs {
   TensorView q;  // (b, sq, h, d)   or varlen (total_q, h, d)
-  TensorView k;  // (b, sk, hk, d)  or varlen (total_k, hk, d)
-  TensorView v;  // (b, sk, hk, dv) or varlen (total_k, hk, dv)
+  TensorView k;  // (b, sk, hk, d)  or varlen (total_k, hk, d)  or paged (num_blocks, page_size, hk, d)
+  TensorView v;  // (b, sk, hk, dv) or varlen (total_k, hk, dv) or paged (num_blocks, page_size, hk, dv)
   Varlen varlen = {};
+  // Paged prefill (varlen calls only; forward only): optional (b, max_blocks_per_seq) int32. Given,
+  // k/v are paged caches and row i lists the pages of sequence i in order (key j of sequence i is
+  // row j % page_size of page block_table[i][j / page_size]). The key count of sequence i is
+  // varlen.seqused_k[i], or cu_seqlens_k[i + 1] − cu_seqlens_k[i] without seqused_k (one of the
+  // two is required; with both, seqused_k[i] must not exceed that difference). Keys are at most
+  // varlen.max_seqlen_k and max_blocks_per_seq · page_size per sequence.
+  TensorView block_table;
 };
 
 struct ForwardOutputs {
@@ -66,6 +73,12 @@ struct KVCacheInputs {
   TensorView v_new;            // optional (b, sk_new, hk, dv)
   TensorView cache_seqlens;    // optional (b) int32; absent = the whole cache is valid
   TensorView cache_batch_idx;  // optional (b) int32: the cache row of each batch entry
+  // optional (b) int32, left padding: the keys of sequence i start at row cache_leftpad[i] of its
+  // cache row (rows before it are not attended to; 0 ≤ cache_leftpad[i] ≤ cache_seqlens[i]). Needs
+  // cache_seqlens; not with a paged cache. Masks and ALiBi count key positions from that row, so
+  // sequence i has cache_seqlens[i] + sk_new − cache_leftpad[i] keys; k_new is still written at
+  // row cache_seqlens[i] and rotary positions are still cache rows, as in the reference API.
+  TensorView cache_leftpad;
   TensorView block_table;      // optional (b, max_blocks_per_seq) int32: paged cache
   TensorView rotary_cos;       // optional (seqlen_ro, rotary_dim / 2), q's dtype
   TensorView rotary_sin;       // optional, like rotary_cos

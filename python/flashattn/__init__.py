@@ -14,7 +14,12 @@ Differences from flash_attn:
 - With return_attn_probs=True the third value (S_dmask) is None: the fused kernels never
   materialise the attention probabilities.
 - softmax_lse is not differentiable (as in flash_attn); gradients flow through out only.
-- cache_leftpad and block_table in varlen mode raise NotImplementedError.
+- out= (every function): the result is written into the caller's tensor, which is returned; it
+  must have the result's shape, q's dtype and device (checked before anything runs, so a refused
+  out is never written), and the call must not record autograd history.
+- flash_attn_varlen_func also takes, as vLLM's version does, seqused_k, return_softmax_lse and a
+  paged K/V through block_table (forward only); cu_seqlens_k and the max_seqlen values may then
+  be passed by keyword, cu_seqlens_k left out when seqused_k gives the key counts.
 - Dropout seeds come from PyTorch's default generator of the tensors' device (NumPy: NumPy's
   global generator); see flashattn._torch_ops.draw_rng_state.
 - Window sizes below -1 and a negative softcap are errors here; flashattn.flash_attn_interface
@@ -89,7 +94,8 @@ def _impl(name, x):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    out=None):
     """Attention of q over k, v.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim);
@@ -101,74 +107,89 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope·|i + seqlen_k - seqlen_q - j|.
     deterministic: bitwise reproducible backward.
 
+    out: optional (batch, seqlen_q, nheads, headdim_v) tensor the result is written into (and
+    returned); no autograd through it.
+
     Returns out (batch, seqlen_q, nheads, headdim_v), or with return_attn_probs=True
     (out, softmax_lse (batch, nheads, seqlen_q) float32, None).
     """
     return _impl("q", q).flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                         softcap, alibi_slopes, deterministic, return_attn_probs)
+                                         softcap, alibi_slopes, deterministic, return_attn_probs, out)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, *, out=None):
     """flash_attn_func with q, k, v packed: qkv (batch, seqlen, 3, nheads, headdim), read in place.
     The gradient is one packed dqkv."""
     return _impl("qkv", qkv).flash_attn_qkvpacked_func(
         qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs)
+        return_attn_probs, out)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+                             deterministic=False, return_attn_probs=False, *, out=None):
     """flash_attn_func with k, v packed: kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     return _impl("q", q).flash_attn_kvpacked_func(
         q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs)
+        return_attn_probs, out)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+                           return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           return_softmax_lse=False, out=None):
     """Variable-length sequences packed along the first dimension.
 
     q: (total_q, nheads, headdim); k: (total_k, nheads_k, headdim); v: (total_k, nheads_k,
     headdim_v); cu_seqlens_q/k: (batch + 1,) int32 prefix sums starting at 0; max_seqlen_q/k:
-    the longest sequence. Masks and positions count from each sequence's start.
-    Returns out (total_q, nheads, headdim_v), or (out, softmax_lse (nheads, total_q), None).
-    block_table (paged K/V) is not supported here: use flash_attn_with_kvcache.
+    the longest sequence (required; keywords allow leaving cu_seqlens_k out, see below). Masks and
+    positions count from each sequence's start. seqused_k: (batch,) int32, only the first
+    seqused_k[i] keys of sequence i are used.
+
+    Paged prefill (vLLM's call): with block_table (batch, max_blocks_per_seq) int32, k and v are
+    paged caches (num_blocks, page_size, nheads_k, headdim[_v]) and row i of block_table lists the
+    pages of sequence i in order. The key count of sequence i is seqused_k[i] (vLLM), or its
+    cu_seqlens_k length when seqused_k is None (flash_attn); cu_seqlens_k may be None then. With
+    both, seqused_k[i] may not exceed the cu_seqlens_k length. Forward only (no autograd).
+
+    out: optional (total_q, nheads, headdim_v) tensor the result is written into (and returned);
+    no autograd through it. Returns out, or (out, softmax_lse (nheads, total_q)) with
+    return_softmax_lse=True, or (out, softmax_lse, None) with return_attn_probs=True.
     """
     return _impl("q", q).flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
+        seqused_k, return_softmax_lse, out)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0,
                                      alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, out=None):
     """flash_attn_varlen_func with qkv (total, 3, nheads, headdim) and one cu_seqlens."""
     return _impl("qkv", qkv).flash_attn_varlen_qkvpacked_func(
         qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-        alibi_slopes, deterministic, return_attn_probs)
+        alibi_slopes, deterministic, return_attn_probs, out)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, return_attn_probs=False):
+                                    deterministic=False, return_attn_probs=False, *, out=None):
     """flash_attn_varlen_func with kv (total_k, 2, nheads_k, headdim)."""
     return _impl("q", q).flash_attn_varlen_kvpacked_func(
         q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, out)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None):
     """Decoding / chunked prefill against a KV cache (forward only).
 
     q: (batch, seqlen_q, nheads, headdim). k_cache/v_cache: (batch_cache, seqlen_cache, nheads_k,
@@ -177,12 +198,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are written into the caches IN PLACE at positions cache_seqlens[i] ... (then attended to).
     cache_seqlens: int or (batch,) int32, the valid keys per sequence before the append (None:
     the whole cache). cache_batch_idx: (batch,) int32 cache row of each sequence.
+    cache_leftpad: (batch,) int32 left padding (needs cache_seqlens; not with block_table): the
+    keys of sequence i are cache rows [cache_leftpad[i], cache_seqlens[i] + seqlen_new), with mask
+    and ALiBi positions counted from cache_leftpad[i]; k/v and rotary positions stay cache rows.
     rotary_cos/rotary_sin: (seqlen_ro, rotary_dim / 2); k is rotated at its cache positions, q at
     cache_seqlens + i when causal or windowed, else at cache_seqlens. rotary_interleaved pairs
     dims (0, 1), (2, 3), ... instead of (i, i + rotary_dim / 2). num_splits: split-KV on
-    CUDA (0: heuristic, 1: never split, n: n splits); ignored on the CPU. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
+    CUDA (0: heuristic, 1: never split, n: n splits); ignored on the CPU. Head dims that are not a
+    multiple of 8 work as elsewhere (the caches are then zero-padded copies, and appended rows are
+    copied back into the caller's caches). out: optional (batch, seqlen_q, nheads, headdim_v)
+    tensor the result is written into (and returned). Returns out, or (out, softmax_lse (batch,
+    nheads, seqlen_q)).
     """
     return _impl("q", q).flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-        alibi_slopes, num_splits, return_softmax_lse)
+        alibi_slopes, num_splits, return_softmax_lse, out)

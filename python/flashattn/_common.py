@@ -28,6 +28,7 @@ MAX_HEAD_DIM = 256
 BATCH_LAYOUT = "(batch, seqlen, nheads, headdim)"
 VARLEN_LAYOUT = "(total_tokens, nheads, headdim)"
 KVCACHE_LAYOUT = "(batch, seqlen, nheads, headdim) (paged cache: (num_blocks, page_size, nheads_k, headdim))"
+PAGED_LAYOUT = "(num_blocks, page_size, nheads_k, headdim) (a paged cache, with block_table)"
 
 
 def int_arg(name: str, value, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
@@ -124,9 +125,10 @@ def check_dropout_p(dropout_p) -> float:
     return p
 
 
-def check_no_leftpad(cache_leftpad) -> None:
-    if cache_leftpad is not None:
-        raise NotImplementedError(
-            "cache_leftpad: left-padded KV caches are not supported by flashattn; "
-            "shift each sequence to the start of its cache row instead"
-        )
+def check_out_layout(out, shape, dtype) -> None:
+    """out= of a flash_attn_* function (PyTorch or NumPy): the result's shape and q's dtype,
+    checked before anything runs, so that a refused out is never written."""
+    if tuple(out.shape) != tuple(shape):
+        raise _C.Error(f"out: wrong shape; expected {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise _C.Error(f"out: must have q's dtype; expected {dtype}, got {out.dtype}")

@@ -14,10 +14,11 @@ from flashattn import _C, _torch_ops  # noqa: F401  (_torch_ops registers torch.
 from flashattn._common import (
     BATCH_LAYOUT,
     KVCACHE_LAYOUT,
+    PAGED_LAYOUT,
     VARLEN_LAYOUT,
     check_dropout_p,
     check_head_dim,
-    check_no_leftpad,
+    check_out_layout,
     check_rank,
     int_arg,
     padded_head_dim,
@@ -128,103 +129,183 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 12
 
 
-def _result(out, lse, return_attn_probs):
+def _result(out, lse, return_attn_probs, return_softmax_lse=False):
     # S_dmask (the attention probabilities with the dropout pattern) is a testing aid of the
     # reference implementation that the fused kernels never materialise: it is returned as None.
-    return (out, lse, None) if return_attn_probs else out
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_softmax_lse else out
+
+
+def _needs_grad(*xs):
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
+def _check_out(out, shape, q, inputs):
+    """out= of a flash_attn_* function: a tensor of the result's shape (the caller's head dim),
+    q's dtype and device, checked before anything runs, so that a refused out is never written.
+    As with PyTorch's own out= variants there is no autograd through it: a call whose inputs
+    require grad is refused."""
+    if out is None:
+        return
+    _check_tensor("out", out)
+    check_out_layout(out, shape, q.dtype)
+    if out.device != q.device:
+        raise _C.Error(f"out: must be on q's device; expected {q.device}, got {out.device}")
+    if _needs_grad(*inputs):
+        raise _C.Error(
+            "out: not supported when autograd records the call (an input requires grad); call under "
+            "torch.no_grad() or torch.inference_mode()"
+        )
+
+
+def _forward_only(name, out, head_dim_v, *args):
+    """The forward op `name` without autograd history (out= or a paged K/V), its result written
+    into out when given. -> (out (the caller's head dim), softmax_lse)."""
+    res, lse = _torch_ops.call_into(name, out, *args)[:2]
+    return (res if out is not None else res[..., :head_dim_v]), lse
 
 
 def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                    deterministic, return_attn_probs):
+                    deterministic, return_attn_probs, out=None):
     _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
-    out, lse = _FlashAttnFunc.apply(q, k, v, check_dropout_p(dropout_p), softmax_scale, causal,
-                                    window_size, softcap, alibi_slopes, deterministic)
-    return _result(out, lse, return_attn_probs)
+    dropout_p = check_dropout_p(dropout_p)
+    _check_out(out, q.shape[:-1] + (v.shape[-1],), q, (q, k, v))
+    if out is None:
+        res, lse = _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                        alibi_slopes, deterministic)
+    else:
+        left, right = window_pair(window_size)
+        rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
+        res, lse = _forward_only(
+            "fwd", out, v.shape[-1], _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), dropout_p,
+            resolve_softmax_scale(softmax_scale, q.shape[-1]), causal, left, right, softcap, alibi_slopes,
+            rng_state,
+        )
+    return _result(res, lse, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, deterministic, return_attn_probs):
+                              alibi_slopes, deterministic, return_attn_probs, out=None):
     _check_tensor("qkv", qkv)
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise _C.Error(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)  # views: the kernels read the packed tensor in place
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, out)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, deterministic, return_attn_probs):
+                             alibi_slopes, deterministic, return_attn_probs, out=None):
     _check_tensor("kv", kv)
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise _C.Error(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
     k, v = kv.unbind(2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, out)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, block_table):
-    if block_table is not None:
-        raise NotImplementedError(
-            "block_table: paged K/V in varlen mode is not supported; use flash_attn_with_kvcache"
+                           deterministic, return_attn_probs, block_table, seqused_k=None,
+                           return_softmax_lse=False, out=None):
+    paged = block_table is not None
+    _check_inputs((("q", q),), 3, VARLEN_LAYOUT)
+    _check_inputs((("k", k), ("v", v)), 4 if paged else 3, PAGED_LAYOUT if paged else VARLEN_LAYOUT,
+                  (("alibi_slopes", alibi_slopes), ("block_table", block_table), ("seqused_k", seqused_k),
+                   ("cu_seqlens_k", cu_seqlens_k)))
+    _check_tensor("cu_seqlens_q", cu_seqlens_q)
+    if not paged:
+        _check_tensor("cu_seqlens_k", cu_seqlens_k)
+    max_seqlen_q = int_arg("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = int_arg("max_seqlen_k", max_seqlen_k)
+    dropout_p = check_dropout_p(dropout_p)
+    _check_out(out, (q.shape[0], q.shape[1], v.shape[-1]), q, (q, k, v))
+    if paged and _needs_grad(q, k, v):
+        raise _C.Error(
+            "block_table: a paged K/V has no backward (flash_attn has none either); call under "
+            "torch.no_grad() or torch.inference_mode()"
         )
-    _check_inputs((("q", q), ("k", k), ("v", v)), 3, VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
-    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check_tensor(name, x)
-    out, lse = _FlashAttnVarlenFunc.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, int_arg("max_seqlen_q", max_seqlen_q),
-        int_arg("max_seqlen_k", max_seqlen_k),
-        check_dropout_p(dropout_p), softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic,
-    )
-    return _result(out, lse, return_attn_probs)
+    if out is None and not paged:
+        res, lse = _FlashAttnVarlenFunc.apply(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+            causal, window_size, softcap, alibi_slopes, deterministic, seqused_k,
+        )
+    else:
+        left, right = window_pair(window_size)
+        rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
+        # A paged cache whose head dim is not a multiple of 8 is padded whole (a copy), as
+        # flash_attn does.
+        res, lse = _forward_only(
+            "varlen_fwd", out, v.shape[-1], _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), cu_seqlens_q,
+            cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            resolve_softmax_scale(softmax_scale, q.shape[-1]), causal, left, right, softcap, alibi_slopes,
+            rng_state, block_table,
+        )
+    return _result(res, lse, return_attn_probs, return_softmax_lse)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                      window_size, softcap, alibi_slopes, deterministic,
-                                     return_attn_probs):
+                                     return_attn_probs, out=None):
     _check_tensor("qkv", qkv)
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise _C.Error(f"qkv: must be (total, 3, nheads, headdim); got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs, None)
+                                  alibi_slopes, deterministic, return_attn_probs, None, out=out)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, deterministic, return_attn_probs):
+                                    alibi_slopes, deterministic, return_attn_probs, out=None):
     _check_tensor("kv", kv)
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise _C.Error(f"kv: must be (total_k, 2, nheads_k, headdim); got {tuple(kv.shape)}")
     k, v = kv.unbind(1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs, None)
+                                  alibi_slopes, deterministic, return_attn_probs, None, out=out)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                            return_softmax_lse):
-    check_no_leftpad(cache_leftpad)
+                            return_softmax_lse, out=None):
     _check_inputs(
         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
         (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes)),
+         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
+         ("alibi_slopes", alibi_slopes)),
     )
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    for name, x in (("k", k), ("v", v)):
+        if x is not None:
+            check_rank(name, x.shape, 4, BATCH_LAYOUT)
+    _check_out(out, q.shape[:-1] + (v_cache.shape[-1],), q, ())
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     left, right = window_pair(window_size)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         # One length for every sequence, as in flash_attn.
         cache_seqlens = torch.full((q.shape[0],), int_arg("cache_seqlens", cache_seqlens), dtype=torch.int32,
                                    device=k_cache.device)
-    out, lse = _torch_ops.call(
-        "fwd_kvcache", q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
-        block_table, alibi_slopes, scale, causal, left, right, softcap, rotary_interleaved,
-        int(num_splits),
+    # Head dims that are not a multiple of 8 are zero-padded as in the other functions; the caches
+    # then too (a copy of each, as flash_attn makes), and appended rows are copied back into the
+    # caller's caches afterwards.
+    head_dim, head_dim_v = q.shape[-1], v_cache.shape[-1]
+    padded = padded_head_dim(head_dim) != head_dim or padded_head_dim(head_dim_v) != head_dim_v
+    k_cache_p, v_cache_p = (_pad_head_dim(k_cache), _pad_head_dim(v_cache)) if padded else (k_cache, v_cache)
+    q, k, v = (x if x is None else _pad_head_dim(x) for x in (q, k, v))
+    res, lse = _torch_ops.call_into(
+        "fwd_kvcache", out, q, k_cache_p, v_cache_p, k, v, cache_seqlens, rotary_cos, rotary_sin,
+        cache_batch_idx, block_table, alibi_slopes, scale, causal, left, right, softcap, rotary_interleaved,
+        int_arg("num_splits", num_splits), cache_leftpad,
     )
-    return (out, lse) if return_softmax_lse else out
+    if k is not None:
+        with torch.no_grad():
+            for cache, cache_p in ((k_cache, k_cache_p), (v_cache, v_cache_p)):
+                if cache_p is not cache:
+                    cache.copy_(cache_p[..., :cache.shape[-1]])
+    if out is None:
+        res = res[..., :head_dim_v]
+    return (res, lse) if return_softmax_lse else res

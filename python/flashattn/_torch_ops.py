@@ -173,8 +173,16 @@ def _fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv) -> out (b, sq, h, dv),
     softmax_lse (b, h, sq) fp32, rng_state (2,) int64."""
+    return _fwd_into(None, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                     softcap, alibi_slopes, rng_state)
+
+
+def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+              alibi_slopes, rng_state):
+    """_fwd writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
     b, sq, h, _ = q.shape
-    out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
@@ -265,7 +273,7 @@ def _varlen_fwd(
     k: Tensor,
     v: Tensor,
     cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
+    cu_seqlens_k: Optional[Tensor],
     seqused_k: Optional[Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
@@ -277,16 +285,29 @@ def _varlen_fwd(
     softcap: float,
     alibi_slopes: Optional[Tensor],
     rng_state: Optional[Tensor],
+    block_table: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv), cu_seqlens_q/k (b + 1) int32
-    -> out (total_q, h, dv), softmax_lse (h, total_q) fp32, rng_state (2,) int64."""
+    -> out (total_q, h, dv), softmax_lse (h, total_q) fp32, rng_state (2,) int64.
+    block_table (b, max_blocks_per_seq) int32 (paged prefill): k/v are paged caches
+    (num_blocks, page_size, hk, d/dv), the key counts seqused_k (or cu_seqlens_k, then optional)."""
+    return _varlen_fwd_into(None, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                            dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                            alibi_slopes, rng_state, block_table)
+
+
+def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                     softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                     rng_state, block_table=None):
+    """_varlen_fwd writing into `out` (the caller's (total_q, h, dv) tensor; None: a new one)."""
     total_q, h, _ = q.shape
-    out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((h, total_q), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
     _call(
         _C.forward,
         q, k, v, out, lse,
@@ -306,7 +327,7 @@ varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())(_
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                     alibi_slopes, rng_state):
+                     alibi_slopes, rng_state, block_table=None):
     total_q, h, _ = q.shape
     return (
         q.new_empty((total_q, h, v.shape[-1])),
@@ -399,19 +420,32 @@ def _fwd_kvcache(
     softcap: float,
     rotary_interleaved: bool,
     num_splits: int,
+    cache_leftpad: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """q (b, sq, h, d) against k_cache/v_cache (b_cache, sk_cache, hk, d/dv), or paged
     (num_blocks, page_size, hk, d/dv) with block_table (b, max_blocks) int32. k/v
     (b, sk_new, hk, d/dv) are written into the caches in place at cache_seqlens first.
     -> out (b, sq, h, dv), softmax_lse (b, h, sq) fp32. num_splits: split-KV of the CUDA forward
-    (0: heuristic, 1: never, n: n splits); the CPU backend ignores it."""
+    (0: heuristic, 1: never, n: n splits); the CPU backend ignores it. cache_leftpad (b,) int32:
+    the keys of sequence i start at row cache_leftpad[i] of its cache row."""
+    return _fwd_kvcache_into(None, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
+                             cache_batch_idx, block_table, alibi_slopes, softmax_scale, causal,
+                             window_size_left, window_size_right, softcap, rotary_interleaved, num_splits,
+                             cache_leftpad)
+
+
+def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
+                      block_table, alibi_slopes, softmax_scale, causal, window_size_left, window_size_right,
+                      softcap, rotary_interleaved, num_splits, cache_leftpad=None):
+    """_fwd_kvcache writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
     b, sq, h, _ = q.shape
-    out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
                    num_splits=num_splits)
     extra = dict(
-        k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+        k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
     )
@@ -434,7 +468,8 @@ fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", mutates_args=("k
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                       cache_batch_idx, block_table, alibi_slopes, softmax_scale, causal,
-                      window_size_left, window_size_right, softcap, rotary_interleaved, num_splits):
+                      window_size_left, window_size_right, softcap, rotary_interleaved, num_splits,
+                      cache_leftpad=None):
     b, sq, h, _ = q.shape
     return (
         q.new_empty((b, sq, h, v_cache.shape[-1])),
@@ -458,6 +493,8 @@ def combine(out_partial: Tensor, lse_partial: Tensor, out: Tensor, lse: Optional
 
 _IMPLS = {"fwd": _fwd, "bwd": _bwd, "varlen_fwd": _varlen_fwd, "varlen_bwd": _varlen_bwd,
           "fwd_kvcache": _fwd_kvcache}
+# The forwards that can write the caller's out tensor directly (call_into).
+_IMPLS_INTO = {"fwd": _fwd_into, "varlen_fwd": _varlen_fwd_into, "fwd_kvcache": _fwd_kvcache_into}
 _MUTATED = {"fwd_kvcache": (1, 2)}  # argument positions of k_cache and v_cache
 _CHECKS = ("_len_torch_dispatch_stack", "_is_torch_function_mode_enabled", "_are_functorch_transforms_active")
 _DIRECT = all(hasattr(torch._C, name) for name in _CHECKS) and hasattr(torch.autograd, "_profiler_enabled")
@@ -497,3 +534,34 @@ def call(name: str, *args):
         return result
     return getattr(torch.ops.flashattn, name)(*args)
 
+
+
+def _kernel_layout(out: Tensor, head_dim_v: int) -> bool:
+    """Whether the core can write `out` as the op's out: its head dim (no padding sliced off),
+    the last dimension contiguous, 16-byte aligned, the other strides multiples of 8 elements."""
+    return (out.shape[-1] == head_dim_v and out.stride(-1) == 1 and out.data_ptr() % 16 == 0
+            and all(s % 8 == 0 for s in out.stride()[:-1]))
+
+
+def call_into(name: str, out: Optional[Tensor], *args):
+    """call(name, *args) for a forward (fwd, varlen_fwd, fwd_kvcache) whose result goes into
+    `out`, a flash_attn_* function's out= (None: a new tensor), already checked against the
+    caller's result shape, dtype and device. Its head dim may be the caller's, narrower than the
+    zero-padded one the op computes (args[2], v or v_cache, has the op's). Where the op may run
+    directly (direct_call_allowed) and out is exactly the op's out in the kernels' layout (last
+    dimension contiguous, 16-byte aligned, other strides multiples of 8 elements), the core writes
+    out itself after validating the call, so nothing is written when it refuses. Otherwise the op
+    runs as usual and its result is copied into out. Returns the op's values with out first."""
+    if out is None:
+        return call(name, *args)
+    # (direct_call_allowed first: under torch.compile it is False, and data_ptr is not traced.)
+    if direct_call_allowed(args + (out,)) and _kernel_layout(out, args[2].shape[-1]):
+        result = _IMPLS_INTO[name](out, *args)
+        for i in _MUTATED.get(name, ()):
+            torch.autograd.graph.increment_version(args[i])
+        torch.autograd.graph.increment_version(out)
+        return result
+    result = call(name, *args)
+    with torch.no_grad():
+        out.copy_(result[0][..., :out.shape[-1]])
+    return (out,) + tuple(result[1:])

@@ -28,9 +28,11 @@ and reject these values):
   dropout; here the dropout pattern is instead a pure function of rng_state, recomputable as
   docs/dropout.md describes.
 
-Not supported (each raises NotImplementedError naming the argument): block_table and leftpad_k of
-the varlen forward (paged or left-padded keys in varlen mode), cache_leftpad of the KV-cache
-function. Invalid arguments raise flashattn.Error, which is both a ValueError and a RuntimeError
+Not supported (raises NotImplementedError naming the argument): leftpad_k of the varlen forward
+(left-padded keys in varlen mode; cache_leftpad of the KV-cache function works). block_table
+(paged K/V) works in the varlen forward, as in flash_attn forward only. Every public function also
+takes out= (keyword), and flash_attn_varlen_func seqused_k and return_softmax_lse, as vLLM's
+version of this module does. Invalid arguments raise flashattn.Error, which is both a ValueError and a RuntimeError
 (flash_attn raises RuntimeError from its C++ checks).
 
 Head dims that are not a multiple of 8 work everywhere (zero-padded for the kernels, sliced off
@@ -97,7 +99,7 @@ def _empty_s_dmask(x):
 
 def _with_s_dmask(result, x):
     """(out, lse, None) from the top-level functions -> (out, lse, empty S_dmask)."""
-    if isinstance(result, tuple):
+    if isinstance(result, tuple) and len(result) == 3:
         out, lse, _ = result
         return out, lse, _empty_s_dmask(x)
     return result
@@ -107,75 +109,80 @@ def _with_s_dmask(result, x):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    out=None):
     """flashattn.flash_attn_func with flash_attn's argument conventions (see the module)."""
     return _with_s_dmask(flashattn.flash_attn_func(
         q, k, v, dropout_p, _scale_or_default(softmax_scale), causal, _window_size(window_size),
-        _softcap(softcap), alibi_slopes, deterministic, return_attn_probs), q)
+        _softcap(softcap), alibi_slopes, deterministic, return_attn_probs, out=out), q)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, *, out=None):
     """flashattn.flash_attn_qkvpacked_func with flash_attn's argument conventions."""
     return _with_s_dmask(flashattn.flash_attn_qkvpacked_func(
         qkv, dropout_p, _scale_or_default(softmax_scale), causal, _window_size(window_size),
-        _softcap(softcap), alibi_slopes, deterministic, return_attn_probs), qkv)
+        _softcap(softcap), alibi_slopes, deterministic, return_attn_probs, out=out), qkv)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+                             deterministic=False, return_attn_probs=False, *, out=None):
     """flashattn.flash_attn_kvpacked_func with flash_attn's argument conventions."""
     return _with_s_dmask(flashattn.flash_attn_kvpacked_func(
         q, kv, dropout_p, _scale_or_default(softmax_scale), causal, _window_size(window_size),
-        _softcap(softcap), alibi_slopes, deterministic, return_attn_probs), q)
+        _softcap(softcap), alibi_slopes, deterministic, return_attn_probs, out=out), q)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
-    """flashattn.flash_attn_varlen_func with flash_attn's argument conventions."""
+                           return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           return_softmax_lse=False, out=None):
+    """flashattn.flash_attn_varlen_func with flash_attn's argument conventions (paged K/V through
+    block_table with cu_seqlens_k or, as vLLM calls it, seqused_k and cu_seqlens_k=None; see
+    flashattn's docstring)."""
     return _with_s_dmask(flashattn.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         _scale_or_default(softmax_scale), causal, _window_size(window_size), _softcap(softcap),
-        alibi_slopes, deterministic, return_attn_probs, block_table), q)
+        alibi_slopes, deterministic, return_attn_probs, block_table, seqused_k=seqused_k,
+        return_softmax_lse=return_softmax_lse, out=out), q)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0,
                                      alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, out=None):
     """flashattn.flash_attn_varlen_qkvpacked_func with flash_attn's argument conventions."""
     return _with_s_dmask(flashattn.flash_attn_varlen_qkvpacked_func(
         qkv, cu_seqlens, max_seqlen, dropout_p, _scale_or_default(softmax_scale), causal,
         _window_size(window_size), _softcap(softcap), alibi_slopes, deterministic,
-        return_attn_probs), qkv)
+        return_attn_probs, out=out), qkv)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, return_attn_probs=False):
+                                    deterministic=False, return_attn_probs=False, *, out=None):
     """flashattn.flash_attn_varlen_kvpacked_func with flash_attn's argument conventions."""
     return _with_s_dmask(flashattn.flash_attn_varlen_kvpacked_func(
         q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         _scale_or_default(softmax_scale), causal, _window_size(window_size), _softcap(softcap),
-        alibi_slopes, deterministic, return_attn_probs), q)
+        alibi_slopes, deterministic, return_attn_probs, out=out), q)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None):
     """flashattn.flash_attn_with_kvcache with flash_attn's argument conventions."""
     return flashattn.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, _scale_or_default(softmax_scale), causal,
         _window_size(window_size), _softcap(softcap), rotary_interleaved, alibi_slopes, num_splits,
-        return_softmax_lse)
+        return_softmax_lse, out=out)
 
 
 # --- the private building blocks -----------------------------------------------------------------
@@ -229,7 +236,6 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     (out (total_q, nheads, dv), softmax_lse (nheads, total_q) float32, S_dmask (empty),
     rng_state). zero_tensors: rows past cu_seqlens_q[-1] get out 0 and softmax_lse -inf (else
     they are unspecified)."""
-    _refuse("block_table", block_table, "paged K/V in varlen mode")
     _refuse("leftpad_k", leftpad_k, "left-padded keys")
     dropout_p = check_dropout_p(dropout_p)
     left, right = _window(window_size_left, window_size_right)
@@ -237,7 +243,7 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out, lse, rng_state = _torch_ops.call(
         "varlen_fwd", _plain(q), _plain(k), _plain(v), cu_seqlens_q, cu_seqlens_k, seqused_k,
         int(max_seqlen_q), int(max_seqlen_k), dropout_p, _scale(softmax_scale, q.shape[-1]),
-        bool(causal), left, right, _softcap(softcap), alibi_slopes, rng_state)
+        bool(causal), left, right, _softcap(softcap), alibi_slopes, rng_state, block_table)
     out = out[..., :v.shape[-1]]
     if zero_tensors:
         end = cu_seqlens_q[-1]

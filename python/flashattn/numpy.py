@@ -19,11 +19,12 @@ from flashattn import _C
 from flashattn._common import (
     BATCH_LAYOUT,
     KVCACHE_LAYOUT,
+    PAGED_LAYOUT,
     VARLEN_LAYOUT,
     WORKSPACE_ALIGNMENT,
     check_dropout_p,
     check_head_dim,
-    check_no_leftpad,
+    check_out_layout,
     check_rank,
     int_arg,
     make_options,
@@ -88,11 +89,31 @@ def _dropout_seed(dropout_p: float) -> int:
     return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
 
 
+def _check_out(out, shape, q):
+    """out= of a flash_attn_* function: an array of the result's shape and q's dtype, checked
+    before anything runs (a refused out is never written)."""
+    if out is None:
+        return
+    _check_array("out", out)
+    check_out_layout(out, shape, q.dtype)
+
+
+def _into(out, result):
+    if out is None:
+        return result
+    np.copyto(out, result)
+    return out
+
+
 def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-             alibi_slopes, return_lse):
-    _check_inputs((("q", q), ("k", k), ("v", v)), 4 if varlen is None else 3,
-                  BATCH_LAYOUT if varlen is None else VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
+             alibi_slopes, return_lse, out=None, return_softmax_lse=False, paged=False):
+    _check_inputs((("q", q),), 4 if varlen is None else 3, BATCH_LAYOUT if varlen is None else VARLEN_LAYOUT)
+    kv_rank = 4 if varlen is None or paged else 3
+    _check_inputs((("k", k), ("v", v)), kv_rank,
+                  BATCH_LAYOUT if varlen is None else PAGED_LAYOUT if paged else VARLEN_LAYOUT,
+                  (("alibi_slopes", alibi_slopes),))
     dropout_p = check_dropout_p(dropout_p)
+    _check_out(out, q.shape[:-1] + (v.shape[-1],), q)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     left, right = window_pair(window_size)
     opt = make_options(
@@ -102,7 +123,7 @@ def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, sof
     opt.dropout_seed = _dropout_seed(dropout_p)
     q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
     rows = q.shape[:-1]  # (b, sq, h) or varlen (total_q, h)
-    out = np.empty(rows + (v_p.shape[-1],), dtype=q.dtype)
+    res = np.empty(rows + (v_p.shape[-1],), dtype=q.dtype)
     if varlen is None:
         b, sq, h = rows
         lse = np.empty((b, h, sq), dtype=np.float32)
@@ -113,92 +134,97 @@ def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, sof
     inputs = (_kernel_view(q_p), _kernel_view(k_p), _kernel_view(v_p))
     bf16_bits = _is_bf16(q)
     _C.forward(
-        *inputs, _kernel_view(out), lse,
+        *inputs, _kernel_view(res), lse,
         options=opt, alibi_slopes=alibi_slopes, workspace_alloc=_workspace, bf16_bits=bf16_bits,
         **varlen,
     )
-    out = out[..., :head_dim_v]
-    return (out, lse, None) if return_lse else out
+    res = _into(out, res[..., :head_dim_v])
+    if return_lse:
+        return res, lse, None
+    return (res, lse) if return_softmax_lse else res
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, out=None):
     return _forward(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs)
+                    alibi_slopes, return_attn_probs, out)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, out=None):
     _check_array("qkv", qkv)
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise _C.Error(f"qkv: must be (batch, seqlen, 3, nheads, headdim); got {qkv.shape}")
     return _forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], None, dropout_p, softmax_scale,
-                    causal, window_size, softcap, alibi_slopes, return_attn_probs)
+                    causal, window_size, softcap, alibi_slopes, return_attn_probs, out)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+                             deterministic=False, return_attn_probs=False, out=None):
     _check_array("kv", kv)
     if kv.ndim != 5 or kv.shape[2] != 2:
         raise _C.Error(f"kv: must be (batch, seqlen_k, 2, nheads_k, headdim); got {kv.shape}")
     return _forward(q, kv[:, :, 0], kv[:, :, 1], None, dropout_p, softmax_scale, causal,
-                    window_size, softcap, alibi_slopes, return_attn_probs)
+                    window_size, softcap, alibi_slopes, return_attn_probs, out)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
-    if block_table is not None:
-        raise NotImplementedError(
-            "block_table: paged K/V in varlen mode is not supported; use flash_attn_with_kvcache"
-        )
-    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+                           return_attn_probs=False, block_table=None, seqused_k=None,
+                           return_softmax_lse=False, out=None):
+    paged = block_table is not None
+    named = (("cu_seqlens_q", cu_seqlens_q),) + ((("cu_seqlens_k", cu_seqlens_k),) if not paged else ())
+    for name, x in named:
         _check_array(name, x)
-    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+    for name, x in (("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k), ("block_table", block_table)):
+        if x is not None:
+            _check_array(name, x)
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                  block_table=block_table,
                   max_seqlen_q=int_arg("max_seqlen_q", max_seqlen_q),
                   max_seqlen_k=int_arg("max_seqlen_k", max_seqlen_k))
     return _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs)
+                    alibi_slopes, return_attn_probs, out, return_softmax_lse, paged)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0,
                                      alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, out=None):
     _check_array("qkv", qkv)
     if qkv.ndim != 4 or qkv.shape[1] != 3:
         raise _C.Error(f"qkv: must be (total, 3, nheads, headdim); got {qkv.shape}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
                                   max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                                   window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, out=out)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, return_attn_probs=False):
+                                    deterministic=False, return_attn_probs=False, out=None):
     _check_array("kv", kv)
     if kv.ndim != 4 or kv.shape[1] != 2:
         raise _C.Error(f"kv: must be (total_k, 2, nheads_k, headdim); got {kv.shape}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-                                  softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  softcap, alibi_slopes, deterministic, return_attn_probs, out=out)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    check_no_leftpad(cache_leftpad)
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, out=None):
     _check_inputs(
         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
         (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes)),
+         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
+         ("alibi_slopes", alibi_slopes)),
     )
     left, right = window_pair(window_size)
     opt = make_options(
@@ -209,14 +235,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # One length for every sequence, as in flash_attn.
         cache_seqlens = np.full((q.shape[0],), int_arg("cache_seqlens", cache_seqlens), dtype=np.int32)
     b, sq, h, _ = q.shape
-    out = np.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype)
+    head_dim_v = v_cache.shape[-1]
+    _check_out(out, (b, sq, h, head_dim_v), q)
+    # Head dims that are not a multiple of 8: zero-padded copies of q and the caches for the core,
+    # the appended rows copied back into the caller's caches afterwards.
+    padded = padded_head_dim(q.shape[-1]) != q.shape[-1] or padded_head_dim(head_dim_v) != head_dim_v
+    k_cache_p, v_cache_p = (_pad_head_dim(k_cache), _pad_head_dim(v_cache)) if padded else (k_cache, v_cache)
+    if padded:
+        q, k, v = (None if x is None else _pad_head_dim(x) for x in (q, k, v))
+    res = np.empty((b, sq, h, v_cache_p.shape[-1]), dtype=q.dtype)
     lse = np.empty((b, h, sq), dtype=np.float32)
-    arrays = (_kernel_view(q), _kernel_view(k_cache), _kernel_view(v_cache))
+    arrays = (_kernel_view(q), _kernel_view(k_cache_p), _kernel_view(v_cache_p))
     extra = dict(
         k=_kernel_view(k), v=_kernel_view(v), cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, block_table=block_table,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         rotary_cos=_kernel_view(rotary_cos), rotary_sin=_kernel_view(rotary_sin),
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q),
     )
-    _C.forward_kvcache(*arrays, _kernel_view(out), lse, options=opt, workspace_alloc=_workspace, **extra)
-    return (out, lse) if return_softmax_lse else out
+    _C.forward_kvcache(*arrays, _kernel_view(res), lse, options=opt, workspace_alloc=_workspace, **extra)
+    if k is not None:
+        for cache, cache_p in ((k_cache, k_cache_p), (v_cache, v_cache_p)):
+            if cache_p is not cache:
+                cache[...] = cache_p[..., :cache.shape[-1]]
+    res = _into(out, res[..., :head_dim_v])
+    return (res, lse) if return_softmax_lse else res

@@ -129,10 +129,11 @@ flashattn::Options with_tensors(flashattn::Options opt, const MaybeIn& alibi_slo
   return opt;
 }
 
+// paged: the forward reads a paged K/V (block_table), whose key counts may come from seqused_k alone.
 flashattn::Varlen varlen_of(const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k,
-                            int max_seqlen_q, int max_seqlen_k) {
+                            int max_seqlen_q, int max_seqlen_k, bool paged = false) {
   flashattn::Varlen vl;
-  if (cu_seqlens_q.has_value() != cu_seqlens_k.has_value()) {
+  if (cu_seqlens_q.has_value() != cu_seqlens_k.has_value() && !(paged && cu_seqlens_q.has_value())) {
     throw Error(std::string(cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q") +
                 ": varlen calls need both cu_seqlens_q and cu_seqlens_k; expected a (b + 1) int32 tensor, got none");
   }
@@ -196,31 +197,32 @@ flashattn::Stream stream_of(std::uintptr_t handle) { return flashattn::Stream{re
 flashattn::ForwardInputs forward_inputs(const InArray& q, const InArray& k, const InArray& v,
                                         const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
                                         const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k,
-                                        bool bf16_bits) {
+                                        const MaybeIn& block_table, bool bf16_bits) {
   flashattn::ForwardInputs in;
   in.q = view_of("q", q, bf16_bits);
   in.k = view_of("k", k, bf16_bits);
   in.v = view_of("v", v, bf16_bits);
-  in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, block_table.has_value());
+  in.block_table = maybe_view("block_table", block_table, false);
   return in;
 }
 
 std::size_t forward_workspace_size(const InArray& q, const InArray& k, const InArray& v,
                                    const flashattn::Options& options, const MaybeIn& alibi_slopes,
                                    const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k,
-                                   int max_seqlen_q, int max_seqlen_k, bool bf16_bits) {
-  const flashattn::ForwardInputs in =
-      forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
+                                   int max_seqlen_q, int max_seqlen_k, const MaybeIn& block_table, bool bf16_bits) {
+  const flashattn::ForwardInputs in = forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                                                     max_seqlen_k, block_table, bf16_bits);
   return flashattn::forward_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
 }
 
 void forward(const InArray& q, const InArray& k, const InArray& v, const OutArray& out, const MaybeOut& lse,
              const flashattn::Options& options, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
              const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
-             int max_seqlen_k, const MaybeOut& workspace, std::uintptr_t stream, bool bf16_bits,
-             const nb::object& workspace_alloc) {
-  const flashattn::ForwardInputs in =
-      forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
+             int max_seqlen_k, const MaybeIn& block_table, const MaybeOut& workspace, std::uintptr_t stream,
+             bool bf16_bits, const nb::object& workspace_alloc) {
+  const flashattn::ForwardInputs in = forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                                                     max_seqlen_k, block_table, bf16_bits);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
@@ -284,9 +286,9 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
 template <class CacheArray>
 flashattn::KVCacheInputs kvcache_inputs(const InArray& q, const CacheArray& k_cache, const CacheArray& v_cache,
                                         const MaybeIn& k_new, const MaybeIn& v_new, const MaybeIn& cache_seqlens,
-                                        const MaybeIn& cache_batch_idx, const MaybeIn& block_table,
-                                        const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
-                                        bool rotary_interleaved, bool bf16_bits) {
+                                        const MaybeIn& cache_batch_idx, const MaybeIn& cache_leftpad,
+                                        const MaybeIn& block_table, const MaybeIn& rotary_cos,
+                                        const MaybeIn& rotary_sin, bool rotary_interleaved, bool bf16_bits) {
   flashattn::KVCacheInputs in;
   in.q = view_of("q", q, bf16_bits);
   in.k_cache = view_of("k_cache", k_cache, bf16_bits);
@@ -295,6 +297,7 @@ flashattn::KVCacheInputs kvcache_inputs(const InArray& q, const CacheArray& k_ca
   in.v_new = maybe_view("v", v_new, bf16_bits);
   in.cache_seqlens = maybe_view("cache_seqlens", cache_seqlens, false);
   in.cache_batch_idx = maybe_view("cache_batch_idx", cache_batch_idx, false);
+  in.cache_leftpad = maybe_view("cache_leftpad", cache_leftpad, false);
   in.block_table = maybe_view("block_table", block_table, false);
   in.rotary_cos = maybe_view("rotary_cos", rotary_cos, bf16_bits);
   in.rotary_sin = maybe_view("rotary_sin", rotary_sin, bf16_bits);
@@ -305,24 +308,26 @@ flashattn::KVCacheInputs kvcache_inputs(const InArray& q, const CacheArray& k_ca
 std::size_t forward_kvcache_workspace_size(const InArray& q, const InArray& k_cache, const InArray& v_cache,
                                            const flashattn::Options& options, const MaybeIn& k_new,
                                            const MaybeIn& v_new, const MaybeIn& cache_seqlens,
-                                           const MaybeIn& cache_batch_idx, const MaybeIn& block_table,
-                                           const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
-                                           bool rotary_interleaved, const MaybeIn& alibi_slopes, bool bf16_bits) {
+                                           const MaybeIn& cache_batch_idx, const MaybeIn& cache_leftpad,
+                                           const MaybeIn& block_table, const MaybeIn& rotary_cos,
+                                           const MaybeIn& rotary_sin, bool rotary_interleaved,
+                                           const MaybeIn& alibi_slopes, bool bf16_bits) {
   const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
-                                                     cache_batch_idx, block_table, rotary_cos, rotary_sin,
-                                                     rotary_interleaved, bf16_bits);
+                                                     cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+                                                     rotary_sin, rotary_interleaved, bf16_bits);
   return flashattn::forward_kvcache_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
 }
 
 void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& v_cache, const OutArray& out,
                      const MaybeOut& lse, const flashattn::Options& options, const MaybeIn& k_new,
                      const MaybeIn& v_new, const MaybeIn& cache_seqlens, const MaybeIn& cache_batch_idx,
-                     const MaybeIn& block_table, const MaybeIn& rotary_cos, const MaybeIn& rotary_sin,
-                     bool rotary_interleaved, const MaybeIn& alibi_slopes, const MaybeOut& workspace,
-                     std::uintptr_t stream, bool bf16_bits, const nb::object& workspace_alloc) {
+                     const MaybeIn& cache_leftpad, const MaybeIn& block_table, const MaybeIn& rotary_cos,
+                     const MaybeIn& rotary_sin, bool rotary_interleaved, const MaybeIn& alibi_slopes,
+                     const MaybeOut& workspace, std::uintptr_t stream, bool bf16_bits,
+                     const nb::object& workspace_alloc) {
   const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
-                                                     cache_batch_idx, block_table, rotary_cos, rotary_sin,
-                                                     rotary_interleaved, bf16_bits);
+                                                     cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+                                                     rotary_sin, rotary_interleaved, bf16_bits);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
@@ -390,9 +395,12 @@ NB_MODULE(_C, m) {
         nb::kw_only(), nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("rng_state").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
         nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
-        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("workspace").none() = nb::none(),
-        nb::arg("stream") = 0, nb::arg("bf16_bits") = false, nb::arg("workspace_alloc").none() = nb::none(),
-        "Writes out (and lse when given). Varlen when cu_seqlens_q/k are given. rng_state: int64 "
+        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("block_table").none() = nb::none(),
+        nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
+        nb::arg("workspace_alloc").none() = nb::none(),
+        "Writes out (and lse when given). Varlen when cu_seqlens_q/k are given; block_table (b, "
+        "max_blocks_per_seq) int32 makes k/v paged caches (num_blocks, page_size, hk, d) of a varlen "
+        "call, whose key counts come from seqused_k (or cu_seqlens_k, then optional). rng_state: int64 "
         "{seed, offset} on q's device, read instead of options.dropout_seed/offset. workspace: 1-D "
         "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0); "
         "or workspace_alloc: a callable that gets the bytes needed (only when more than 0) and "
@@ -401,7 +409,8 @@ NB_MODULE(_C, m) {
   m.def("forward_workspace_size", &forward_workspace_size, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(),
         nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
         nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
-        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("bf16_bits") = false,
+        nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("block_table").none() = nb::none(),
+        nb::arg("bf16_bits") = false,
         "Bytes of workspace forward needs for these inputs and options (0 when none); reads only "
         "shapes, dtypes and devices.");
 
@@ -427,7 +436,8 @@ NB_MODULE(_C, m) {
   m.def("forward_kvcache", &forward_kvcache, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"),
         nb::arg("lse").none(), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),
         nb::arg("v").none() = nb::none(), nb::arg("cache_seqlens").none() = nb::none(),
-        nb::arg("cache_batch_idx").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
+        nb::arg("cache_batch_idx").none() = nb::none(),
+        nb::arg("cache_leftpad").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
         nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
         nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
@@ -438,7 +448,8 @@ NB_MODULE(_C, m) {
   m.def("forward_kvcache_workspace_size", &forward_kvcache_workspace_size, nb::arg("q"), nb::arg("k_cache"),
         nb::arg("v_cache"), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),
         nb::arg("v").none() = nb::none(), nb::arg("cache_seqlens").none() = nb::none(),
-        nb::arg("cache_batch_idx").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
+        nb::arg("cache_batch_idx").none() = nb::none(),
+        nb::arg("cache_leftpad").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
         nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
         nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("bf16_bits") = false,

@@ -154,7 +154,7 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
 [[maybe_unused]] std::size_t split_kv_workspace_size(DType dtype, const Device& device, std::int64_t batch,
                                                      std::int64_t seqlen_q, std::int64_t seqlen_k, std::int64_t heads,
                                                      std::int64_t heads_k, std::int64_t head_dim,
-                                                     std::int64_t head_dim_v, const Options& opt) {
+                                                     std::int64_t head_dim_v, const Options& opt, bool paged) {
 #ifdef FLASHATTN_WITH_CUDA
   if (device.type != DeviceType::cuda || (dtype != DType::f16 && dtype != DType::bf16)) return 0;
   common::AttentionParams p;
@@ -175,10 +175,13 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   p.num_splits = opt.num_splits;
   static const float kAnySlopes = 0.0f;  // only "given or not" matters here
   p.alibi_slopes = opt.alibi_slopes.defined() ? &kAnySlopes : nullptr;
+  // Paged K/V take other kernels (no short-sequence tile): only "paged or not" matters here.
+  static const std::int32_t kAnyPageTable = 0;
+  p.block_table = paged ? &kAnyPageTable : nullptr;
   return cuda::forward_workspace_size(p);
 #else
   (void)dtype, (void)device, (void)batch, (void)seqlen_q, (void)seqlen_k, (void)heads, (void)heads_k;
-  (void)head_dim, (void)head_dim_v, (void)opt;
+  (void)head_dim, (void)head_dim_v, (void)opt, (void)paged;
   return 0;
 #endif
 }
@@ -191,7 +194,8 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
       in.block_table.defined() && in.block_table.ndim == 2 ? in.block_table.shape[1] * in.k_cache.shape[1]
                                                            : in.k_cache.shape[1];
   return split_kv_workspace_size(in.q.dtype, in.q.device, in.q.shape[0], in.q.shape[1], capacity, in.q.shape[2],
-                                 in.k_cache.shape[2], in.q.shape[3], in.v_cache.shape[3], opt);
+                                 in.k_cache.shape[2], in.q.shape[3], in.v_cache.shape[3], opt,
+                                 in.block_table.defined());
 }
 
 // n rounded up to the 256-byte alignment of every workspace region.
@@ -287,6 +291,9 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     a.rotary_interleaved = in.rotary_interleaved;
   }
   const bool q_positions_per_row = common::rotary_q_positions_per_row(p);
+  // Left padding moves where the attention's keys start, not where the append writes (absolute
+  // rows): the params get it after the append.
+  const auto* leftpad = in.cache_leftpad.defined() ? static_cast<const std::int32_t*>(in.cache_leftpad.data) : nullptr;
 
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
@@ -298,6 +305,7 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
     start_index_check(pr, stream.handle);
     cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle);
+    p.k_leftpad = leftpad;
     run_forward(pr, s, opt, stream, workspace_from(workspace, region.bytes));
     finish_index_check(pr, opt, stream.handle);
     return;
@@ -321,6 +329,7 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     p.q = common::contiguous_q(q_rotated.data(), p);
   }
   if (!seqlens_after.empty()) p.cache_seqlens = seqlens_after.data();
+  p.k_leftpad = leftpad;
   run_forward(pr, s, opt, stream);
 }
 
@@ -385,14 +394,17 @@ std::size_t forward_workspace_size(const ForwardInputs& in, const Options& opt) 
   // The CPU backends keep their scratch on the host heap; no device workspace is needed. CUDA
   // tensors: the optional split-KV partials (only shapes are read).
   const TensorView& q = in.q;
-  if (q.ndim < 3 || in.k.ndim != q.ndim || in.v.ndim != q.ndim) return 0;
+  // K/V have q's rank, or 4 as paged caches (num_blocks, page_size, hk, d) of a varlen call.
+  const int kv_rank = in.block_table.defined() ? 4 : q.ndim;
+  if (q.ndim < 3 || in.k.ndim != kv_rank || in.v.ndim != kv_rank) return 0;
   const int n = q.ndim;
   const bool varlen = in.varlen.enabled();
   const std::int64_t batch = varlen ? in.varlen.cu_seqlens_q.shape[0] - 1 : q.shape[0];
   const std::int64_t seqlen_q = varlen ? in.varlen.max_seqlen_q : q.shape[1];
   const std::int64_t seqlen_k = varlen ? in.varlen.max_seqlen_k : in.k.shape[1];
-  return split_kv_workspace_size(q.dtype, q.device, batch, seqlen_q, seqlen_k, q.shape[n - 2], in.k.shape[n - 2],
-                                 q.shape[n - 1], in.v.shape[n - 1], opt);
+  return split_kv_workspace_size(q.dtype, q.device, batch, seqlen_q, seqlen_k, q.shape[n - 2],
+                                 in.k.shape[kv_rank - 2], q.shape[n - 1], in.v.shape[kv_rank - 1], opt,
+                                 in.block_table.defined());
 }
 std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt) {
 #ifdef FLASHATTN_WITH_CUDA

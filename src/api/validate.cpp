@@ -15,7 +15,8 @@ std::string index_violation_message(const char* api, const common::IndexViolatio
   using common::IndexRule;
   const bool q_side = v.side == common::IndexSide::q;
   const std::string cu = q_side ? "varlen.cu_seqlens_q" : "varlen.cu_seqlens_k";
-  const std::string b = std::to_string(v.batch), value = std::to_string(v.value), bound = std::to_string(v.bound);
+  const std::string b = std::to_string(v.batch), bound = std::to_string(v.bound);
+  std::string value = std::to_string(v.value);
   std::string arg, rule, expected;
   switch (v.rule) {
     case IndexRule::ok: return std::string(api) + ": no index violation";
@@ -48,6 +49,16 @@ std::string index_violation_message(const char* api, const common::IndexViolatio
     case IndexRule::block_table_range:
       arg = "block_table", rule = "entry (" + b + ", " + std::to_string(v.entry) + ") is not a page of the cache",
       expected = "0 ≤ x < " + bound;
+      break;
+    case IndexRule::cache_leftpad_range:
+      arg = "cache_leftpad", rule = "entry " + b + " must lie in [0, cache_seqlens[" + b + "]]",
+      expected = "0 ≤ x ≤ " + bound;
+      break;
+    case IndexRule::paged_keys_past_capacity:
+      arg = "block_table",
+      rule = "row " + b + " (max_blocks_per_seq · page_size keys) cannot hold the keys of sequence " + b +
+             " (seqused_k[" + b + "], or its cu_seqlens_k length)",
+      expected = "at most " + bound + " keys", value = std::to_string(v.value) + " keys";
       break;
   }
   return std::string(api) + ": " + arg + ": " + rule + "; expected " + expected + ", got " + value;
@@ -290,17 +301,28 @@ void check_int_vector(const Checker& c, const std::string& name, const TensorVie
   c.contiguous(name, t);
 }
 
-// The index tensors of a varlen call and the extents their values must respect.
-common::IndexBounds varlen_index_bounds(const Varlen& vl, std::int64_t batch, std::int64_t total_q, std::int64_t total_k) {
+// The index tensors of a varlen call and the extents their values must respect. block_table
+// (undefined when K/V are packed): the pages of a paged K/V, k (num_blocks, page_size, hk, d).
+common::IndexBounds varlen_index_bounds(const Varlen& vl, std::int64_t batch, std::int64_t total_q,
+                                        std::int64_t total_k, const TensorView& block_table = {},
+                                        const TensorView& k = {}) {
   common::IndexBounds ib;
   ib.batch = int(batch);
   ib.cu_seqlens_q = int_data(vl.cu_seqlens_q);
-  ib.cu_seqlens_k = int_data(vl.cu_seqlens_k);
+  ib.cu_seqlens_k = vl.cu_seqlens_k.defined() ? int_data(vl.cu_seqlens_k) : nullptr;
   ib.seqused_k = vl.seqused_k.defined() ? int_data(vl.seqused_k) : nullptr;
   ib.max_seqlen_q = vl.max_seqlen_q;
   ib.max_seqlen_k = vl.max_seqlen_k;
   ib.total_q = total_q;
   ib.total_k = total_k;
+  if (block_table.defined()) {
+    ib.total_k = -1;  // k is not packed: cu_seqlens_k gives lengths only
+    ib.block_table = int_data(block_table);
+    ib.block_table_batch_stride = block_table.stride[0];
+    ib.page_size = int(k.shape[1]);
+    ib.cache_rows = k.shape[0];
+    ib.capacity = block_table.shape[1] * k.shape[1];
+  }
   return ib;
 }
 
@@ -313,6 +335,7 @@ common::IndexBounds kvcache_index_bounds(const KVCacheInputs& in, std::int64_t s
   ib.api = common::IndexApi::forward_kvcache;
   ib.cache_seqlens = in.cache_seqlens.defined() ? int_data(in.cache_seqlens) : nullptr;
   ib.cache_batch_idx = in.cache_batch_idx.defined() ? int_data(in.cache_batch_idx) : nullptr;
+  ib.cache_leftpad = in.cache_leftpad.defined() ? int_data(in.cache_leftpad) : nullptr;
   if (in.block_table.defined()) {
     ib.block_table = int_data(in.block_table);
     ib.block_table_batch_stride = in.block_table.stride[0];
@@ -326,25 +349,57 @@ common::IndexBounds kvcache_index_bounds(const KVCacheInputs& in, std::int64_t s
   return ib;
 }
 
-// Varlen: shapes of the index tensors, and (on the host, where they can be read) their values.
-void check_varlen(const Checker& c, const Varlen& vl, std::int64_t total_q, std::int64_t total_k,
-                  Device device, std::int64_t& batch) {
-  c.require("varlen.cu_seqlens_k", vl.cu_seqlens_k);
+// On the host the index values can be read now: the first broken rule throws.
+void check_index_values(const Checker& c, const common::IndexBounds& ib, Device device) {
+  if (device.type != DeviceType::cpu) return;
+  for (int b = 0; b < ib.batch; ++b) {
+    const common::IndexViolation v = common::check_sequence_indices(ib, b);
+    if (v) throw Error(index_violation_message(c.api(), v));
+  }
+}
+
+// Varlen: the shapes of the index tensors. cu_seqlens_k may be left out with a paged K/V, when
+// seqused_k gives the key counts.
+void check_varlen(const Checker& c, const Varlen& vl, bool paged, Device device, std::int64_t& batch) {
+  if (!paged) c.require("varlen.cu_seqlens_k", vl.cu_seqlens_k);
+  if (paged && !vl.cu_seqlens_k.defined() && !vl.seqused_k.defined()) {
+    c.fail("varlen.seqused_k", "a paged K/V (block_table) needs the key count of each sequence: seqused_k or cu_seqlens_k",
+           "a (b) int32 tensor", "neither");
+  }
   c.well_formed("varlen.cu_seqlens_q", vl.cu_seqlens_q);
   if (vl.cu_seqlens_q.ndim != 1 || vl.cu_seqlens_q.shape[0] < 2) {
     c.fail("varlen.cu_seqlens_q", "must have length batch + 1 with batch > 0", "(b + 1) with b ≥ 1", shape_string(vl.cu_seqlens_q));
   }
   batch = vl.cu_seqlens_q.shape[0] - 1;
   check_int_vector(c, "varlen.cu_seqlens_q", vl.cu_seqlens_q, batch + 1, device);
-  check_int_vector(c, "varlen.cu_seqlens_k", vl.cu_seqlens_k, batch + 1, device);
+  if (vl.cu_seqlens_k.defined()) check_int_vector(c, "varlen.cu_seqlens_k", vl.cu_seqlens_k, batch + 1, device);
   if (vl.seqused_k.defined()) check_int_vector(c, "varlen.seqused_k", vl.seqused_k, batch, device);
   if (vl.max_seqlen_q < 0) c.fail("varlen.max_seqlen_q", "must be ≥ 0", "≥ 0", std::to_string(vl.max_seqlen_q));
   if (vl.max_seqlen_k < 0) c.fail("varlen.max_seqlen_k", "must be ≥ 0", "≥ 0", std::to_string(vl.max_seqlen_k));
-  if (device.type != DeviceType::cpu) return;
-  const common::IndexBounds ib = varlen_index_bounds(vl, batch, total_q, total_k);
-  for (int b = 0; b < int(batch); ++b) {
-    const common::IndexViolation v = common::check_sequence_indices(ib, b);
-    if (v) throw Error(index_violation_message(c.api(), v));
+}
+
+// A paged K/V of a varlen forward: k (num_blocks, page_size, hk, d), v (..., dv), block_table
+// (b, max_blocks_per_seq) int32 with a contiguous last dimension.
+void check_paged_kv(const Checker& c, const TensorView& k, const TensorView& v, const TensorView& block_table,
+                    std::int64_t b, std::int64_t hk, std::int64_t d, std::int64_t dv, Device device) {
+  c.well_formed("block_table", block_table);
+  c.dtype("block_table", block_table, DType::i32, "must be int32");
+  c.same_device("block_table", block_table, device);
+  if (block_table.ndim != 2 || block_table.shape[0] != b) {
+    c.fail("block_table", "wrong shape", "(" + std::to_string(b) + ", max_blocks_per_seq)", shape_string(block_table));
+  }
+  c.last_dim_contiguous("block_table", block_table);
+  const std::int64_t pages = k.shape[0], page_size = k.shape[1];
+  c.shape("k", k, {pages, page_size, hk, d});
+  c.shape("v", v, {pages, page_size, hk, dv});
+  if (page_size <= 0 || page_size > kMaxSeqlen) {
+    c.fail("k", "page size (dimension 1 of a paged cache) must be positive and at most 2^30", "1 to 2^30",
+           std::to_string(page_size));
+  }
+  const std::int64_t capacity = block_table.shape[1] * page_size;
+  if (capacity > kMaxSeqlen) {
+    c.fail("block_table", "keys per sequence (max_blocks_per_seq · page_size) must be at most 2^30",
+           "≤ " + std::to_string(kMaxSeqlen), std::to_string(capacity));
   }
 }
 
@@ -355,9 +410,10 @@ struct Dims {
   bool varlen = false;
 };
 
-// Checks q, k, v against each other and fills dims; returns the params skeleton.
+// Checks q, k, v against each other and fills dims. block_table (forward only; undefined
+// otherwise): k and v are paged caches of a varlen call.
 Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
-               const Varlen& vl, const Options& opt) {
+               const Varlen& vl, const Options& opt, const TensorView& block_table = {}) {
   c.require("q", q);
   c.require("k", k);
   c.require("v", v);
@@ -366,10 +422,20 @@ Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const
   check_device_served(c, q, opt);
   Dims dims;
   dims.varlen = vl.enabled();
+  const bool paged = block_table.defined();
+  if (paged && !dims.varlen) {
+    c.fail("block_table", "a paged K/V in forward needs a varlen call (batch-mode queries: forward_kvcache)",
+           "varlen.cu_seqlens_q", "none");
+  }
   const int rank = dims.varlen ? 3 : 4;
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &q}, {"k", &k}, {"v", &v}}) {
     c.well_formed(name, *t);
-    if (t->ndim != rank) {
+    if (paged && t != &q) {
+      if (t->ndim != 4) {
+        c.fail(name, "a paged cache is (num_blocks, page_size, heads, head_dim)", "rank 4",
+               "rank " + std::to_string(t->ndim) + " " + shape_string(*t));
+      }
+    } else if (t->ndim != rank) {
       c.fail(name, dims.varlen ? "varlen tensors are (total, heads, head_dim)" : "tensors are (batch, seqlen, heads, head_dim)",
              "rank " + std::to_string(rank), "rank " + std::to_string(t->ndim) + " " + shape_string(*t));
     }
@@ -377,19 +443,25 @@ Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const
     c.same_device(name, *t, q.device);
     c.last_dim_contiguous(name, *t);
   }
-  const int o = dims.varlen ? 0 : 1;  // offset of the row axis
+  const int o = dims.varlen ? 0 : 1;   // offset of the row axis of q
+  const int ko = paged ? 1 : o;        // and of k / v (a paged cache: (pages, page_size, ...))
   dims.h = q.shape[o + 1];
   dims.d = q.shape[o + 2];
-  dims.hk = k.shape[o + 1];
-  dims.dv = v.shape[o + 2];
+  dims.hk = k.shape[ko + 1];
+  dims.dv = v.shape[ko + 2];
   if (dims.varlen) {
     dims.total_q = q.shape[0];
-    dims.total_k = k.shape[0];
-    check_varlen(c, vl, dims.total_q, dims.total_k, q.device, dims.b);
+    dims.total_k = paged ? 0 : k.shape[0];
+    check_varlen(c, vl, paged, q.device, dims.b);
     dims.sq = vl.max_seqlen_q;
     dims.sk = vl.max_seqlen_k;
-    c.shape("k", k, {dims.total_k, dims.hk, dims.d});
-    c.shape("v", v, {dims.total_k, dims.hk, dims.dv});
+    if (paged) {
+      check_paged_kv(c, k, v, block_table, dims.b, dims.hk, dims.d, dims.dv, q.device);
+    } else {
+      c.shape("k", k, {dims.total_k, dims.hk, dims.d});
+      c.shape("v", v, {dims.total_k, dims.hk, dims.dv});
+    }
+    check_index_values(c, varlen_index_bounds(vl, dims.b, dims.total_q, dims.total_k, block_table, k), q.device);
   } else {
     dims.b = q.shape[0];
     dims.sq = q.shape[1];
@@ -468,7 +540,7 @@ common::AttentionParams base_params(const Dims& dims, const TensorView& q, const
   p.v = row_head(v);
   if (dims.varlen) {
     p.cu_seqlens_q = int_data(vl.cu_seqlens_q);
-    p.cu_seqlens_k = int_data(vl.cu_seqlens_k);
+    p.cu_seqlens_k = vl.cu_seqlens_k.defined() ? int_data(vl.cu_seqlens_k) : nullptr;
     p.seqused_k = vl.seqused_k.defined() ? int_data(vl.seqused_k) : nullptr;
     p.lse_head_stride = dims.total_q;
     p.total_q = dims.total_q;
@@ -484,7 +556,7 @@ common::AttentionParams base_params(const Dims& dims, const TensorView& q, const
 
 Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, const char* api) {
   const Checker c(api);
-  const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt);
+  const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt, in.block_table);
   check_like(c, "out", out.out, dims, Rows::query, dims.dv, in.q);
   if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, in.q.device);
   Problem pr;
@@ -493,7 +565,16 @@ Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, con
   pr.params = base_params(dims, in.q, in.k, in.v, in.varlen);
   pr.total_q = dims.total_q;
   pr.total_k = dims.total_k;
-  if (dims.varlen) pr.index_bounds = varlen_index_bounds(in.varlen, dims.b, dims.total_q, dims.total_k);
+  if (dims.varlen) {
+    pr.index_bounds = varlen_index_bounds(in.varlen, dims.b, dims.total_q, dims.total_k, in.block_table, in.k);
+  }
+  if (in.block_table.defined()) {
+    // Paged prefill: K/V rows through the page table (AttentionParams::k_offset); the key counts
+    // from seqused_k, else cu_seqlens_k (AttentionParams::seqlen_k).
+    pr.params.block_table = int_data(in.block_table);
+    pr.params.block_table_batch_stride = in.block_table.stride[0];
+    pr.params.page_size = int(in.k.shape[1]);
+  }
   pr.params.out = row_head(out.out);
   pr.params.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;
   check_alibi(c, opt, dims.b, dims.h, in.q.device, pr.params);
@@ -614,6 +695,13 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   }
   if (in.cache_seqlens.defined()) check_int_vector(c, "cache_seqlens", in.cache_seqlens, dims.b, device);
   if (in.cache_batch_idx.defined()) check_int_vector(c, "cache_batch_idx", in.cache_batch_idx, dims.b, device);
+  if (in.cache_leftpad.defined()) {
+    check_int_vector(c, "cache_leftpad", in.cache_leftpad, dims.b, device);
+    if (paged) c.fail("cache_leftpad", "cannot be combined with a paged cache (block_table)", "none", "a tensor");
+    if (!in.cache_seqlens.defined()) {
+      c.fail("cache_seqlens", "is required with cache_leftpad (the keys lie between the two)", "a (b) int32 tensor", "none");
+    }
+  }
   std::int64_t rotary_dim = 0;
   if (in.rotary_cos.defined() != in.rotary_sin.defined()) {
     c.fail(in.rotary_cos.defined() ? "rotary_sin" : "rotary_cos", "rotary_cos and rotary_sin must be given together", "both or neither", "one");
@@ -643,12 +731,7 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   // Values, where they can be read: every position written or read stays inside the cache (on a
   // GPU the same rules run on the device: src/cuda/index_check.cu).
   const common::IndexBounds ib = kvcache_index_bounds(in, dims.sq, sk_new, capacity);
-  if (device.type == DeviceType::cpu) {
-    for (int b = 0; b < int(dims.b); ++b) {
-      const common::IndexViolation v = common::check_sequence_indices(ib, b);
-      if (v) throw Error(index_violation_message(api, v));
-    }
-  }
+  check_index_values(c, ib, device);
 
   Problem pr;
   pr.dtype = in.q.dtype;

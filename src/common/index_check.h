@@ -22,6 +22,8 @@ enum class IndexRule : int {
   rotary_too_short,        // rotary table rows < cache_seqlens[b] + max(seqlen_q, seqlen_new)
   cache_batch_idx_range,   // cache_batch_idx[b] outside [0, cache rows)
   block_table_range,       // a used block_table entry outside [0, pages)
+  paged_keys_past_capacity,  // paged varlen: a sequence's keys exceed its block_table row's pages
+  cache_leftpad_range,     // cache_leftpad[b] outside [0, cache_seqlens[b]]
 };
 
 // Which side a varlen rule is about.
@@ -52,14 +54,16 @@ struct IndexBounds {
   const std::int32_t* cu_seqlens_k = nullptr;  // (batch + 1)
   const std::int32_t* seqused_k = nullptr;     // (batch)
   int max_seqlen_q = 0, max_seqlen_k = 0;
-  std::int64_t total_q = 0, total_k = 0;  // packed rows of q and k
+  std::int64_t total_q = 0, total_k = 0;  // packed rows of q and k; total_k < 0: k is paged, not packed
   // KV cache: lengths BEFORE the append of seqlen_new keys.
   const std::int32_t* cache_seqlens = nullptr;    // (batch)
   const std::int32_t* cache_batch_idx = nullptr;  // (batch)
+  const std::int32_t* cache_leftpad = nullptr;    // (batch), with cache_seqlens
+  // Paged K/V, of a KV-cache call or of a varlen forward (paged prefill).
   const std::int32_t* block_table = nullptr;     // (batch, blocks per sequence)
   std::int64_t block_table_batch_stride = 0;
   std::int64_t cache_rows = 0;  // k_cache.shape[0]: batch rows, or pages when paged
-  std::int64_t capacity = 0;    // keys a sequence can hold
+  std::int64_t capacity = 0;    // keys a sequence can hold (paged: blocks per sequence · page_size)
   int page_size = 0;
   int seqlen_new = 0;
   int seqlen_q = 0;
@@ -91,7 +95,7 @@ FA_HOST_DEVICE IndexViolation check_cu_seqlens(const std::int32_t* cu, IndexSide
   const long long len = (long long)cu[b + 1] - cu[b];
   if (len < 0) return violation(IndexRule::cu_seqlens_decreasing, side, b, b + 1, cu[b + 1], cu[b]);
   if (len > max_len) return violation(IndexRule::max_seqlen_too_small, side, b, b, max_len, len);
-  if (b == batch - 1 && cu[batch] > total) {
+  if (b == batch - 1 && total >= 0 && cu[batch] > total) {
     return violation(IndexRule::cu_seqlens_past_total, side, b, batch, cu[batch], total);
   }
   return {};
@@ -105,25 +109,42 @@ FA_HOST_DEVICE IndexViolation check_cu_seqlens(const std::int32_t* cu, IndexSide
 FA_HOST_DEVICE IndexViolation check_sequence_indices(const IndexBounds& ib, int b) {
   using index_detail::violation;
   IndexViolation v;
+  // Keys sequence b reads: a KV cache's after the append (the whole capacity without
+  // cache_seqlens); a paged varlen sequence's seqused_k or cu_seqlens_k length.
+  long long len = ib.capacity + ib.seqlen_new;
   if (ib.cu_seqlens_q != nullptr) {
     v = index_detail::check_cu_seqlens(ib.cu_seqlens_q, IndexSide::q, ib.batch, b, ib.max_seqlen_q, ib.total_q);
     if (v) return v;
-    v = index_detail::check_cu_seqlens(ib.cu_seqlens_k, IndexSide::k, ib.batch, b, ib.max_seqlen_k, ib.total_k);
-    if (v) return v;
+    // cu_seqlens_k may be absent only with a paged K/V (then seqused_k gives the lengths).
+    long long keys = ib.max_seqlen_k;
+    if (ib.cu_seqlens_k != nullptr) {
+      v = index_detail::check_cu_seqlens(ib.cu_seqlens_k, IndexSide::k, ib.batch, b, ib.max_seqlen_k, ib.total_k);
+      if (v) return v;
+      keys = (long long)ib.cu_seqlens_k[b + 1] - ib.cu_seqlens_k[b];
+    }
     if (ib.seqused_k != nullptr) {
-      const long long len = (long long)ib.cu_seqlens_k[b + 1] - ib.cu_seqlens_k[b];
-      if (ib.seqused_k[b] < 0 || ib.seqused_k[b] > len) {
-        return violation(IndexRule::seqused_k_range, IndexSide::k, b, b, ib.seqused_k[b], len);
+      const long long used = ib.seqused_k[b];
+      if (used < 0 || (ib.cu_seqlens_k != nullptr && used > keys)) {
+        return violation(IndexRule::seqused_k_range, IndexSide::k, b, b, used, keys);
       }
+      // Without cu_seqlens_k nothing else bounds it: max_seqlen_k must (the mask and the CUDA
+      // grid are sized by it).
+      if (used > ib.max_seqlen_k) return violation(IndexRule::max_seqlen_too_small, IndexSide::k, b, b, ib.max_seqlen_k, used);
+      keys = used;
+    }
+    if (ib.block_table != nullptr) {
+      len = keys;
+      if (len > ib.capacity) return violation(IndexRule::paged_keys_past_capacity, IndexSide::k, b, b, len, ib.capacity);
     }
   }
-  // Keys sequence b reads after the append (the whole capacity without cache_seqlens).
-  long long len = ib.capacity + ib.seqlen_new;
   if (ib.cache_seqlens != nullptr) {
     const long long before = ib.cache_seqlens[b];
     len = before + ib.seqlen_new;
     if (before < 0 || len > ib.capacity) {
       return violation(IndexRule::cache_seqlens_range, IndexSide::k, b, b, before, ib.capacity - ib.seqlen_new);
+    }
+    if (ib.cache_leftpad != nullptr && (ib.cache_leftpad[b] < 0 || ib.cache_leftpad[b] > before)) {
+      return violation(IndexRule::cache_leftpad_range, IndexSide::k, b, b, ib.cache_leftpad[b], before);
     }
     const long long rotated_end = before + (ib.seqlen_q > ib.seqlen_new ? ib.seqlen_q : ib.seqlen_new);
     if (ib.rotary_rows >= 0 && rotated_end > ib.rotary_rows) {

@@ -51,6 +51,9 @@ struct AttentionParams {
   // KV cache (nullptr when unused).
   const std::int32_t* cache_seqlens = nullptr;    // keys of sequence b (replaces max_seqlen_k)
   const std::int32_t* cache_batch_idx = nullptr;  // K/V batch row of sequence b
+  // Left padding (KV cache): sequence b's keys start at row k_leftpad[b] of its K/V rows; set only
+  // for the attention, after the KV-cache append (which writes at absolute rows).
+  const std::int32_t* k_leftpad = nullptr;
   const std::int32_t* block_table = nullptr;      // (b, blocks_per_seq): paged K/V
   std::int64_t block_table_batch_stride = 0;
   std::int64_t cache_batches = 0;  // the caches' leading extent: their batches, or pages (0: no cache)
@@ -92,12 +95,15 @@ struct AttentionParams {
   }
   FA_HOST_DEVICE int seqlen_k(int b) const {
     if (seqused_k) return seqused_k[b];
-    if (cache_seqlens) return cache_seqlens[b];
+    if (cache_seqlens) return cache_seqlens[b] - (k_leftpad ? k_leftpad[b] : 0);
     return is_varlen() ? cu_seqlens_k[b + 1] - cu_seqlens_k[b] : max_seqlen_k;
   }
   // First packed row of sequence b (varlen) — 0 in dense mode, where the batch stride is used.
   FA_HOST_DEVICE std::int64_t q_row0(int b) const { return is_varlen() ? cu_seqlens_q[b] : 0; }
-  FA_HOST_DEVICE std::int64_t k_row0(int b) const { return is_varlen() ? cu_seqlens_k[b] : 0; }
+  // First key row of sequence b: its cu_seqlens_k entry (varlen), its left padding (KV cache), or 0.
+  FA_HOST_DEVICE std::int64_t k_row0(int b) const {
+    return is_varlen() ? cu_seqlens_k[b] : k_leftpad ? k_leftpad[b] : 0;
+  }
   FA_HOST_DEVICE int kv_batch(int b) const { return cache_batch_idx ? cache_batch_idx[b] : b; }
 
   // Element offset of row i, head hh of sequence b in a q-like tensor (q, out, dout, dq).

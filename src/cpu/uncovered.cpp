@@ -40,7 +40,7 @@ void fill_row_stats(float* stats, std::int64_t head_stride, std::int64_t row_beg
 
 void fill_uncovered_rows(const common::AttentionParams& p, std::int64_t total_q, std::int64_t total_k, bool backward) {
   if (!p.is_varlen()) return;
-  const std::int64_t q_end = p.cu_seqlens_q[p.batch], k_end = p.cu_seqlens_k[p.batch];
+  const std::int64_t q_end = p.cu_seqlens_q[p.batch];
   with_storage(p.storage, [&](auto tag) {
     using T = decltype(tag);
     if (!backward) {
@@ -48,6 +48,8 @@ void fill_uncovered_rows(const common::AttentionParams& p, std::int64_t total_q,
       fill_row_stats(p.lse, p.lse_head_stride, q_end, total_q, p.heads, std::numeric_limits<float>::infinity());
       return;
     }
+    // (Only the backward reads cu_seqlens_k: a paged forward may have none.)
+    const std::int64_t k_end = p.cu_seqlens_k[p.batch];
     zero_rows<T>(p.dq, q_end, total_q, p.heads, p.head_dim);
     fill_row_stats(p.softmax_d, p.lse_head_stride, q_end, total_q, p.heads, 0.0f);
     zero_rows<T>(p.dk, k_end, total_k, p.heads_k, p.head_dim);

@@ -45,12 +45,14 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     uncovered_rows_kernel(const common::AttentionParams p, std::int64_t total_q, std::int64_t total_k, bool backward) {
   if (p.index_check_failed()) return;  // cu_seqlens failed the index check: they are not used
-  const std::int64_t q_end = p.cu_seqlens_q[p.batch], k_end = p.cu_seqlens_k[p.batch];
+  const std::int64_t q_end = p.cu_seqlens_q[p.batch];
   if (!backward) {
     zero_rows<T>(p.out, q_end, total_q, p.heads, p.head_dim_v);
     fill_stats(p.lse, p.lse_head_stride, q_end, total_q, p.heads, __int_as_float(0x7f800000));  // +∞
     return;
   }
+  // (Only the backward reads cu_seqlens_k: a paged forward may have none.)
+  const std::int64_t k_end = p.cu_seqlens_k[p.batch];
   zero_rows<T>(p.dq, q_end, total_q, p.heads, p.head_dim);
   fill_stats(p.softmax_d, p.lse_head_stride, q_end, total_q, p.heads, 0.0f);
   zero_rows<T>(p.dk, k_end, total_k, p.heads_k, p.head_dim);

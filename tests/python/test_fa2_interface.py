@@ -31,6 +31,12 @@ _BWD_HEAD = ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv"]
 _VARLEN = ["cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
 
 
+KEYWORD_ONLY = {name: ["out"] for name in (
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache")}
+KEYWORD_ONLY["flash_attn_varlen_func"] = ["seqused_k", "return_softmax_lse", "out"]
+
+
 def _required(names):
     return [(n, NO_DEFAULT) for n in names]
 
@@ -68,7 +74,11 @@ def test_argspec(name):
     defaults = spec.defaults or ()
     got = list(zip(spec.args, [NO_DEFAULT] * (len(spec.args) - len(defaults)) + list(defaults)))
     assert got == SIGNATURES[name]
-    assert spec.varargs is None and spec.varkw is None and not spec.kwonlyargs
+    assert spec.varargs is None and spec.varkw is None
+    # Beyond flash_attn's arguments, only the documented keyword-only extras: out= on every public
+    # function, and vLLM's seqused_k and return_softmax_lse on the varlen one.
+    assert spec.kwonlyargs == KEYWORD_ONLY.get(name, [])
+    assert all(spec.kwonlydefaults[n] in (None, False) for n in spec.kwonlyargs)
 
 
 def batch_inputs(shape, dtype, device, seed):
@@ -319,8 +329,12 @@ def test_errors(device):
         fai.flash_attn_func(q, k, v, window_size=3)
     flat = q.reshape(-1, 2, 16)
     cq = cu([4], device)
-    for name, extra in (("block_table", dict(block_table=cq)), ("leftpad_k", dict(leftpad_k=cq[:1]))):
-        with pytest.raises(NotImplementedError, match=name):
-            fai._flash_attn_varlen_forward(flat, flat, flat, cq, cq, 4, 4, 0.0, None, False, **extra)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        fai.flash_attn_with_kvcache(q, k, v, cache_leftpad=cq[:1])
+    with pytest.raises(NotImplementedError, match="leftpad_k"):
+        fai._flash_attn_varlen_forward(flat, flat, flat, cq, cq, 4, 4, 0.0, None, False, leftpad_k=cq[:1])
+    # A paged K/V (block_table) and cache_leftpad are served (tests/python/test_paged_prefill.py);
+    # here their shape errors name them.
+    paged = flat.reshape(1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match=r"block_table: wrong shape; expected \(1, max_blocks_per_seq\)"):
+        fai._flash_attn_varlen_forward(flat, paged, paged, cq, cq, 4, 4, 0.0, None, False, block_table=cq)
+    with pytest.raises(RuntimeError, match="cache_leftpad"):
+        fai.flash_attn_with_kvcache(q, k, v, cache_seqlens=cq[:1].expand(1), cache_leftpad=cq[:2])

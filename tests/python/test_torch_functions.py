@@ -206,25 +206,26 @@ def test_positional_order_and_defaults():
 
     expected = {
         "flash_attn_func": ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size",
-                            "softcap", "alibi_slopes", "deterministic", "return_attn_probs"],
+                            "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "out"],
         "flash_attn_qkvpacked_func": ["qkv", "dropout_p", "softmax_scale", "causal", "window_size",
-                                      "softcap", "alibi_slopes", "deterministic", "return_attn_probs"],
+                                      "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "out"],
         "flash_attn_kvpacked_func": ["q", "kv", "dropout_p", "softmax_scale", "causal", "window_size",
-                                     "softcap", "alibi_slopes", "deterministic", "return_attn_probs"],
+                                     "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "out"],
         "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                                    "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size",
                                    "softcap", "alibi_slopes", "deterministic", "return_attn_probs",
-                                   "block_table"],
+                                   "block_table", "seqused_k", "return_softmax_lse", "out"],
         "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin",
                                     "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
                                     "softmax_scale", "causal", "window_size", "softcap",
                                     "rotary_interleaved", "alibi_slopes", "num_splits",
-                                    "return_softmax_lse"],
+                                    "return_softmax_lse", "out"],
     }
     defaults = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                 "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False,
                 "rotary_interleaved": True, "num_splits": 0, "return_softmax_lse": False,
-                "k": None, "cache_seqlens": None, "cache_leftpad": None, "block_table": None}
+                "k": None, "cache_seqlens": None, "cache_leftpad": None, "block_table": None,
+                "seqused_k": None, "out": None}
     for fn_name, params in expected.items():
         sig = inspect.signature(getattr(flashattn, fn_name))
         assert list(sig.parameters) == params, fn_name

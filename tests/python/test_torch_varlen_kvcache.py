@@ -205,10 +205,11 @@ def test_kvcache_without_append(device):
         check_spec("out", to_np(out), np.stack(refs), np.stack(naives), name, factor=3.0, reduction=cap)
 
 
-def test_kvcache_leftpad_not_implemented():
+def test_kvcache_leftpad_needs_cache_seqlens():
+    """cache_leftpad works (tests/python/test_paged_prefill.py); without cache_seqlens it is refused."""
     q = torch.randn(1, 1, 1, 8, dtype=torch.float16)
     cache = torch.randn(1, 4, 1, 8, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+    with pytest.raises(flashattn.Error, match="cache_seqlens: is required with cache_leftpad"):
         flashattn.flash_attn_with_kvcache(q, cache, cache, cache_leftpad=torch.zeros(1, dtype=torch.int32))
 
 

@@ -82,9 +82,10 @@ struct PersistentTileScheduler {
       t.seqlen_k = p.seqused_k ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_row0;
       t.q_tma_batch = t.k_tma_batch = 0;
     } else {
-      t.q_row0 = t.k_row0 = 0;
+      t.q_row0 = 0;
+      t.k_row0 = int(p.k_row0(t.batch));  // a KV cache's left padding, else 0
       t.seqlen_q = p.max_seqlen_q;
-      t.seqlen_k = p.seqlen_k(t.batch);  // seqused_k, cache_seqlens or all
+      t.seqlen_k = p.seqlen_k(t.batch);  // seqused_k, cache_seqlens (less the padding) or all
       t.q_tma_batch = t.batch;
       t.k_tma_batch = p.kv_batch(t.batch);
     }
