@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""bench/host_overhead.py — what one decoding call costs the host: Python argument handling,
+checks and dispatch of flash_attn_with_kvcache at batch 1 (sq 1, GQA 32/8, d 128, a 1k-key cache),
+timed as the wall time of --calls back-to-back calls (no synchronisation in between; the GPU work
+of each is a few microseconds, so the host is what is measured) divided by their number, the
+median of --repeats such loops. Beside it, on CUDA and in the same process: torch SDPA's
+FlashAttention-2 and cuDNN backends on the same q against the cache's keys (their dispatch path),
+and FlashAttention-3's flash_attn_with_kvcache where its flash_attn_interface module is importable.
+--device cpu times this library's call alone (the CPU backend's dispatch), as CI does to keep the
+script running.
+
+  python bench/host_overhead.py [--device cuda|cpu] [--calls 2000] [--repeats 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import time
+
+import torch
+
+import flashattn
+
+
+def per_call_us(fn, calls, repeats, sync):
+    for _ in range(max(10, calls // 10)):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        samples.append((t1 - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no GPU here (--device cpu times the CPU backend's dispatch)")
+    dtype = torch.bfloat16
+    b, h, hk, d, ctx = 1, 32, 8, 128, args.context
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(b, 1, h, d, device=dev, dtype=dtype, generator=g)
+    k_cache = torch.randn(b, ctx, hk, d, device=dev, dtype=dtype, generator=g)
+    v_cache = torch.randn(b, ctx, hk, d, device=dev, dtype=dtype, generator=g)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    rows = []
+
+    def record(impl, fn):
+        us = per_call_us(fn, args.calls, args.repeats, sync)
+        rows.append(dict(impl=impl, device=args.device, batch=b, heads=h, heads_k=hk, d=d, context=ctx, us_per_call=us))
+        print(f"{impl}: {us:.2f} µs per call", flush=True)
+
+    record("flashattn", lambda: flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
+    if dev.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt = q.transpose(1, 2)  # (b, h, 1, d)
+        kt = k_cache.transpose(1, 2).repeat_interleave(h // hk, dim=1)
+        vt = v_cache.transpose(1, 2).repeat_interleave(h // hk, dim=1)
+        for name, backend in (("torch_sdpa_flash", SDPBackend.FLASH_ATTENTION), ("torch_sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel([backend]):
+                    record(name, lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt))
+            except RuntimeError as e:
+                print(f"{name} not timed: {e}".splitlines()[0], flush=True)
+        try:
+            fa3 = importlib.import_module("flash_attn_interface")
+        except Exception as e:  # noqa: BLE001 — any import failure means: not timed, and why
+            print(f"fa3 not timed: flash_attn_interface is not importable ({type(e).__name__}: {e})", flush=True)
+        else:
+            record("fa3", lambda: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""bench/host_overhead.py end to end on the CPU (this library's call alone, tiny shapes): it runs
+and reports a positive time per call for the shapes it names. On the GPU machine the same script
+times FA2/cuDNN through SDPA and FA3 beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed: bench/host_overhead.py needs it")
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "host_overhead.py")
+
+
+def test_cpu_run_reports_time_per_call(tmp_path):
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, BENCH, "--device", "cpu", "--calls", "5", "--repeats", "2", "--context", "64",
+           "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())
+    assert [r["impl"] for r in rows] == ["flashattn"]
+    assert rows[0]["us_per_call"] > 0 and rows[0]["context"] == 64 and rows[0]["heads"] == 32
+    assert "µs per call" in run.stdout
