@@ -271,8 +271,9 @@ struct FwdMainloop {
     to_p();
     mma_pv.accumulate_ = GMMA::ScaleOut::Zero;  // the first P·V overwrites acc_o
     // Rows of this key tile past seqlen_k hold the next sequence's V (varlen) or unused rows
-    // (seqused_k, a KV cache past cache_seqlens). Their P is 0, but 0 · Inf or NaN is NaN: they are zeroed before the first P·V
-    // reads them. Dense calls read zeros there (past the tensor's extent).
+    // (seqused_k, a KV cache past cache_seqlens). Their P is 0, but 0 · Inf or NaN is NaN: they
+    // are zeroed before the first P·V reads them. Dense calls read zeros there (past the
+    // tensor's extent).
     if constexpr (Traits::kVarlen) {
       const int kv_valid = t.seqlen_k - n * kBlockN;
       if (kv_valid < kBlockN) {
