@@ -39,8 +39,8 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
 }
 
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
-// softcap/ALiBi/dropout kernels at d 128 (two consumer warpgroups), whose tanh and Philox rounds then run under the other
-// warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns
+// softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds
+// then run under the other warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns
 // measured 0.93–1.03× its speed without them, and that variant was removed.
 constexpr bool fwd_pingpong(int head_dim, bool score_mod) {
   return score_mod && head_dim <= 128 && fwd_tile(head_dim).block_m == 128;  // turns pair two warpgroups
