@@ -38,7 +38,7 @@ struct ForwardInputs {
   // varlen.seqused_k[i], or cu_seqlens_k[i + 1] − cu_seqlens_k[i] without seqused_k (one of the
   // two is required; with both, seqused_k[i] must not exceed that difference). Keys are at most
   // varlen.max_seqlen_k and max_blocks_per_seq · page_size per sequence.
-  TensorView block_table;
+  TensorView block_table = {};
 };
 
 struct ForwardOutputs {
@@ -78,7 +78,7 @@ struct KVCacheInputs {
   // cache_seqlens; not with a paged cache. Masks and ALiBi count key positions from that row, so
   // sequence i has cache_seqlens[i] + sk_new − cache_leftpad[i] keys; k_new is still written at
   // row cache_seqlens[i] and rotary positions are still cache rows, as in the reference API.
-  TensorView cache_leftpad;
+  TensorView cache_leftpad = {};
   TensorView block_table;      // optional (b, max_blocks_per_seq) int32: paged cache
   TensorView rotary_cos;       // optional (seqlen_ro, rotary_dim / 2), q's dtype
   TensorView rotary_sin;       // optional, like rotary_cos
