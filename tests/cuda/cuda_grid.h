@@ -94,6 +94,21 @@ inline std::vector<AttnConfig> window_configs(flashattn::DType dtype) {
   return cfgs;
 }
 
+// Softcap 1.5 with scores well past it (q, k in ±3) over d 64/128/256, causal or not.
+inline std::vector<AttnConfig> softcap_configs(flashattn::DType dtype) {
+  std::vector<AttnConfig> cfgs;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(dtype, d, 177, 301);
+      cfg.qk_amplitude = 3.0f;
+      cfg.opt.softcap = 1.5f;
+      cfg.opt.causal = causal;
+      cfgs.push_back(cfg);
+    }
+  }
+  return cfgs;
+}
+
 // Dropout p = 0.17 over d 64/128/256, causal or not.
 inline std::vector<AttnConfig> dropout_configs(flashattn::DType dtype) {
   std::vector<AttnConfig> cfgs;

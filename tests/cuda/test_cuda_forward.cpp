@@ -59,15 +59,7 @@ TEST_P(CudaForward, SlidingWindow) {
 
 TEST_P(CudaForward, Softcap) {
   FA_SKIP_WITHOUT_GPU();
-  for (int d : {64, 128, 256}) {
-    for (bool causal : {false, true}) {
-      AttnConfig cfg = base(d, 177, 301);
-      cfg.qk_amplitude = 3.0f;  // scores well past the cap
-      cfg.opt.softcap = 1.5f;
-      cfg.opt.causal = causal;
-      expect_matches(cfg);
-    }
-  }
+  for (const AttnConfig& cfg : softcap_configs(GetParam())) expect_matches(cfg);
 }
 
 TEST_P(CudaForward, Alibi) {
