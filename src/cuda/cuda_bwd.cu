@@ -19,7 +19,7 @@ bool can_serve_backward(const common::AttentionParams& p, std::string* why_not) 
 
 std::size_t backward_workspace_size(const common::AttentionParams& p, std::int64_t total_q_rows) {
   const FamilyChoice choice = choose_backward_family(p);
-  return choice.served ? family_backward_workspace_size(choice.family, p, total_q_rows) : 0;
+  return choice.served ? family_backward_workspace_size(choice, p, total_q_rows) : 0;
 }
 
 void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace, void* stream,
@@ -28,7 +28,7 @@ void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void*
   if (!choice.served) throw Error("flashattn::backward (CUDA): " + choice.why_not);
   // SPEC §5 special cases: nothing to compute (dk/dv of no rows are zeros only when there are keys).
   if (p.batch == 0 || (p.max_seqlen_q == 0 && p.max_seqlen_k == 0)) return;
-  family_backward(choice.family, p, total_q_rows, workspace, static_cast<cudaStream_t>(stream), rng_state);
+  family_backward(choice, p, total_q_rows, workspace, static_cast<cudaStream_t>(stream), rng_state);
 }
 
 }  // namespace flashattn::cuda

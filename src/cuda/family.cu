@@ -3,11 +3,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "cuda/cuda_common.h"
 #include "cuda/device_query.h"
 #include "cuda/sm80/sm80_family.h"
+#include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_registry.h"
 #include "flashattn/error.h"
@@ -18,19 +21,28 @@ namespace {
 constexpr Family kPreference[] = {Family::sm90, Family::sm80};
 constexpr int kHopper = 90;  // the compute capability sm_90a code runs on (H100, H200, H20, …)
 
-std::string sm90_forward_refusal(const common::AttentionParams& p, int* head_dim, bool preferring) {
+// The device and compiled-kernel rules of the sm90 family, for `kind` (*head_dim: the
+// instantiated head dim that would run p); "" when they hold.
+std::string sm90_kernel_refusal(sm90::Family kind, const common::AttentionParams& p, int* head_dim,
+                                std::initializer_list<std::pair<const char*, const common::RowHeadTensor*>> tensors) {
   const int need = std::max(p.head_dim, p.head_dim_v);
   if (p.storage == common::Storage::f16 || p.storage == common::Storage::bf16) {
-    *head_dim = sm90::compiled_head_dim(sm90::Family::fwd, p.storage, need);
-    if (*head_dim == 0) return sm90::missing_kernel_reason(sm90::Family::fwd, p.storage, need);
+    *head_dim = sm90::compiled_head_dim(kind, p.storage, need);
+    if (*head_dim == 0) return sm90::missing_kernel_reason(kind, p.storage, need);
   }
   std::string why;
-  if (!detail::can_serve_layout(p, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}}, &why)) return why;
+  if (!detail::can_serve_layout(p, tensors, &why)) return why;
   const int cc = current_compute_capability();
   if (cc != kHopper) {
     return "its kernels are compiled for sm_90a, which runs on compute capability 9.0 only (this GPU: " +
            std::to_string(cc / 10) + "." + std::to_string(cc % 10) + ")";
   }
+  return "";
+}
+
+std::string sm90_forward_refusal(const common::AttentionParams& p, int* head_dim, bool preferring) {
+  std::string why = sm90_kernel_refusal(sm90::Family::fwd, p, head_dim, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}});
+  if (!why.empty()) return why;
   why = sm90::fwd_unsupported(p, *head_dim);
   if (!why.empty()) return why;
   // A preference, not a limit (a forced choice runs such calls here, unsplit): where the sm80
@@ -39,6 +51,13 @@ std::string sm90_forward_refusal(const common::AttentionParams& p, int* head_dim
     return "the grid is short of one wave (decoding): the split-KV forward is not in this family yet";
   }
   return "";
+}
+
+std::string sm90_backward_refusal(const common::AttentionParams& p, int* head_dim) {
+  const std::string why = sm90_kernel_refusal(sm90::Family::bwd, p, head_dim,
+                                              {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out},
+                                               {"dout", &p.dout}, {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}});
+  return why.empty() ? sm90::bwd_unsupported(p, *head_dim) : why;
 }
 
 }  // namespace
@@ -103,31 +122,56 @@ void family_forward(const FamilyChoice& choice, const common::AttentionParams& p
 FamilyChoice choose_backward_family(const common::AttentionParams& p) {
   FamilyChoice choice;
   Family forced;
-  if (forced_family(&forced) && forced != Family::sm80) {
-    choice.why_not = std::string("the backward is in the sm80 family only (FLASHATTN_CUDA_FAMILY=") +
-                     family_name(forced) + ")";
-    return choice;
+  const bool only_one = forced_family(&forced);
+  for (Family f : kPreference) {
+    if (only_one && f != forced) continue;
+    choice.head_dim = 0;
+    const std::string why = f == Family::sm90 ? sm90_backward_refusal(p, &choice.head_dim) : sm80::backward_refusal(p);
+    if (why.empty()) {
+      choice.served = true;
+      choice.family = f;
+      choice.why_not.clear();
+      return choice;
+    }
+    choice.why_not = why;  // the most portable family's reason stands for the call (as forward)
   }
-  choice.why_not = sm80::backward_refusal(p);
-  choice.served = choice.why_not.empty();
-  choice.family = Family::sm80;
+  if (only_one) choice.why_not += std::string(" (FLASHATTN_CUDA_FAMILY=") + family_name(forced) + ")";
   return choice;
 }
 
-std::size_t family_backward_workspace_size(Family family, const common::AttentionParams& p,
+std::size_t family_backward_workspace_size(const FamilyChoice& choice, const common::AttentionParams& p,
                                            std::int64_t total_q_rows) {
-  return family == Family::sm80 ? sm80::backward_workspace_size(p, total_q_rows) : 0;
+  if (choice.family == Family::sm80) return sm80::backward_workspace_size(p, total_q_rows);
+  return sm90::bwd_workspace(p, choice.head_dim).total_bytes();
 }
 
-void family_backward(Family family, const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace,
-                     cudaStream_t stream, const std::uint64_t* rng_state) {
-  if (family == Family::sm80) sm80::backward(p, total_q_rows, workspace, stream, rng_state);
+void family_backward(const FamilyChoice& choice, const common::AttentionParams& p, std::int64_t total_q_rows,
+                     void* workspace, cudaStream_t stream, const std::uint64_t* rng_state) {
+  if (choice.family == Family::sm80) {
+    sm80::backward(p, total_q_rows, workspace, stream, rng_state);
+    return;
+  }
+  const sm90::BwdWorkspace w = sm90::bwd_workspace(p, choice.head_dim);
+  sm90::BwdScratch ws;
+  char* const base = static_cast<char*>(workspace);
+  ws.dq_accum = reinterpret_cast<float*>(base);
+  ws.lse_log2 = reinterpret_cast<float*>(base + w.dq_accum_bytes);
+  ws.dpsum = reinterpret_cast<float*>(base + w.dq_accum_bytes + w.row_stat_bytes);
+  ws.padded_rows = w.padded_rows;
+  ws.dq_accum_bytes = w.dq_accum_bytes;
+  const cudaError_t err = sm90::dispatch_bwd(p.storage, choice.head_dim, p, ws, rng_state, stream);
+  if (err != cudaSuccess) {
+    throw Error(std::string("flashattn::backward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+  }
 }
 
 std::string compiled_kernels_of_families() {
-  return sm80::compiled_kernels() + "; sm90 fwd: f16 d " +
-         sm90::compiled_head_dims(sm90::Family::fwd, common::Storage::f16) + ", bf16 d " +
-         sm90::compiled_head_dims(sm90::Family::fwd, common::Storage::bf16);
+  std::string list = sm80::compiled_kernels();
+  for (const auto& [kind, name] : {std::pair{sm90::Family::fwd, "fwd"}, std::pair{sm90::Family::bwd, "bwd"}}) {
+    list += std::string("; sm90 ") + name + ": f16 d " + sm90::compiled_head_dims(kind, common::Storage::f16) +
+            ", bf16 d " + sm90::compiled_head_dims(kind, common::Storage::bf16);
+  }
+  return list;
 }
 
 }  // namespace flashattn::cuda

@@ -51,12 +51,13 @@ int family_num_splits(Family family, const common::AttentionParams& p);
 void family_forward(const FamilyChoice& choice, const common::AttentionParams& p, const std::uint64_t* rng_state,
                     void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
-// The backward: only the sm80 family has one, on every GPU it runs on.
+// The family that runs the backward of p (the same ordered choice; head_dim is set for sm90), its
+// workspace and the call.
 FamilyChoice choose_backward_family(const common::AttentionParams& p);
-std::size_t family_backward_workspace_size(Family family, const common::AttentionParams& p,
+std::size_t family_backward_workspace_size(const FamilyChoice& choice, const common::AttentionParams& p,
                                            std::int64_t total_q_rows);
-void family_backward(Family family, const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace,
-                     cudaStream_t stream, const std::uint64_t* rng_state);
+void family_backward(const FamilyChoice& choice, const common::AttentionParams& p, std::int64_t total_q_rows,
+                     void* workspace, cudaStream_t stream, const std::uint64_t* rng_state);
 
 // The kernels compiled into this build, family by family.
 std::string compiled_kernels_of_families();

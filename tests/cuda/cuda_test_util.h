@@ -63,6 +63,14 @@ inline std::vector<const char*> families_here() {
   return {"sm80"};
 }
 
+// Skips (saying why) where the sm90 family cannot run: no compute capability 9.0 GPU, or no
+// sm_90a kernels in the build.
+#define FA_SKIP_WITHOUT_SM90()                                                           \
+  do {                                                                                   \
+    std::string fa_why_;                                                                 \
+    if (!::fa_test::cuda::sm90_available(&fa_why_)) GTEST_SKIP() << "NOT RUN: " << fa_why_; \
+  } while (0)
+
 #define FA_SKIP_WITHOUT_GPU()                                                         \
   do {                                                                                \
     std::string fa_why_;                                                              \

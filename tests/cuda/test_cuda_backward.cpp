@@ -1,8 +1,9 @@
-// tests/cuda/test_cuda_backward.cpp — the sm80 backward kernels against the fp64 reference by the
-// accuracy rule of SPEC §7 (check_backward), over the shape grid and every feature: masks, softcap,
-// ALiBi, dropout (the forward's mask, seed and offset also from device memory), GQA/MQA, d ≠ dv,
-// varlen with empty sequences, strided layouts, fully masked rows, zero lengths, and deterministic
-// mode (bitwise identical runs). Gradients are poisoned before each call and the workspace is
+// tests/cuda/test_cuda_backward.cpp — the CUDA backward against the fp64 reference by the accuracy
+// rule of SPEC §7 (check_backward): the shape grid with the sm80 family forced (so that it stays
+// tested on Hopper GPUs; the sm90 family's grid is in test_cuda_sm90_backward.cpp), and, with the
+// ordered family choice, every feature: masks, softcap, ALiBi, dropout (the forward's mask, seed
+// and offset also from device memory), GQA/MQA, d ≠ dv, varlen with empty sequences, strided
+// layouts, fully masked rows, zero lengths, and deterministic mode (bitwise identical runs). Gradients are poisoned before each call and the workspace is
 // filled with NaN bytes. The forward that produces out and lse is the CPU flash backend's.
 // Without a GPU every test skips and says it was not run.
 #include <algorithm>
@@ -37,6 +38,7 @@ TEST_P(CudaBackwardGrid, MatchesReference) {
   const AttnConfig cfg = grid_config(GetParam());
   const AttnProblem p = make_problem(cfg);
   SCOPED_TRACE(describe(p.cfg));
+  const FamilyOverride family("sm80");  // the sm90 family's grid: test_cuda_sm90_backward.cpp
   expect_backward_matches(p);
 }
 

@@ -25,12 +25,6 @@ namespace c = flashattn::common;
 namespace fc = flashattn::cuda;
 using flashattn::DType;
 
-#define FA_SKIP_WITHOUT_SM90()                                     \
-  do {                                                             \
-    std::string fa_why_;                                           \
-    if (!sm90_available(&fa_why_)) GTEST_SKIP() << "NOT RUN: " << fa_why_; \
-  } while (0)
-
 // The validated params of a problem (host pointers: the choice reads shapes and strides only).
 c::AttentionParams params_of(const AttnProblem& p, ForwardResult& r) {
   flashattn::ForwardOutputs outs{r.out.tv(), r.lse.tv()};

@@ -7,7 +7,7 @@
 
 The manifest (tools/codegen/kernels.json) lists, per kernel family ("arch": sm80, sm90), the GPU
 architectures its code is compiled for, its kinds of kernel (launcher template, the header that
-defines it, its parameters), the dtypes and the head dims. Every (arch, kind, dtype, head dim)
+defines it, its parameters, optionally its own head dims), the dtypes and the head dims. Every (arch, kind, dtype, head dim)
 becomes one translation unit, src/cuda/<arch>/inst/<arch>_<kind>_hdim<d>_<dtype>.cu, holding one
 explicit instantiation (one CuTe kernel set per nvcc process keeps compile time and memory low).
 
@@ -32,6 +32,11 @@ STORAGE = {"f16": "common::Storage::f16", "bf16": "common::Storage::bf16"}
 
 def macro(arch, family, dtype, head_dim):
     return f"FLASHATTN_{arch.upper()}_{family['name'].upper()}_{dtype.upper()}_{head_dim}"
+
+
+def head_dims(arch_manifest, family):
+    """The head dims of one kind of kernel: its own list where it has one, else its arch's."""
+    return family.get("head_dims", arch_manifest["head_dims"])
 
 
 def inst_name(arch, family, dtype, head_dim):
@@ -126,7 +131,7 @@ def registry_source(m):
     ]
     for f in m["families"]:
         for dtype in m["dtypes"]:
-            for d in m["head_dims"]:
+            for d in head_dims(m, f):
                 name = macro(arch, f, dtype, d)
                 lines += [
                     f"#ifdef {name}",
@@ -151,6 +156,16 @@ def registry_source(m):
         '  return "";',
         "}",
         "",
+        "int largest_head_dim(Family family) {",
+        "  switch (family) {",
+    ]
+    for f in m["families"]:
+        lines.append(f'    case Family::{f["name"]}: return {max(head_dims(m, f))};')
+    lines += [
+        "  }",
+        "  return 0;",
+        "}",
+        "",
         "}  // namespace",
         "",
         "int compiled_head_dim(Family family, common::Storage storage, int need) {",
@@ -162,7 +177,7 @@ def registry_source(m):
         "}",
         "",
         "std::string missing_kernel_reason(Family family, common::Storage storage, int need) {",
-        f'  const int largest = {max(m["head_dims"])};',
+        "  const int largest = largest_head_dim(family);",
         f'  std::string why = std::string("no {arch} ") + family_title(family) + " kernel for " + registry::storage_name(storage) +',
         '                    " and head dim " + std::to_string(need);',
         "  if (need > largest) return why + \" (the largest instantiated head dim is \" + std::to_string(largest) + \")\";",
@@ -177,7 +192,7 @@ def registry_source(m):
         args = ", ".join(n for _, n in f["params"])
         lines += [dispatch_signature(f) + " {"]
         for dtype in m["dtypes"]:
-            for d in m["head_dims"]:
+            for d in head_dims(m, f):
                 lines += [
                     f"#ifdef {macro(arch, f, dtype, d)}",
                     f"  if (storage == {STORAGE[dtype]} && head_dim == {d}) {{",
@@ -206,7 +221,7 @@ def arch_outputs(m):
     files = {}
     for f in m["families"]:
         for dtype in m["dtypes"]:
-            for d in m["head_dims"]:
+            for d in head_dims(m, f):
                 files[base / "inst" / inst_name(arch, f, dtype, d)] = inst_file(arch, f, dtype, d)
     files[base / f"{arch}_registry.h"] = registry_header(m)
     files[base / f"{arch}_registry.cu"] = registry_source(m)

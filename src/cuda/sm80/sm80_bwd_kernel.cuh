@@ -43,6 +43,7 @@
 // as an ATOMG that waits for its old value (measured on sm_90a: 210 of them at d 128).
 #pragma once
 
+#include "cuda/device/row_dot.cuh"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
 
 namespace flashattn::cuda::sm80 {
@@ -324,16 +325,7 @@ __global__ void __launch_bounds__(kBwdThreads)
     if (i >= seqlen_q) break;
     const Element* do_row = dout + p.q_offset(p.dout, batch, i, head);
     const Element* o_row = out + p.q_offset(p.out, batch, i, head);
-    float dot = 0.0f;
-    for (int col = lane * 8; col < p.head_dim_v; col += 32 * 8) {
-      Element a[8], o[8];
-      *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(do_row + col);
-      *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(o_row + col);
-      CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) dot = fmaf(float(a[e]), float(o[e]), dot);
-    }
-    CUTE_UNROLL
-    for (int m = 16; m >= 1; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+    const float dot = device::warp_row_dot(do_row, o_row, p.head_dim_v, lane);
     if (lane == 0) p.softmax_d[p.lse_index(batch, head, i)] = dot;
   }
 }

@@ -115,6 +115,15 @@ const char* family_title(Family family) {
   return "";
 }
 
+int largest_head_dim(Family family) {
+  switch (family) {
+    case Family::fwd: return 256;
+    case Family::fwd_split: return 256;
+    case Family::bwd: return 256;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int compiled_head_dim(Family family, common::Storage storage, int need) {
@@ -126,7 +135,7 @@ std::string compiled_head_dims(Family family, common::Storage storage) {
 }
 
 std::string missing_kernel_reason(Family family, common::Storage storage, int need) {
-  const int largest = 256;
+  const int largest = largest_head_dim(family);
   std::string why = std::string("no sm80 ") + family_title(family) + " kernel for " + registry::storage_name(storage) +
                     " and head dim " + std::to_string(need);
   if (need > largest) return why + " (the largest instantiated head dim is " + std::to_string(largest) + ")";

@@ -16,6 +16,8 @@ constexpr std::int64_t kTmaStrideLimitBytes = std::int64_t(1) << 40;
 // Extents are 32-bit (the descriptor's shape here is int32).
 constexpr std::int64_t kTmaRowLimit = std::int64_t(1) << 31;
 
+}  // namespace
+
 std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t, std::int64_t rows, int heads, int batch,
                                std::int64_t element_bytes) {
   const std::pair<std::int64_t, std::int64_t> strides[] = {{t.row_stride, rows}, {t.head_stride, heads}, {t.batch_stride, batch}};
@@ -26,8 +28,6 @@ std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t,
   }
   return "";
 }
-
-}  // namespace
 
 std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   (void)head_dim;

@@ -57,6 +57,11 @@ bool fwd_snake_walk();
 // compiled kernels are the family table's business (cuda/family.h).
 std::string fwd_unsupported(const common::AttentionParams& p, int head_dim);
 
+// Why TMA cannot read tensor `name` (rows × heads × batch rows of 16-bit elements) with its strides
+// ("" when it can): each stride of an axis longer than 1 positive and below 2^40 bytes.
+std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t, std::int64_t rows, int heads,
+                               int batch, std::int64_t element_bytes);
+
 // The launcher of one (dtype, head dim), instantiated in inst/sm90_fwd_hdim<d>_<dtype>.cu
 // (sm90_fwd_launch.cuh defines it). rng_state: as for the sm80 forward (unused: no dropout here).
 template <common::Storage kStorage, int kHeadDim>

@@ -10,29 +10,17 @@
 #include "cuda/device_query.h"
 #include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_fwd_kernel.cuh"
+#include "cuda/sm90/sm90_tma.cuh"
 
 namespace flashattn::cuda::sm90 {
 
 using device::ElementOf;
 
-// The global tensor (rows, d, heads, batch) of a q- or k-like argument, as TMA reads it. Rows and
-// columns past (rows, cols) read as zeros. The stride of an axis of extent 1 is never used; it is
-// replaced by 16 bytes, which a TMA descriptor accepts whatever the caller's view held there.
-template <class Traits>
-auto gmem_rows(const common::RowHeadTensor& t, int rows, int cols, int heads, int batch) {
-  using Element = typename Traits::Element;
-  constexpr std::int64_t kAnyStride = 16 / sizeof(Element);
-  auto stride_of = [&](std::int64_t stride, int extent) { return extent > 1 ? stride : kAnyStride; };
-  return make_tensor(make_gmem_ptr(static_cast<const Element*>(t.data)),
-                     make_shape(std::int32_t(rows), std::int32_t(cols), std::int32_t(heads), std::int32_t(batch)),
-                     make_stride(stride_of(t.row_stride, rows), _1{}, stride_of(t.head_stride, heads),
-                                 stride_of(t.batch_stride, batch)));
-}
-
 // One launch of the kernel of Traits: TMA descriptors, shared memory, the persistent grid.
 template <class Traits>
 cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
+  using Element = typename Traits::Element;
   FwdParams<Traits> params;
   params.p = p;
   // Dense: (seqlen, d, heads, batch). Varlen: the packed rows as one batch (FwdTile::q_row0). A
@@ -45,13 +33,13 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   params.shape_q = make_shape(rows_q, p.head_dim, p.heads, batch);
   params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch_k);
   params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch_k);
-  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.q, rows_q, p.head_dim, p.heads, batch),
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch),
                                typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
-  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Traits>(p.k, rows_k, p.head_dim, p.heads_k, batch_k),
+  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.k, rows_k, p.head_dim, p.heads_k, batch_k),
                                take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                               gmem_rows<Traits>(p.v, rows_k, p.head_dim_v, p.heads_k, batch_k),
+                               gmem_rows<Element>(p.v, rows_k, p.head_dim_v, p.heads_k, batch_k),
                                take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
   params.scale_log2 = p.softmax_scale * device::kLog2e;

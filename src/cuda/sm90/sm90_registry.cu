@@ -41,6 +41,26 @@ const KernelEntry kKernels[] = {
 #else
     {Family::fwd, common::Storage::bf16, 256, false},
 #endif
+#ifdef FLASHATTN_SM90_BWD_F16_64
+    {Family::bwd, common::Storage::f16, 64, true},
+#else
+    {Family::bwd, common::Storage::f16, 64, false},
+#endif
+#ifdef FLASHATTN_SM90_BWD_F16_128
+    {Family::bwd, common::Storage::f16, 128, true},
+#else
+    {Family::bwd, common::Storage::f16, 128, false},
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_64
+    {Family::bwd, common::Storage::bf16, 64, true},
+#else
+    {Family::bwd, common::Storage::bf16, 64, false},
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_128
+    {Family::bwd, common::Storage::bf16, 128, true},
+#else
+    {Family::bwd, common::Storage::bf16, 128, false},
+#endif
 };
 const int kKernelCount = int(sizeof(kKernels) / sizeof(kKernels[0]));
 
@@ -49,8 +69,17 @@ namespace {
 const char* family_title(Family family) {
   switch (family) {
     case Family::fwd: return "forward";
+    case Family::bwd: return "backward";
   }
   return "";
+}
+
+int largest_head_dim(Family family) {
+  switch (family) {
+    case Family::fwd: return 256;
+    case Family::bwd: return 128;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -64,7 +93,7 @@ std::string compiled_head_dims(Family family, common::Storage storage) {
 }
 
 std::string missing_kernel_reason(Family family, common::Storage storage, int need) {
-  const int largest = 256;
+  const int largest = largest_head_dim(family);
   std::string why = std::string("no sm90 ") + family_title(family) + " kernel for " + registry::storage_name(storage) +
                     " and head dim " + std::to_string(need);
   if (need > largest) return why + " (the largest instantiated head dim is " + std::to_string(largest) + ")";
@@ -111,6 +140,41 @@ cudaError_t dispatch_fwd(common::Storage storage,
   (void)storage;
   (void)head_dim;
   (void)p;
+  (void)rng_state;
+  (void)stream;
+  return cudaErrorNotSupported;
+}
+
+cudaError_t dispatch_bwd(common::Storage storage,
+                         int head_dim,
+                         const common::AttentionParams& p,
+                         const BwdScratch& scratch,
+                         const std::uint64_t* rng_state,
+                         cudaStream_t stream) {
+#ifdef FLASHATTN_SM90_BWD_F16_64
+  if (storage == common::Storage::f16 && head_dim == 64) {
+    return run_bwd<common::Storage::f16, 64>(p, scratch, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_BWD_F16_128
+  if (storage == common::Storage::f16 && head_dim == 128) {
+    return run_bwd<common::Storage::f16, 128>(p, scratch, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_64
+  if (storage == common::Storage::bf16 && head_dim == 64) {
+    return run_bwd<common::Storage::bf16, 64>(p, scratch, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_128
+  if (storage == common::Storage::bf16 && head_dim == 128) {
+    return run_bwd<common::Storage::bf16, 128>(p, scratch, rng_state, stream);
+  }
+#endif
+  (void)storage;
+  (void)head_dim;
+  (void)p;
+  (void)scratch;
   (void)rng_state;
   (void)stream;
   return cudaErrorNotSupported;

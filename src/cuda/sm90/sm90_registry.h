@@ -10,11 +10,12 @@
 #include <string>
 
 #include "common/params.h"
+#include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_fwd.h"
 
 namespace flashattn::cuda::sm90 {
 
-enum class Family { fwd };
+enum class Family { fwd, bwd };
 
 // The smallest head dim compiled for (family, storage) that holds `need` (max(d, dv)), or 0.
 int compiled_head_dim(Family family, common::Storage storage, int need);
@@ -41,6 +42,12 @@ extern const int kKernelCount;
 cudaError_t dispatch_fwd(common::Storage storage,
                          int head_dim,
                          const common::AttentionParams& p,
+                         const std::uint64_t* rng_state,
+                         cudaStream_t stream);
+cudaError_t dispatch_bwd(common::Storage storage,
+                         int head_dim,
+                         const common::AttentionParams& p,
+                         const BwdScratch& scratch,
                          const std::uint64_t* rng_state,
                          cudaStream_t stream);
 

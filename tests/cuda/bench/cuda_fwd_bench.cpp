@@ -404,8 +404,9 @@ int main(int argc, char** argv) try {
           cudaFree(workspace);
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * h * sum_sq * d / (causal ? 2.0 : 1.0);
           const double tflops = flops / (median * 1e-3) / 1e12;
-          // The kernel family that ran (cuda/family.h): the backward is sm80's.
-          const char* family = bwd ? "sm80" : flashattn::cuda::family_name(flashattn::cuda::choose_forward_family(p).family);
+          // The kernel family that ran (cuda/family.h).
+          const char* family = flashattn::cuda::family_name(bwd ? flashattn::cuda::choose_backward_family(p).family
+                                                                : flashattn::cuda::choose_forward_family(p).family);
           std::printf(
               "flashattn %s %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g alibi=%d varlen=%s: %.3f ms, %.1f "
               "TFLOP/s\n",

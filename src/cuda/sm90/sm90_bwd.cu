@@ -1,0 +1,36 @@
+// src/cuda/sm90/sm90_bwd.cu — which calls the Hopper backward family serves, and its workspace
+// (host code).
+#include "cuda/sm90/sm90_bwd.h"
+
+#include <string>
+
+#include "cuda/cuda_common.h"
+#include "cuda/sm90/sm90_fwd.h"
+
+namespace flashattn::cuda::sm90 {
+
+std::string bwd_unsupported(const common::AttentionParams& p, int head_dim) {
+  if (head_dim > 128) return "head dims above 128 are not in this family's backward yet";
+  if (p.is_varlen() || p.seqused_k != nullptr) return "varlen batches are not in this family's backward yet";
+  if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f) {
+    return "softcap, ALiBi and dropout are not in this family's backward yet";
+  }
+  if (p.deterministic) return "the deterministic backward is not in this family yet";
+  if (p.max_seqlen_q == 0) return "no query rows: nothing for the TMA loads (dK and dV are zeros elsewhere)";
+  // The forward's TMA rules hold for q, k and v; dO is read the same way as q.
+  const std::string why = fwd_unsupported(p, head_dim);
+  if (!why.empty()) return why;
+  return tma_layout_problem("dout", p.dout, p.max_seqlen_q, p.heads, p.batch, 2);
+}
+
+BwdWorkspace bwd_workspace(const common::AttentionParams& p, int head_dim) {
+  const int block_m = bwd_tile(head_dim).block_m;
+  BwdWorkspace w;
+  w.padded_rows = (p.max_seqlen_q + block_m - 1) / block_m * block_m;
+  const std::size_t rows = std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(w.padded_rows);
+  w.dq_accum_bytes = detail::workspace_align_up(rows * std::size_t(head_dim) * sizeof(float));
+  w.row_stat_bytes = detail::workspace_align_up(rows * sizeof(float));
+  return w;
+}
+
+}  // namespace flashattn::cuda::sm90

@@ -1,0 +1,62 @@
+// src/cuda/sm90/sm90_bwd.h — the Hopper (sm90a) backward family as the dispatcher sees it: its
+// tile per head dim, which calls it serves (with the reason when not), its workspace and the
+// launchers defined in inst/*.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/params.h"
+
+namespace flashattn::cuda::sm90 {
+
+// Tile of one backward CTA: block_n keys (64 per consumer warpgroup) against block_m query rows
+// per step of the Q/dO ring (stages deep). Each CTA owns one key tile of one (kv head, batch) and
+// walks every query row block of every query head of the group, so dK and dV are summed in
+// registers (GQA needs no fp32 dK/dV buffers) and written once.
+//   d 64:  128 keys × 128 rows, 2 stages — K 16 + V 16 + Q 32 + dO 32 + dS 2 × 32 KiB
+//   d 128: 128 keys × 64 rows,  2 stages — K 32 + V 32 + Q 32 + dO 32 + dS 2 × 16 KiB
+struct BwdTileShape {
+  int block_m;
+  int block_n;
+  int stages;
+};
+constexpr BwdTileShape bwd_tile(int head_dim) {
+  return head_dim <= 64 ? BwdTileShape{128, 128, 2} : BwdTileShape{64, 128, 2};
+}
+
+// The backward's scratch in the caller's workspace, per (batch, head) `padded_rows` rows (the
+// query rows rounded up to a row block): the fp32 dQ accumulator (rows × the instantiated head
+// dim), lse · log2 e and softmax_d (one float per row; +∞ and 0 on the padding rows, so that a
+// row block is read whole).
+struct BwdWorkspace {
+  int padded_rows = 0;
+  std::size_t dq_accum_bytes = 0;
+  std::size_t row_stat_bytes = 0;  // each of lse_log2 and dpsum
+  std::size_t total_bytes() const { return dq_accum_bytes + 2 * row_stat_bytes; }
+};
+BwdWorkspace bwd_workspace(const common::AttentionParams& p, int head_dim);
+
+// Where the scratch lives, for the launcher.
+struct BwdScratch {
+  float* dq_accum = nullptr;
+  float* lse_log2 = nullptr;
+  float* dpsum = nullptr;
+  int padded_rows = 0;
+  std::size_t dq_accum_bytes = 0;
+};
+
+// Why the sm90 backward does not serve p in the instantiated head dim `head_dim`, or "" when it
+// does (features and layouts only; the device and compiled kernels are the family table's).
+std::string bwd_unsupported(const common::AttentionParams& p, int head_dim);
+
+// The launcher of one (dtype, head dim), instantiated in inst/sm90_bwd_hdim<d>_<dtype>.cu
+// (sm90_bwd_launch.cuh defines it): preprocess, main kernel, postprocess on `stream`.
+template <common::Storage kStorage, int kHeadDim>
+cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& scratch, const std::uint64_t* rng_state,
+                    cudaStream_t stream);
+
+}  // namespace flashattn::cuda::sm90

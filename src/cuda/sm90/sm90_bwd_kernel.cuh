@@ -1,0 +1,125 @@
+// src/cuda/sm90/sm90_bwd_kernel.cuh — the Hopper backward's three kernels:
+//   bwd_preprocess_kernel  softmax_d = rowsum(dO ∘ O) (the caller's output), and the scratch's
+//                          padded copies of lse · log2 e and softmax_d that the main kernel bulk-loads
+//   bwd_kernel             warp-specialised: one producer warpgroup (one thread issues the TMA
+//                          loads) and two consumer warpgroups (sm90_bwd_mainloop.cuh)
+//   bwd_postprocess_kernel dQ: the fp32 accumulator in the caller's element type
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/device/row_dot.cuh"
+#include "cuda/sm90/sm90_bwd_mainloop.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+inline constexpr int kBwdPrepostThreads = 256;
+
+// Grid (⌈padded_rows / 64⌉, heads, batch): each of the 8 warps takes 8 rows; a lane holds 8
+// consecutive columns of dO and O per step (dv is a multiple of 8 and rows 16-byte aligned: the
+// layout checks of every family).
+template <class Element>
+__global__ void __launch_bounds__(kBwdPrepostThreads)
+    bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* lse_log2, float* dpsum,
+                          int padded_rows) {
+  if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
+  constexpr int kRowsPerWarp = 8;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const auto* dout = static_cast<const Element*>(p.dout.data);
+  const auto* out = static_cast<const Element*>(p.out.data);
+  const std::int64_t stats = (std::int64_t(batch) * p.heads + head) * padded_rows;
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int i = (blockIdx.x * (kBwdPrepostThreads / 32) + warp) * kRowsPerWarp + r;
+    if (i >= padded_rows) break;
+    if (i >= p.max_seqlen_q) {  // padding: P = 0 there
+      if (lane == 0) {
+        lse_log2[stats + i] = device::kInf;
+        dpsum[stats + i] = 0.0f;
+      }
+      continue;
+    }
+    const Element* do_row = dout + p.q_offset(p.dout, batch, i, head);
+    const Element* o_row = out + p.q_offset(p.out, batch, i, head);
+    const float dot = device::warp_row_dot(do_row, o_row, p.head_dim_v, lane);
+    if (lane == 0) {
+      const std::int64_t at = p.lse_index(batch, head, i);
+      p.softmax_d[at] = dot;
+      dpsum[stats + i] = dot;
+      lse_log2[stats + i] = p.lse[at] * device::kLog2e;
+    }
+  }
+}
+
+// Grid (⌈sq / 64⌉, heads, batch): thread t converts 4 consecutive columns per step (the
+// instantiated head dim is a multiple of 64), skipping columns ≥ d.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(kBwdPrepostThreads)
+    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, int padded_rows) {
+  if (p.index_check_failed()) return;
+  constexpr int kRows = 64;
+  constexpr int kVec = 4;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const float* const tile = dq_accum + ((std::int64_t(batch) * p.heads + head) * padded_rows + blockIdx.x * kRows) * kHeadDim;
+  auto* dq = static_cast<Element*>(p.dq.data);
+  for (int e = threadIdx.x * kVec; e < kRows * kHeadDim; e += kBwdPrepostThreads * kVec) {
+    const int row = e / kHeadDim, col = e % kHeadDim;
+    const int i = blockIdx.x * kRows + row;
+    if (i >= p.max_seqlen_q || col >= p.head_dim) continue;
+    const float4 v = *reinterpret_cast<const float4*>(tile + e);
+    Element out[kVec] = {Element(v.x), Element(v.y), Element(v.z), Element(v.w)};
+    Element* const dst = dq + p.q_offset(p.dq, batch, i, head) + col;
+    // d is a multiple of 8 (layout checks): 4 columns never straddle it.
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(out);
+  }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_constant__ BwdParams<Traits> params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Mainloop = BwdMainloop<Traits>;
+  using Pipeline = typename Mainloop::Pipeline;
+  if (params.p.index_check_failed()) return;
+  extern __shared__ __align__(1024) unsigned char smem_bytes[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
+
+  const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);
+  const int warpgroup = warp / 4;
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full, 1);
+    // Every consumer thread gives a Q/dO stage back itself: besides the products, its threads
+    // read the stage's lse and softmax_d with ordinary loads.
+    Pipeline::init(ss.q_full, ss.q_empty, Traits::kConsumerThreads);
+    Pipeline::init(ss.do_full, ss.do_empty, Traits::kConsumerThreads);
+    cutlass::arch::fence_barrier_init();
+  }
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+  __syncthreads();
+
+  const Pipeline q_pipe{ss.q_full, ss.q_empty};
+  const Pipeline do_pipe{ss.do_full, ss.do_empty};
+  const BwdTile t = BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p);
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (warp == 0 && cute::elect_one_sync()) Mainloop::load(params, ss, q_pipe, do_pipe, t);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int thread = int(threadIdx.x) - Traits::kWarpgroupThreads;
+    typename Traits::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, select<0, 1>(typename Traits::TileShapedKV{}));
+    Tensor acc_dv = partition_fragment_C(mma_dkv, select<0, 1>(typename Traits::TileShapedKV{}));
+    clear(acc_dk);
+    clear(acc_dv);
+    Mainloop::compute(params, ss, q_pipe, do_pipe, t, thread, acc_dk, acc_dv);
+    Mainloop::store(params, t, thread, acc_dk, acc_dv);
+  }
+#endif
+}
+
+}  // namespace flashattn::cuda::sm90

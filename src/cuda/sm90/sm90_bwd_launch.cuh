@@ -1,0 +1,82 @@
+// src/cuda/sm90/sm90_bwd_launch.cuh — the launcher of the Hopper backward: preprocess, the main
+// kernel with its TMA descriptors and shared-memory opt-in, postprocess. Included by the
+// instantiation files in inst/, one (dtype, head dim) each.
+#pragma once
+
+#include "cuda/device/element.cuh"
+#include "cuda/device/math.cuh"
+#include "cuda/sm90/sm90_bwd.h"
+#include "cuda/sm90/sm90_bwd_kernel.cuh"
+#include "cuda/sm90/sm90_tma.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+template <class Traits>
+cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  BwdParams<Traits> params;
+  params.p = p;
+  params.shape_q = make_shape(p.max_seqlen_q, p.head_dim, p.heads, p.batch);
+  params.shape_do = make_shape(p.max_seqlen_q, p.head_dim_v, p.heads, p.batch);
+  params.shape_k = make_shape(p.max_seqlen_k, p.head_dim, p.heads_k, p.batch);
+  params.shape_v = make_shape(p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch);
+  const auto rows_box = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
+  const auto keys_box = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
+  const auto rows_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, p.max_seqlen_q, p.head_dim, p.heads, p.batch),
+                               rows_smem, rows_box, _1{});
+  params.tma_do = make_tma_copy(SM90_TMA_LOAD{},
+                                gmem_rows<Element>(p.dout, p.max_seqlen_q, p.head_dim_v, p.heads, p.batch), rows_smem,
+                                rows_box, _1{});
+  params.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                               gmem_rows<Element>(p.k, p.max_seqlen_k, p.head_dim, p.heads_k, p.batch),
+                               typename Traits::SmemLayoutK{}, keys_box, _1{});
+  params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                               gmem_rows<Element>(p.v, p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch),
+                               typename Traits::SmemLayoutV{}, keys_box, _1{});
+  params.dq_accum = ws.dq_accum;
+  params.lse_log2 = ws.lse_log2;
+  params.dpsum = ws.dpsum;
+  params.padded_rows = ws.padded_rows;
+  params.scale_log2 = p.softmax_scale * device::kLog2e;
+
+  auto* kernel = &bwd_kernel<Traits>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  // Key tiles fastest: under a causal mask the first (the longest: every row sees them) go first.
+  const dim3 grid((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_k, p.batch);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <class Element, int kHeadDim>
+using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
+                              bwd_tile(kHeadDim).stages>;
+
+template <common::Storage kStorage, int kHeadDim>
+cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
+                    cudaStream_t stream) {
+  (void)rng_state;  // no dropout in this family yet (bwd_unsupported)
+  using Element = typename device::ElementOf<kStorage>::type;
+  constexpr int kRows = 64;
+  cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
+  if (err != cudaSuccess) return err;
+  const int row_blocks = ws.padded_rows / kRows;
+  if (row_blocks > 0) {
+    bwd_preprocess_kernel<Element><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
+        p, ws.lse_log2, ws.dpsum, ws.padded_rows);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if (p.max_seqlen_k > 0) {
+    if ((err = launch_bwd<BwdTraitsOf<Element, kHeadDim>>(p, ws, stream)) != cudaSuccess) return err;
+  }
+  if (row_blocks > 0) {
+    bwd_postprocess_kernel<Element, kHeadDim><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
+        p, ws.dq_accum, ws.padded_rows);
+    err = cudaGetLastError();
+  }
+  return err;
+}
+
+}  // namespace flashattn::cuda::sm90

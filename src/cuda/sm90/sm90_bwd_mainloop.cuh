@@ -1,0 +1,294 @@
+// src/cuda/sm90/sm90_bwd_mainloop.cuh — the Hopper backward's main loop: the producer's TMA loads
+// (K and V of the CTA's key tile once, then Q and dO with their row statistics per query row
+// block, through two rings of stages), the consumer warpgroups' five products per row block, the
+// dQ accumulation and the dK/dV epilogue. The product schedule is in sm90_bwd_traits.cuh.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/device/math.cuh"
+#include "cuda/sm90/sm90_bwd_traits.cuh"
+#include "cuda/sm90/sm90_pipeline.cuh"
+#include "cuda/sm90/sm90_softmax.cuh"
+
+namespace flashattn::cuda::sm90 {
+
+// The kernel's arguments: the call, the TMA descriptors (built on the host; in parameter space,
+// hence __grid_constant__) and the scratch (sm90_bwd.h).
+template <class Traits>
+struct BwdParams {
+  common::AttentionParams p;
+  typename Traits::TmaRows tma_q;
+  typename Traits::TmaRows tma_do;
+  typename Traits::TmaKeys tma_k;
+  typename Traits::TmaKeys tma_v;
+  typename Traits::ShapeRows shape_q;   // (sq, d, h, b)
+  typename Traits::ShapeRows shape_do;  // (sq, dv, h, b)
+  typename Traits::ShapeRows shape_k;   // (sk, d, hk, b)
+  typename Traits::ShapeRows shape_v;   // (sk, dv, hk, b)
+  float* dq_accum;                      // (b, h, padded_rows, kHeadDim) fp32
+  const float* lse_log2;                // (b, h, padded_rows)
+  const float* dpsum;                   // (b, h, padded_rows)
+  int padded_rows;
+  float scale_log2;  // softmax_scale · log2 e
+};
+
+// The named barrier ids of the backward kernel.
+enum class BwdBarrier : int {
+  kDsWritten = 1,  // all consumers: both halves of a row block's dSᵀ are in shared memory
+};
+
+// The work of one CTA: key tile n_block of (kv_head, batch), and the query row blocks
+// [m_block_min, m_block_max) whose rows see one of its keys (the same for every head of the group).
+struct BwdTile {
+  int n_block;
+  int kv_head;
+  int batch;
+  int seqlen_q;
+  int seqlen_k;
+  int m_block_min;
+  int m_block_max;
+  common::Mask mask;
+
+  template <int kBlockM, int kBlockN>
+  __device__ static BwdTile of_block(const common::AttentionParams& p) {
+    BwdTile t;
+    t.n_block = int(blockIdx.x);
+    t.kv_head = int(blockIdx.y);
+    t.batch = int(blockIdx.z);
+    t.seqlen_q = p.max_seqlen_q;
+    t.seqlen_k = p.max_seqlen_k;
+    t.mask = p.mask_for(t.seqlen_q, t.seqlen_k);
+    const int col_b = t.n_block * kBlockN;
+    const int col_e = min(col_b + kBlockN, t.seqlen_k);
+    const int row_b = t.mask.block_row_begin(col_b);
+    const int row_e = t.mask.block_row_end(col_e);
+    t.m_block_min = row_b / kBlockM;
+    t.m_block_max = row_e > row_b ? (row_e + kBlockM - 1) / kBlockM : t.m_block_min;
+    return t;
+  }
+  __device__ __forceinline__ int steps(int group) const { return (m_block_max - m_block_min) * group; }
+};
+
+template <class Traits>
+struct BwdMainloop {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = TmaPipeline<kStages>;
+
+  // Row statistics of (batch, head, row block m) in the scratch.
+  __device__ static std::int64_t stat_offset(const BwdParams<Traits>& params, int batch, int head, int m) {
+    return (std::int64_t(batch) * params.p.heads + head) * params.padded_rows + std::int64_t(m) * kBlockM;
+  }
+
+  // --- producer: one thread -------------------------------------------------------------------
+  // K and V once, then for step s (head s / row blocks of the group, row block s % row blocks) Q
+  // with lse·log2 e and dO with softmax_d, each into the next free stage of its ring. Q and dO stay
+  // in L2 for the CTAs of the other key tiles (EVICT_LAST).
+  __device__ static void load(const BwdParams<Traits>& params, SharedStorage& ss, const Pipeline& q_pipe,
+                              const Pipeline& do_pipe, const BwdTile& t) {
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);
+    Tensor mdO = params.tma_do.get_tma_tensor(params.shape_do);
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
+    auto tma_q = params.tma_q.get_slice(_0{});
+    auto tma_do = params.tma_do.get_slice(_0{});
+    auto tma_k = params.tma_k.get_slice(_0{});
+    auto tma_v = params.tma_v.get_slice(_0{});
+
+    Tensor gK = local_tile(mK(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
+    Tensor gV = local_tile(mV(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Traits::kTmaBytesKeys);
+    copy(params.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+    copy(params.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+    constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+    const int group = params.p.group_size();
+    const int m_blocks = t.m_block_max - t.m_block_min;
+    PipelineState<kStages> st = Pipeline::producer_start();
+    for (int s = 0; s < t.steps(group); ++s) {
+      const int head = t.kv_head * group + s / m_blocks;
+      const int m = t.m_block_min + s % m_blocks;
+      Tensor gQ = local_tile(mQ(_, _, head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+      const std::int64_t stats = stat_offset(params, t.batch, head, m);
+      {
+        std::uint64_t& full = q_pipe.producer_acquire(st, Traits::kTmaBytesRows + Traits::kStatBytes);
+        copy(params.tma_q.with(full, 0, kKeep), tma_q.partition_S(gQ), tma_q.partition_D(sQ(_, _, st.index)));
+        SM90_BULK_COPY_G2S::copy(params.lse_log2 + stats, &full, ss.lse_log2[st.index], Traits::kStatBytes);
+      }
+      {
+        std::uint64_t& full = do_pipe.producer_acquire(st, Traits::kTmaBytesRows + Traits::kStatBytes);
+        copy(params.tma_do.with(full, 0, kKeep), tma_do.partition_S(gdO), tma_do.partition_D(sdO(_, _, st.index)));
+        SM90_BULK_COPY_G2S::copy(params.dpsum + stats, &full, ss.dpsum[st.index], Traits::kStatBytes);
+      }
+      st.advance();
+    }
+  }
+
+  // --- consumers: two warpgroups of 64 keys each ----------------------------------------------
+  // thread: index among the consumer threads. Leaves dK and dV (fp32, dS already scaled by
+  // softmax_scale) in acc_dk / acc_dv.
+  template <class AccKV>
+  __device__ static void compute(const BwdParams<Traits>& params, SharedStorage& ss, const Pipeline& q_pipe,
+                                 const Pipeline& do_pipe, const BwdTile& t, int thread, AccKV& acc_dk,
+                                 AccKV& acc_dv) {
+    const common::AttentionParams& p = params.p;
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread);
+    auto thr_dkv = mma_dkv.get_thread_slice(thread);
+    auto thr_dq = mma_dq.get_thread_slice(thread);
+    const int wg = thread / Traits::kWarpgroupThreads;
+
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdO{});
+    Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutdOt{});
+    Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // descriptors
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
+    Tensor tPrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
+    Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, MMA_M, MMA_K, buffer)
+    Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+    Tensor tSsdS = thr_sdp.partition_C(sdS);            // this thread's dSᵀ elements, (MMA, 1, 1, buffer)
+
+    constexpr auto kShapeSdP = select<0, 1>(typename Traits::TileShapeSdP{});
+    Tensor acc_s = partition_fragment_C(mma_sdp, kShapeSdP);
+    Tensor acc_dp = partition_fragment_C(mma_sdp, kShapeSdP);
+    Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));    // (keys, rows)
+    Tensor dp_rc = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));
+    Tensor p_frag = make_tensor<Element>(acc_as_a_operand_layout(acc_s.layout()));
+    Tensor ds_frag = make_tensor<Element>(acc_as_a_operand_layout(acc_s.layout()));
+    Tensor p_flat = make_tensor(p_frag.data(), acc_s.layout());
+    Tensor ds_flat = make_tensor(ds_frag.data(), acc_s.layout());
+    Tensor acc_dq = partition_fragment_C(mma_dq, select<0, 1>(typename Traits::TileShapedQ{}));
+
+    Tensor c_s = thr_sdp.partition_C(make_identity_tensor(kShapeSdP));
+    Tensor c_rc = make_tensor(c_s.data(), rowcol_layout(c_s.layout()));  // (key, row) of each element
+    Tensor c_dq = thr_dq.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedQ{})));
+    constexpr int kKeys = decltype(size<0>(s_rc))::value;
+    constexpr int kRows = decltype(size<1>(s_rc))::value;
+
+    const int key0 = t.n_block * kBlockN;
+    const int wg_key_b = key0 + wg * Traits::kKeysPerWarpgroup;
+    const int wg_key_e = wg_key_b + Traits::kKeysPerWarpgroup;
+    const float scale = p.softmax_scale;
+    const int group = p.group_size();
+    const int m_blocks = t.m_block_max - t.m_block_min;
+
+    cutlass::arch::ClusterBarrier::wait(&ss.kv_full, 0);
+    PipelineState<kStages> st;
+    for (int s = 0; s < t.steps(group); ++s) {
+      const int head = t.kv_head * group + s / m_blocks;
+      const int m = t.m_block_min + s % m_blocks;
+      const int buffer = s & 1;
+      const int row0 = m * kBlockM;
+
+      q_pipe.consumer_wait(st);
+      wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+      do_pipe.consumer_wait(st);
+      wgmma<true>(mma_sdp, tPrV, tPrdO(_, _, _, st.index), acc_dp);
+      // The row statistics are read from shared memory where they are used (registers are short).
+      const float* const lse_log2 = ss.lse_log2[st.index];
+      const float* const dpsum = ss.dpsum[st.index];
+      cute::warpgroup_wait<1>();  // Sᵀ has landed; dPᵀ still runs
+
+      // Pᵀ, with the keys a row does not see (and keys past the sequence) at 0. Rows past the
+      // sequence have lse = +∞ and Q = 0: their P is 0 too.
+      const int row_e = min(row0 + kBlockM, t.seqlen_q);
+      const bool masked = wg_key_e > t.seqlen_k || !t.mask.block_fully_visible(row0, row_e, wg_key_b, wg_key_e);
+      if (masked) {
+        CUTE_UNROLL
+        for (int c = 0; c < kRows; ++c) {
+          const int row = row0 + get<1>(c_rc(0, c));
+          const int lo = t.mask.col_begin(row), hi = min(t.mask.col_end(row), t.seqlen_k);
+          CUTE_UNROLL
+          for (int r = 0; r < kKeys; ++r) {
+            const int key = key0 + get<0>(c_rc(r, 0));
+            if (key < lo || key >= hi) s_rc(r, c) = -device::kInf;
+          }
+        }
+      }
+      CUTE_UNROLL
+      for (int c = 0; c < kRows; ++c) {
+        const float lse = lse_log2[get<1>(c_rc(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), params.scale_log2, -lse));
+      }
+      convert_fragment<Element>(acc_s, p_flat);
+      cute::warpgroup_wait<0>();  // dPᵀ has landed
+      CUTE_UNROLL
+      for (int c = 0; c < kRows; ++c) {
+        const float d = dpsum[get<1>(c_rc(0, c))];
+        CUTE_UNROLL
+        for (int r = 0; r < kKeys; ++r) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d) * scale;
+      }
+      convert_fragment<Element>(acc_dp, ds_flat);
+
+      // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys.
+      Tensor tSsdS_b = tSsdS(_, _, _, buffer);
+      CUTE_UNROLL
+      for (int i = 0; i < size(ds_flat); ++i) tSsdS_b(i) = ds_flat(i);
+      cutlass::arch::fence_view_async_shared();
+
+      wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
+      wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
+      named_barrier_sync(int(BwdBarrier::kDsWritten), Traits::kConsumerThreads);
+      wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
+      cute::warpgroup_wait<0>();
+      q_pipe.consumer_release(st, true);  // every thread (the row statistics are read by each)
+      do_pipe.consumer_release(st, true);
+      st.advance();
+
+      // dQ of this row block += the fragment (fp32 pairs; the accumulator's padding rows absorb
+      // the rows past the sequence).
+      float* const dq_rows = params.dq_accum + stat_offset(params, t.batch, head, m) * kHeadDim;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); i += 2) {
+        const int row = get<0>(c_dq(i)), col = get<1>(c_dq(i));
+        atomicAdd(reinterpret_cast<float2*>(dq_rows + row * kHeadDim + col), make_float2(acc_dq(i), acc_dq(i + 1)));
+      }
+    }
+  }
+
+  // dK and dV of the tile's keys below seqlen_k (zeros where no row sees a key), in the outputs'
+  // element type, columns below d and dv.
+  template <class AccKV>
+  __device__ static void store(const BwdParams<Traits>& params, const BwdTile& t, int thread, const AccKV& acc_dk,
+                               const AccKV& acc_dv) {
+    const common::AttentionParams& p = params.p;
+    typename Traits::TiledMmadKV mma_dkv;
+    auto thr_dkv = mma_dkv.get_thread_slice(thread);
+    Tensor c_kv = thr_dkv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedKV{})));
+    const int key0 = t.n_block * kBlockN;
+    Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, 0, key0, t.kv_head);
+    Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, 0, key0, t.kv_head);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) {
+      const int key = get<0>(c_kv(i)), col = get<1>(c_kv(i));
+      if (key0 + key >= t.seqlen_k) continue;
+      if (col < p.head_dim) dk[key * p.dk.row_stride + col] = Element(acc_dk(i));
+      if (col < p.head_dim_v) dv[key * p.dv.row_stride + col] = Element(acc_dv(i));
+    }
+  }
+};
+
+}  // namespace flashattn::cuda::sm90

@@ -1,0 +1,122 @@
+// src/cuda/sm90/sm90_bwd_traits.cuh — the compile-time shape of one Hopper backward kernel: the
+// tile, the warpgroups, the shared-memory layouts (GMMA swizzles, written by TMA and read by
+// wgmma, plain and transposed), the four tiled MMAs and the shared storage with its barriers.
+//
+// Each consumer warpgroup owns 64 keys of the CTA's key tile and computes, per query row block m:
+//   Sᵀ  = K·Qᵀ      (64 keys × block_m rows, both operands in shared memory)
+//   dPᵀ = V·dOᵀ     (the same shape)
+//   Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e),  dSᵀ = Pᵀ ∘ (dPᵀ − softmax_d) · scale
+//   dV += Pᵀ·dO     (Pᵀ from registers: the Sᵀ accumulator is the A operand's layout)
+//   dK += dSᵀ·Q     (dSᵀ from registers)
+// and, with both warpgroups' dSᵀ in shared memory, its half of dQ = dS·K (block_m × d, summed over
+// the 128 keys), added to the fp32 accumulator in global memory.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <cstdint>
+
+#include "cuda/sm90/sm90_bwd.h"
+
+namespace flashattn::cuda::sm90 {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // query rows per step
+  static constexpr int kBlockN = kBlockN_;  // keys of the CTA
+  static constexpr int kStages = kStages_;  // Q/dO ring
+
+  static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
+  static constexpr int kConsumerWarpgroups = kBlockN / kKeysPerWarpgroup;
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
+  static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
+  // Per consumer thread: dK and dV (2 · d / 2 fp32), Sᵀ and dPᵀ (2 · block_m / 2), Pᵀ and dSᵀ in
+  // 16 bits; the producer keeps the minimum.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups: the register split assumes it");
+  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 64 * 1024,
+                "the register budget exceeds the register file");
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle rows");
+
+  // (M, N, K) of each product.
+  using TileShapeSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // Sᵀ, dPᵀ
+  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;  // dK, dV
+  // dQ (block_m × d): the warpgroups split its rows when there are 128 of them, else its columns.
+  static constexpr int kdQWarpgroupsM = kBlockM >= 128 ? 2 : 1;
+  static constexpr int kdQWarpgroupsN = kConsumerWarpgroups / kdQWarpgroupsM;
+  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using TileShapedQAtom = Shape<Int<kBlockM / kdQWarpgroupsM>, Int<kHeadDim / kdQWarpgroupsN>, Int<kBlockN>>;
+
+  using AtomLayoutKeys = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;  // warpgroups along the keys
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<Int<kKeysPerWarpgroup>, Int<kBlockM>, Int<kHeadDim>>>(),
+      AtomLayoutKeys{}));
+  // dV += Pᵀ·dO: A from registers; B = dO read as (d, rows), d contiguous ("MN-major").
+  using TiledMmadKV = decltype(make_tiled_mma(
+      SM90::GMMA::rs_op_selector<Element, Element, float, Shape<Int<kKeysPerWarpgroup>, Int<kHeadDim>, Int<kBlockM>>,
+                                 GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutKeys{}));
+  // dQ = dS·K: A = dS stored as dSᵀ (keys, rows) with rows contiguous; B = K read as (d, keys).
+  using TiledMmadQ = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Element, Element, float, TileShapedQAtom, GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
+
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows × 64 elements, 128-byte swizzle
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (keys, d)
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
+  using SmemLayoutdO = SmemLayoutQ;
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));  // (keys, rows, buffer)
+  // The same bytes with the first two coordinates swapped: Qᵀ and dOᵀ (d, rows, stage) for dK/dV,
+  // dS (rows, keys, buffer) and Kᵀ (d, keys) for dQ.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+
+  // Global views given to TMA: (rows, d, heads, batch) with the caller's strides.
+  using ShapeRows = Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;
+  using StrideRows = Stride<std::int64_t, _1, std::int64_t, std::int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeRows{},
+                                          StrideRows{}));
+  using TmaRows = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
+                                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKeys = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  static constexpr std::uint32_t kTmaBytesRows = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesKeys = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kStatBytes = kBlockM * sizeof(float);  // one row block of lse or softmax_d
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    alignas(16) float lse_log2[kStages][kBlockM];
+    alignas(16) float dpsum[kStages][kBlockM];
+    alignas(16) std::uint64_t kv_full;  // K and V have landed (one transaction)
+    std::uint64_t q_full[kStages];      // a Q stage and its lse
+    std::uint64_t q_empty[kStages];
+    std::uint64_t do_full[kStages];     // a dO stage and its softmax_d
+    std::uint64_t do_empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "the tile exceeds the 227 KiB of shared memory per block of sm90");
+};
+
+}  // namespace flashattn::cuda::sm90

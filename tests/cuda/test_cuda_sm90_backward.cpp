@@ -1,0 +1,164 @@
+// tests/cuda/test_cuda_sm90_backward.cpp — the Hopper (sm90) backward family: forced
+// (FLASHATTN_CUDA_FAMILY=sm90), its dQ, dK, dV and softmax_d match the fp64 reference by the
+// accuracy rule of SPEC §7 (check_backward) over the shape grid it serves (head dims up to 128,
+// d ≠ dv, GQA, causal), windows, strided layouts, several key tiles and row blocks, rows and keys
+// that see nothing; the ordered choice takes it for the calls it serves and says why not for the
+// others. Gradients are poisoned and the workspace filled with NaN bytes before each call (see
+// run_cuda_backward). Without an sm90 GPU the tests say they were not run.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/family.h"
+#include "cuda/sm90/sm90_bwd.h"
+#include "cuda_grid.h"
+#include "cuda_test_util.h"
+
+namespace fa_test::cuda {
+namespace {
+
+namespace c = flashattn::common;
+namespace fc = flashattn::cuda;
+using flashattn::DType;
+
+// The CPU forward, then the backward in the sm90 family (forced: a call it declines throws).
+void expect_sm90_backward_matches(const AttnConfig& cfg) {
+  const AttnProblem p = make_problem(cfg);
+  SCOPED_TRACE(describe(p.cfg));
+  const ForwardResult fwd = run_forward(p, Backend::cpu);
+  const FamilyOverride family("sm90");
+  const BackwardResult bwd = run_cuda_backward(p, fwd);
+  EXPECT_FALSE(bwd.not_run) << "the sm90 backward kernel for this call is not in the build";
+  EXPECT_TRUE(check_backward(p, fwd, bwd));
+}
+
+// The validated backward params of a problem (host pointers: the choice reads shapes only).
+c::AttentionParams backward_params_of(const AttnProblem& p) {
+  const ForwardResult fwd = make_forward_outputs(p);
+  BackwardResult r = make_backward_outputs(p);
+  const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+  return flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt).params;
+}
+
+// --- host-side decisions (no GPU needed) --------------------------------------------------------
+
+TEST(CudaSm90BackwardHost, FeaturesItDoesNotServeYetAreNamed) {
+  AttnConfig cfg = feature_config(DType::bf16, 128, 64, 64);
+  EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
+  cfg.opt.causal = true;
+  EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
+  const std::pair<const char*, void (*)(AttnConfig&)> declined[] = {
+      {"softcap", [](AttnConfig& c) { c.opt.softcap = 30.0f; }},
+      {"ALiBi", [](AttnConfig& c) { c.alibi = Alibi::per_head; }},
+      {"dropout", [](AttnConfig& c) { c.opt.dropout_p = 0.1f; }},
+      {"deterministic", [](AttnConfig& c) { c.opt.deterministic = true; }},
+      {"varlen", [](AttnConfig& c) { c.varlen_q = {40, 24}; c.varlen_k = {30, 34}; }},
+  };
+  for (const auto& [name, set] : declined) {
+    AttnConfig d = feature_config(DType::bf16, 128, 64, 64);
+    set(d);
+    const std::string why = fc::sm90::bwd_unsupported(backward_params_of(make_problem(d)), 128);
+    EXPECT_NE(why.find(name), std::string::npos) << name << ": " << why;
+  }
+  EXPECT_NE(fc::sm90::bwd_unsupported(backward_params_of(make_problem(feature_config(DType::bf16, 256, 64, 64))), 256)
+                .find("above 128"),
+            std::string::npos);
+}
+
+TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
+  AttnConfig cfg = feature_config(DType::bf16, 128, 65, 10);  // 65 rows: two row blocks of 64
+  const c::AttentionParams p = backward_params_of(make_problem(cfg));
+  const fc::sm90::BwdWorkspace w = fc::sm90::bwd_workspace(p, 128);
+  EXPECT_EQ(w.padded_rows, 128);
+  EXPECT_GE(w.dq_accum_bytes, std::size_t(2 * 4 * 128 * 128 * 4));  // b · h · rows · d fp32
+  EXPECT_GE(w.row_stat_bytes, std::size_t(2 * 4 * 128 * 4));
+  EXPECT_EQ(fc::sm90::bwd_workspace(p, 64).padded_rows, 128);  // d 64: row blocks of 128
+  static_assert(fc::sm90::bwd_tile(64).block_m == 128 && fc::sm90::bwd_tile(128).block_m == 64);
+}
+
+// --- the ordered choice -------------------------------------------------------------------------
+
+TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
+  FA_SKIP_WITHOUT_SM90();
+  const c::AttentionParams plain = backward_params_of(make_problem(feature_config(DType::bf16, 128, 100, 100)));
+  const fc::FamilyChoice served = fc::choose_backward_family(plain);
+  EXPECT_TRUE(served.served);
+  EXPECT_EQ(served.family, fc::Family::sm90);
+  AttnConfig scored = feature_config(DType::bf16, 128, 100, 100);
+  scored.opt.softcap = 30.0f;
+  const fc::FamilyChoice other = fc::choose_backward_family(backward_params_of(make_problem(scored)));
+  EXPECT_TRUE(other.served);
+  EXPECT_EQ(other.family, fc::Family::sm80);
+  const FamilyOverride family("sm90");
+  const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(scored)));
+  EXPECT_FALSE(refused.served);
+  EXPECT_NE(refused.why_not.find("softcap"), std::string::npos) << refused.why_not;
+}
+
+// --- the shape grid -----------------------------------------------------------------------------
+
+std::vector<GridCase> sm90_backward_cases() {
+  std::vector<GridCase> cases;
+  for (const GridCase& g : grid_cases({{1, 1}, {113, 203}, {239, 1}, {3, 799}, {517, 517}})) {
+    if (g.d <= 128 && g.dv <= 128) cases.push_back(g);
+  }
+  return cases;
+}
+
+class CudaSm90BackwardGrid : public testing::TestWithParam<GridCase> {};
+
+TEST_P(CudaSm90BackwardGrid, MatchesReference) {
+  FA_SKIP_WITHOUT_SM90();
+  expect_sm90_backward_matches(grid_config(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaSm90BackwardGrid, testing::ValuesIn(sm90_backward_cases()), grid_name);
+
+// --- features, per dtype ------------------------------------------------------------------------
+
+class CudaSm90BackwardFeatures : public testing::TestWithParam<DType> {};
+
+TEST_P(CudaSm90BackwardFeatures, SlidingWindow) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : window_configs(GetParam())) {
+    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+  }
+}
+
+TEST_P(CudaSm90BackwardFeatures, StridedLayouts) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : strided_configs(GetParam())) expect_sm90_backward_matches(cfg);
+}
+
+// Several key tiles and row blocks, sq > sk and sq < sk under the bottom-right causal mask, GQA
+// 4:1 and MQA (the CTA walks every query head of its kv head), keys no row sees (zero dK, dV) and
+// rows that see no key (zero dQ).
+TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128}) {
+    for (auto [sq, sk] : {std::pair{300, 717}, std::pair{717, 300}, std::pair{640, 640}}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = feature_config(GetParam(), d, sq, sk);
+        cfg.opt.causal = causal;
+        expect_sm90_backward_matches(cfg);
+      }
+    }
+    AttnConfig mqa = feature_config(GetParam(), d, 333, 333);
+    mqa.heads = 8;
+    mqa.heads_k = 1;
+    mqa.opt.causal = true;
+    expect_sm90_backward_matches(mqa);
+    AttnConfig cfg = feature_config(GetParam(), d, 300, 100);
+    cfg.opt.window_left = 0;
+    cfg.opt.window_right = 0;  // rows 0…199 see no key
+    expect_sm90_backward_matches(cfg);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaSm90BackwardFeatures, testing::Values(DType::f16, DType::bf16),
+                         [](const testing::TestParamInfo<DType>& info) {
+                           return std::string(info.param == DType::f16 ? "f16" : "bf16");
+                         });
+
+}  // namespace
+}  // namespace fa_test::cuda
