@@ -34,6 +34,7 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
     return "KV caches (cache_seqlens, cache_batch_idx, paged K/V) are not in this family yet";
   }
   if (p.dropout_p > 0.0f) return "dropout is not in this family yet";
+  if (p.sinks != nullptr) return "attention sinks are not in this family yet";
   // A TMA descriptor needs every extent ≥ 1 (and an empty tensor may have no address at all).
   if (p.max_seqlen_k == 0) return "no keys: nothing for the TMA loads (the rows are written empty elsewhere)";
   const std::int64_t element_bytes = 2;
