@@ -10,6 +10,13 @@ Semantics (SPEC §2): scores softmax_scale·q·kᵀ (default 1/sqrt(headdim)), o
 and ALiBi, a causal / sliding-window mask aligned to the bottom-right corner, dropout with
 probability dropout_p. Rows with no visible key give out = 0 and lse = +inf.
 
+Attention sinks (``sinks=``, docs/sinks.md; FlashAttention's ``learnable_sink``, vLLM's and
+transformers' ``s_aux``): a (nheads,) tensor of per-head logits, in the units of the scores (not
+multiplied by softmax_scale), that join each row's softmax denominator and carry no value:
+lse = log(exp(sink) + Σ exp(scores)). A row with no visible key then has out = 0 and lse = sink.
+Differentiable (the sinks get their gradient); float32, or cast to it from another float dtype.
+flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache take them.
+
 Differences from flash_attn:
 - With return_attn_probs=True the third value (S_dmask) is None: the fused kernels never
   materialise the attention probabilities.
@@ -89,7 +96,8 @@ def _impl(name, x):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                    sinks=None):
     """Attention of q over k, v.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim);
@@ -100,12 +108,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     softcap > 0: scores become softcap·tanh(scores / softcap).
     alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope·|i + seqlen_k - seqlen_q - j|.
     deterministic: bitwise reproducible backward.
+    sinks: (nheads,) attention sink logits (see the module docstring), or None.
 
     Returns out (batch, seqlen_q, nheads, headdim_v), or with return_attn_probs=True
     (out, softmax_lse (batch, nheads, seqlen_q) float32, None).
     """
     return _impl("q", q).flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                         softcap, alibi_slopes, deterministic, return_attn_probs)
+                                         softcap, alibi_slopes, deterministic, return_attn_probs, sinks)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -130,7 +139,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+                           return_attn_probs=False, block_table=None, sinks=None):
     """Variable-length sequences packed along the first dimension.
 
     q: (total_q, nheads, headdim); k: (total_k, nheads_k, headdim); v: (total_k, nheads_k,
@@ -138,10 +147,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     the longest sequence. Masks and positions count from each sequence's start.
     Returns out (total_q, nheads, headdim_v), or (out, softmax_lse (nheads, total_q), None).
     block_table (paged K/V) is not supported here: use flash_attn_with_kvcache.
+    sinks: (nheads,) attention sink logits, or None.
     """
     return _impl("q", q).flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -168,7 +178,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, sinks=None):
     """Decoding / chunked prefill against a KV cache (forward only).
 
     q: (batch, seqlen_q, nheads, headdim). k_cache/v_cache: (batch_cache, seqlen_cache, nheads_k,
@@ -180,9 +190,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotary_cos/rotary_sin: (seqlen_ro, rotary_dim / 2); k is rotated at its cache positions, q at
     cache_seqlens + i when causal or windowed, else at cache_seqlens. rotary_interleaved pairs
     dims (0, 1), (2, 3), ... instead of (i, i + rotary_dim / 2). num_splits: split-KV on
-    CUDA (0: heuristic, 1: never split, n: n splits); ignored on the CPU. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
+    CUDA (0: heuristic, 1: never split, n: n splits); ignored on the CPU. sinks: (nheads,) attention
+    sink logits, or None. Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
     """
     return _impl("q", q).flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-        alibi_slopes, num_splits, return_softmax_lse)
+        alibi_slopes, num_splits, return_softmax_lse, sinks)

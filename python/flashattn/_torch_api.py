@@ -59,21 +59,42 @@ def _check_inputs(named, rank, layout, optional=()):
         _check_optional_tensor(name, x)
 
 
+def _detached(x):
+    return None if x is None else x.detach()
+
+
+def _sinks_fp32(sinks):
+    """The core takes float32 sinks; a model's sinks in its own dtype (bf16 parameters) are cast,
+    differentiably, so that their gradient flows back in that dtype."""
+    if isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and sinks.dtype != torch.float32:
+        return sinks.float()
+    return sinks
+
+
+def _sink_grad_if_needed(ctx, index, sinks, lse, softmax_d):
+    """The gradient of the sinks (argument `index` of the autograd function's forward), or None
+    when there are none or autograd does not ask for it."""
+    if sinks is None or not ctx.needs_input_grad[index]:
+        return None
+    return _torch_ops.sink_grad(sinks, lse, softmax_d)
+
+
 class _FlashAttnFunc(torch.autograd.Function):
     """Batch mode: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
 
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic):
+                alibi_slopes, deterministic, sinks=None):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         scale = resolve_softmax_scale(softmax_scale, head_dim)
         left, right = window_pair(window_size)
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
         out_p, lse, rng_state = _torch_ops.call(
-            "fwd", q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state
+            "fwd", q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
+            _detached(sinks),
         )
-        ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes)
+        ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes, sinks)
         ctx.args = (dropout_p, scale, causal, left, right, softcap, deterministic)
         ctx.head_dims = (head_dim, head_dim_v)
         ctx.mark_non_differentiable(lse)
@@ -81,14 +102,15 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes = ctx.saved_tensors
+        q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes, sinks = ctx.saved_tensors
         dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
-        dq, dk, dv, _ = _torch_ops.call(
+        dq, dk, dv, softmax_d = _torch_ops.call(
             "bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, dropout_p, scale, causal, left, right,
             softcap, alibi_slopes, deterministic, rng_state if dropout_p > 0.0 else None,
         )
-        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 7
+        dsinks = _sink_grad_if_needed(ctx, 10, sinks, lse, softmax_d)
+        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 7 + (dsinks,)
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -97,7 +119,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seqused_k=None):
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seqused_k=None,
+                sinks=None):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         scale = resolve_softmax_scale(softmax_scale, head_dim)
         left, right = window_pair(window_size)
@@ -105,10 +128,10 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
         out_p, lse, rng_state = _torch_ops.call(
             "varlen_fwd", q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-            dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
+            dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state, _detached(sinks),
         )
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                              alibi_slopes, seqused_k)
+                              alibi_slopes, seqused_k, sinks)
         ctx.args = (max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, left, right, softcap,
                     deterministic)
         ctx.head_dims = (head_dim, head_dim_v)
@@ -117,15 +140,16 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k = ctx.saved_tensors
+        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k, sinks = ctx.saved_tensors
         max_q, max_k, dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
-        dq, dk, dv, _ = _torch_ops.call(
+        dq, dk, dv, softmax_d = _torch_ops.call(
             "varlen_bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, seqused_k, max_q, max_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, deterministic,
             rng_state if dropout_p > 0.0 else None,
         )
-        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 12
+        dsinks = _sink_grad_if_needed(ctx, 15, sinks, lse, softmax_d)
+        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 12 + (dsinks,)
 
 
 def _result(out, lse, return_attn_probs):
@@ -135,10 +159,11 @@ def _result(out, lse, return_attn_probs):
 
 
 def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                    deterministic, return_attn_probs):
-    _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
+                    deterministic, return_attn_probs, sinks=None):
+    _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT,
+                  (("alibi_slopes", alibi_slopes), ("sinks", sinks)))
     out, lse = _FlashAttnFunc.apply(q, k, v, check_dropout_p(dropout_p), softmax_scale, causal,
-                                    window_size, softcap, alibi_slopes, deterministic)
+                                    window_size, softcap, alibi_slopes, deterministic, _sinks_fp32(sinks))
     return _result(out, lse, return_attn_probs)
 
 
@@ -164,19 +189,20 @@ def flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_siz
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs, block_table):
+                           deterministic, return_attn_probs, block_table, sinks=None):
     if block_table is not None:
         raise NotImplementedError(
             "block_table: paged K/V in varlen mode is not supported; use flash_attn_with_kvcache"
         )
-    _check_inputs((("q", q), ("k", k), ("v", v)), 3, VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
+    _check_inputs((("q", q), ("k", k), ("v", v)), 3, VARLEN_LAYOUT,
+                  (("alibi_slopes", alibi_slopes), ("sinks", sinks)))
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, x)
     out, lse = _FlashAttnVarlenFunc.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int_arg("max_seqlen_q", max_seqlen_q),
         int_arg("max_seqlen_k", max_seqlen_k),
         check_dropout_p(dropout_p), softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic,
+        deterministic, None, _sinks_fp32(sinks),
     )
     return _result(out, lse, return_attn_probs)
 
@@ -208,12 +234,13 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                            return_softmax_lse):
+                            return_softmax_lse, sinks=None):
     check_no_leftpad(cache_leftpad)
     _check_inputs(
         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
         (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes)),
+         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+         ("sinks", sinks)),
     )
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
@@ -225,6 +252,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     out, lse = _torch_ops.call(
         "fwd_kvcache", q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
         block_table, alibi_slopes, scale, causal, left, right, softcap, rotary_interleaved,
-        int(num_splits),
+        int(num_splits), _detached(_sinks_fp32(sinks)),
     )
     return (out, lse) if return_softmax_lse else out

@@ -4,12 +4,16 @@ They mirror the reference C++ functions (fwd, bwd, varlen_fwd, varlen_bwd, fwd_k
 with a fake (meta) implementation so that torch.compile traces them without graph breaks:
 
     torch.ops.flashattn.fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes, rng_state)
+                            window_size_right, softcap, alibi_slopes, rng_state, sinks=None)
         -> (out, softmax_lse, rng_state)
     torch.ops.flashattn.bwd(dout, q, k, v, out, softmax_lse, dropout_p, softmax_scale, causal,
                             window_size_left, window_size_right, softcap, alibi_slopes,
                             deterministic, rng_state)
         -> (dq, dk, dv, softmax_d)
+
+sinks (fwd, varlen_fwd, fwd_kvcache) is an optional (h,) float32 tensor of attention sinks
+(docs/sinks.md): the forward's lse then includes them, so bwd needs nothing more for dq, dk, dv;
+the sinks' gradient is -sum(exp(sinks - lse) * softmax_d) over the rows (sink_grad).
 
 rng_state is an int64 tensor [seed, offset] on the tensors' device (docs/dropout.md). When
 dropout_p > 0 and no rng_state is given, fwd draws one from PyTorch's default generator; the
@@ -170,6 +174,7 @@ def _fwd(
     softcap: float,
     alibi_slopes: Optional[Tensor],
     rng_state: Optional[Tensor],
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv) -> out (b, sq, h, dv),
     softmax_lse (b, h, sq) fp32, rng_state (2,) int64."""
@@ -186,6 +191,7 @@ def _fwd(
         rng_state=state if dropout_p > 0.0 else None,
         workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
+        sinks=sinks,
     )
     return out, lse, state
 
@@ -195,7 +201,7 @@ fwd = torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-              softcap, alibi_slopes, rng_state):
+              softcap, alibi_slopes, rng_state, sinks=None):
     b, sq, h, _ = q.shape
     return (
         q.new_empty((b, sq, h, v.shape[-1])),
@@ -277,6 +283,7 @@ def _varlen_fwd(
     softcap: float,
     alibi_slopes: Optional[Tensor],
     rng_state: Optional[Tensor],
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv), cu_seqlens_q/k (b + 1) int32
     -> out (total_q, h, dv), softmax_lse (h, total_q) fp32, rng_state (2,) int64."""
@@ -295,6 +302,7 @@ def _varlen_fwd(
         rng_state=state if dropout_p > 0.0 else None,
         workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
+        sinks=sinks,
         **varlen,
     )
     return out, lse, state
@@ -306,7 +314,7 @@ varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())(_
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                     alibi_slopes, rng_state):
+                     alibi_slopes, rng_state, sinks=None):
     total_q, h, _ = q.shape
     return (
         q.new_empty((total_q, h, v.shape[-1])),
@@ -399,6 +407,7 @@ def _fwd_kvcache(
     softcap: float,
     rotary_interleaved: bool,
     num_splits: int,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """q (b, sq, h, d) against k_cache/v_cache (b_cache, sk_cache, hk, d/dv), or paged
     (num_blocks, page_size, hk, d/dv) with block_table (b, max_blocks) int32. k/v
@@ -413,7 +422,7 @@ def _fwd_kvcache(
     extra = dict(
         k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, sinks=sinks,
     )
     _call(
         _C.forward_kvcache,
@@ -434,12 +443,26 @@ fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", mutates_args=("k
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                       cache_batch_idx, block_table, alibi_slopes, softmax_scale, causal,
-                      window_size_left, window_size_right, softcap, rotary_interleaved, num_splits):
+                      window_size_left, window_size_right, softcap, rotary_interleaved, num_splits, sinks=None):
     b, sq, h, _ = q.shape
     return (
         q.new_empty((b, sq, h, v_cache.shape[-1])),
         q.new_empty((b, h, sq), dtype=torch.float32),
     )
+
+
+# --- the sinks' gradient ------------------------------------------------------------------------
+
+
+def sink_grad(sinks: Tensor, lse: Tensor, softmax_d: Tensor) -> Tensor:
+    """d loss / d sinks (h,) float32 from the forward's lse and the backward's softmax_d = rowsum(dout
+    * out), both (b, h, sq) or varlen (h, total_q): -sum over the rows of exp(sinks - lse) * softmax_d
+    (docs/sinks.md). Rows that no sequence covers (lse = +inf, softmax_d = 0) add 0."""
+    if lse.dim() == 3:
+        weights = torch.exp(sinks.view(1, -1, 1) - lse)
+        return -(weights * softmax_d).sum(dim=(0, 2))
+    weights = torch.exp(sinks.view(-1, 1) - lse)
+    return -(weights * softmax_d).sum(dim=1)
 
 
 # --- direct calls ------------------------------------------------------------------------------

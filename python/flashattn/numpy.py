@@ -89,9 +89,10 @@ def _dropout_seed(dropout_p: float) -> int:
 
 
 def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-             alibi_slopes, return_lse):
+             alibi_slopes, return_lse, sinks=None):
     _check_inputs((("q", q), ("k", k), ("v", v)), 4 if varlen is None else 3,
-                  BATCH_LAYOUT if varlen is None else VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
+                  BATCH_LAYOUT if varlen is None else VARLEN_LAYOUT,
+                  (("alibi_slopes", alibi_slopes), ("sinks", sinks)))
     dropout_p = check_dropout_p(dropout_p)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     left, right = window_pair(window_size)
@@ -115,16 +116,17 @@ def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, sof
     _C.forward(
         *inputs, _kernel_view(out), lse,
         options=opt, alibi_slopes=alibi_slopes, workspace_alloc=_workspace, bf16_bits=bf16_bits,
-        **varlen,
+        sinks=sinks, **varlen,
     )
     out = out[..., :head_dim_v]
     return (out, lse, None) if return_lse else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                    sinks=None):
     return _forward(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs)
+                    alibi_slopes, return_attn_probs, sinks)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -150,7 +152,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+                           return_attn_probs=False, block_table=None, sinks=None):
     if block_table is not None:
         raise NotImplementedError(
             "block_table: paged K/V in varlen mode is not supported; use flash_attn_with_kvcache"
@@ -161,7 +163,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                   max_seqlen_q=int_arg("max_seqlen_q", max_seqlen_q),
                   max_seqlen_k=int_arg("max_seqlen_k", max_seqlen_k))
     return _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs)
+                    alibi_slopes, return_attn_probs, sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -193,12 +195,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, sinks=None):
     check_no_leftpad(cache_leftpad)
     _check_inputs(
         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
         (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes)),
+         ("cache_batch_idx", cache_batch_idx), ("block_table", block_table), ("alibi_slopes", alibi_slopes),
+         ("sinks", sinks)),
     )
     left, right = window_pair(window_size)
     opt = make_options(
@@ -216,7 +219,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k=_kernel_view(k), v=_kernel_view(v), cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, block_table=block_table,
         rotary_cos=_kernel_view(rotary_cos), rotary_sin=_kernel_view(rotary_sin),
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q),
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q), sinks=sinks,
     )
     _C.forward_kvcache(*arrays, _kernel_view(out), lse, options=opt, workspace_alloc=_workspace, **extra)
     return (out, lse) if return_softmax_lse else out

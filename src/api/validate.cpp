@@ -548,7 +548,9 @@ Problem validate_backward(const BackwardInputs& in, const BackwardOutputs& out, 
   check_alibi(c, opt, dims.b, dims.h, in.q.device, p);
   set_sinks(c, in.sinks, dims.h, in.q.device, p);
   if (out.dsinks.defined()) {
-    if (!in.sinks.defined()) c.fail("dsinks", "is the gradient of the sinks: give the forward's sinks too", "sinks", "none");
+    if (!in.sinks.defined()) {
+      c.fail("dsinks", "is the gradient of the sinks: give the forward's sinks too", "sinks", "none");
+    }
     check_sinks(c, "dsinks", out.dsinks, dims.h, in.q.device);
     p.dsinks = static_cast<float*>(out.dsinks.data);
   }

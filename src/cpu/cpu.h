@@ -33,8 +33,9 @@ struct Fp64Outputs {
 // Forward writes out and lse (lse may be null).
 void reference_forward(const common::AttentionParams& p, RefPrecision precision = RefPrecision::fp64,
                        const Fp64Outputs* sink = nullptr);
-// Backward writes dq, dk, dv, softmax_d (and dsinks when p.dsinks is set). It recomputes the forward itself (it does not read
-// p.out or p.lse), so it is the exact gradient of the function SPEC §2 defines.
+// Backward writes dq, dk, dv, softmax_d (and dsinks when p.dsinks is set). It recomputes the
+// forward itself (it does not read p.out or p.lse), so it is the exact gradient of the function
+// SPEC §2 defines.
 void reference_backward(const common::AttentionParams& p,
                         RefPrecision precision = RefPrecision::fp64,
                         const Fp64Outputs* sink = nullptr);

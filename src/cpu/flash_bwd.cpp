@@ -181,7 +181,8 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
     const int i = i0 + r;
     flash::load_row(q + p.q_offset(p.q, b, i, hh), d, qt + r * ldq);
     flash::load_row(dout + p.q_offset(p.dout, b, i, hh), dv, dot + r * ldo);
-    // lse = +∞ marks a row without visible keys: 2^(s − ∞) = 0 gives it P = dS = 0.
+    // A row without visible keys has lse = +∞ (2^(s − ∞) = 0), or the sink, and then the mask
+    // below zeroes its P and dS.
     w.lse_log2.get()[r] = p.lse[p.lse_index(b, hh, i)] * flash::kLog2e;
     w.delta.get()[r] = plan.delta[std::size_t(plan.row_index(p, b, i, hh))];
   }

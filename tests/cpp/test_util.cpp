@@ -879,7 +879,8 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
       for (int b = 0; b < params.batch; ++b)
         for (int i = 0; i < params.seqlen_q(b); ++i) {
           const std::int64_t li = params.lse_index(b, hh, i);
-          const double w = std::exp(double(p.sinks.load(hh)) - double(fwd.lse.load(li))) * std::abs(ref_d[std::size_t(li)]);
+          const double weight = std::exp(double(p.sinks.load(hh)) - double(fwd.lse.load(li)));
+          const double w = weight * std::abs(ref_d[std::size_t(li)]);
           if (std::isfinite(w)) abs_sum += w;
         }
       terms = std::max(terms, abs_sum);

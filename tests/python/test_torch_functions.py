@@ -206,7 +206,7 @@ def test_positional_order_and_defaults():
 
     expected = {
         "flash_attn_func": ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size",
-                            "softcap", "alibi_slopes", "deterministic", "return_attn_probs"],
+                            "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "sinks"],
         "flash_attn_qkvpacked_func": ["qkv", "dropout_p", "softmax_scale", "causal", "window_size",
                                       "softcap", "alibi_slopes", "deterministic", "return_attn_probs"],
         "flash_attn_kvpacked_func": ["q", "kv", "dropout_p", "softmax_scale", "causal", "window_size",
@@ -214,12 +214,12 @@ def test_positional_order_and_defaults():
         "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                                    "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size",
                                    "softcap", "alibi_slopes", "deterministic", "return_attn_probs",
-                                   "block_table"],
+                                   "block_table", "sinks"],
         "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin",
                                     "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
                                     "softmax_scale", "causal", "window_size", "softcap",
                                     "rotary_interleaved", "alibi_slopes", "num_splits",
-                                    "return_softmax_lse"],
+                                    "return_softmax_lse", "sinks"],
     }
     defaults = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                 "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False,

@@ -768,7 +768,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     // (The row's query head: the CTA's, or per row when GQA-packed.)
     const float sink = fold_sinks ? p.sinks[row_head(m_start + get<0>(cO_rc(mi, 0)))] : -kInf;
     if (fold_sinks && !empty) {
-      const common::SinkFold<float> f = common::fold_sink(max_log2, sum, sink * kLog2e, [](float x) { return exp2_ftz(x); });
+      const common::SinkFold<float> f =
+          common::fold_sink(max_log2, sum, sink * kLog2e, [](float x) { return exp2_ftz(x); });
       max_log2 = f.max_log2;
       sum = f.sum;
       rescale = f.rescale;
