@@ -870,8 +870,9 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
   cmps.push_back(compare("softmax_d", lse_offsets(params), bwd.softmax_d, ref_d, n_d, u, f));
   if (bwd.dsinks.defined()) {
     // dsinks_h sums exp(s_h − lse_i) · D_i over every row of the head, terms of both signs: its
-    // rounding is that of the partial sums, at most Σ|terms| (taken from the kernel's lse), and
-    // the reduction runs over all rows in fp32.
+    // rounding is that of the partial sums, at most Σ|terms| (taken from the kernel's lse), with
+    // the relative rounding each D_i carries (u, as for softmax_d) and that of the fp32 reduction
+    // over all rows.
     const std::vector<std::int64_t> rows = lse_offsets(params);
     double terms = 0;
     for (int hh = 0; hh < params.heads; ++hh) {
@@ -885,7 +886,7 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
         }
       terms = std::max(terms, abs_sum);
     }
-    const double u_sum = unit_roundoff(p.cfg.dtype) + double(rows.size()) / params.heads * 5.9604644775390625e-08;
+    const double u_sum = u + double(rows.size()) / params.heads * 5.9604644775390625e-08;
     std::vector<std::int64_t> heads(std::size_t(params.heads));
     for (int hh = 0; hh < params.heads; ++hh) heads[std::size_t(hh)] = hh;
     cmps.push_back(compare("dsinks", heads, bwd.dsinks, ref_ds, n_ds, u_sum, f, terms));
