@@ -36,7 +36,7 @@ struct ForwardInputs {
   TensorView k;  // (b, sk, hk, d)  or varlen (total_k, hk, d)
   TensorView v;  // (b, sk, hk, dv) or varlen (total_k, hk, dv)
   Varlen varlen = {};
-  TensorView sinks;  // optional (h) fp32, contiguous, on q's device: the sink logit of each query head
+  TensorView sinks = {};  // optional (h) fp32, contiguous, on q's device: the sink logit of each query head
 };
 
 struct ForwardOutputs {
@@ -50,7 +50,7 @@ struct BackwardInputs {
   TensorView out;
   TensorView lse;  // fp32, as written by forward (with the sinks, when the forward had them)
   Varlen varlen = {};
-  TensorView sinks;  // optional (h) fp32: the forward's sinks (required when dsinks is given)
+  TensorView sinks = {};  // optional (h) fp32: the forward's sinks (required when dsinks is given)
 };
 
 struct BackwardOutputs {
@@ -60,7 +60,7 @@ struct BackwardOutputs {
   TensorView softmax_d;  // (b, h, sq) or varlen (h, total_q), fp32: rowsum(dout ∘ out)
   // optional (h) fp32, contiguous: the gradient of the sinks, −Σ over batch and rows of
   // exp(s_h − lse) · softmax_d, overwritten (not accumulated into). Needs BackwardInputs::sinks.
-  TensorView dsinks;
+  TensorView dsinks = {};
 };
 
 // Decoding / chunked prefill against a KV cache (the reference API's fwd_kvcache).
@@ -79,7 +79,7 @@ struct KVCacheInputs {
   TensorView rotary_cos;       // optional (seqlen_ro, rotary_dim / 2), q's dtype
   TensorView rotary_sin;       // optional, like rotary_cos
   bool rotary_interleaved = false;  // rotate pairs (0,1),(2,3)… instead of (i, i + rotary_dim/2)
-  TensorView sinks;            // optional (h) fp32: attention sinks, as in ForwardInputs
+  TensorView sinks = {};       // optional (h) fp32: attention sinks, as in ForwardInputs
 };
 
 // Merge partial attention results over disjoint key sets (split-KV, context parallelism).
