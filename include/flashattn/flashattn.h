@@ -27,6 +27,10 @@ struct Varlen {
   bool enabled() const { return cu_seqlens_q.defined(); }
 };
 
+// Attention sinks (docs/sinks.md): an optional per-head logit s_h that joins every row's softmax
+// denominator and carries no value: lse_i = log(exp(s_h) + Σ_j exp(s_ij)), p_ij = exp(s_ij − lse_i).
+// s_h is in the units of the scores (not multiplied by softmax_scale); −∞ is the same as no sink.
+
 struct ForwardInputs {
   TensorView q;  // (b, sq, h, d)   or varlen (total_q, h, d)
   TensorView k;  // (b, sk, hk, d)  or varlen (total_k, hk, d)  or paged (num_blocks, page_size, hk, d)
@@ -39,6 +43,7 @@ struct ForwardInputs {
   // two is required; with both, seqused_k[i] must not exceed that difference). Keys are at most
   // varlen.max_seqlen_k and max_blocks_per_seq · page_size per sequence.
   TensorView block_table = {};
+  TensorView sinks = {};  // optional (h) fp32, contiguous, on q's device: the sink logit of each query head
 };
 
 struct ForwardOutputs {
@@ -50,8 +55,9 @@ struct BackwardInputs {
   TensorView dout;  // like out
   TensorView q, k, v;
   TensorView out;
-  TensorView lse;  // fp32, as written by forward
+  TensorView lse;  // fp32, as written by forward (with the sinks, when the forward had them)
   Varlen varlen = {};
+  TensorView sinks = {};  // optional (h) fp32: the forward's sinks (required when dsinks is given)
 };
 
 struct BackwardOutputs {
@@ -59,6 +65,9 @@ struct BackwardOutputs {
   TensorView dk;         // like k
   TensorView dv;         // like v
   TensorView softmax_d;  // (b, h, sq) or varlen (h, total_q), fp32: rowsum(dout ∘ out)
+  // optional (h) fp32, contiguous: the gradient of the sinks, −Σ over batch and rows of
+  // exp(s_h − lse) · softmax_d, overwritten (not accumulated into). Needs BackwardInputs::sinks.
+  TensorView dsinks = {};
 };
 
 // Decoding / chunked prefill against a KV cache (the reference API's fwd_kvcache).
@@ -83,6 +92,7 @@ struct KVCacheInputs {
   TensorView rotary_cos;       // optional (seqlen_ro, rotary_dim / 2), q's dtype
   TensorView rotary_sin;       // optional, like rotary_cos
   bool rotary_interleaved = false;  // rotate pairs (0,1),(2,3)… instead of (i, i + rotary_dim/2)
+  TensorView sinks = {};       // optional (h) fp32: attention sinks, as in ForwardInputs
 };
 
 // Merge partial attention results over disjoint key sets (split-KV, context parallelism).

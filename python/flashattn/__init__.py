@@ -10,6 +10,13 @@ Semantics (SPEC §2): scores softmax_scale·q·kᵀ (default 1/sqrt(headdim)), o
 and ALiBi, a causal / sliding-window mask aligned to the bottom-right corner, dropout with
 probability dropout_p. Rows with no visible key give out = 0 and lse = +inf.
 
+Attention sinks (``sinks=``, docs/sinks.md; FlashAttention's ``learnable_sink``, vLLM's and
+transformers' ``s_aux``): a (nheads,) tensor of per-head logits, in the units of the scores (not
+multiplied by softmax_scale), that join each row's softmax denominator and carry no value:
+lse = log(exp(sink) + Σ exp(scores)). A row with no visible key then has out = 0 and lse = sink.
+Differentiable (the sinks get their gradient); float32, or cast to it from another float dtype.
+flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache take them (keyword-only).
+
 Differences from flash_attn:
 - With return_attn_probs=True the third value (S_dmask) is None: the fused kernels never
   materialise the attention probabilities.
@@ -95,7 +102,7 @@ def _impl(name, x):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    out=None):
+                    out=None, sinks=None):
     """Attention of q over k, v.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim);
@@ -106,6 +113,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     softcap > 0: scores become softcap·tanh(scores / softcap).
     alibi_slopes: (nheads,) or (batch, nheads) float32; adds -slope·|i + seqlen_k - seqlen_q - j|.
     deterministic: bitwise reproducible backward.
+    sinks: (nheads,) attention sink logits (see the module docstring), or None.
 
     out: optional (batch, seqlen_q, nheads, headdim_v) tensor the result is written into (and
     returned); no autograd through it.
@@ -114,7 +122,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (out, softmax_lse (batch, nheads, seqlen_q) float32, None).
     """
     return _impl("q", q).flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                         softcap, alibi_slopes, deterministic, return_attn_probs, out)
+                                         softcap, alibi_slopes, deterministic, return_attn_probs,
+                                         out=out, sinks=sinks)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -140,7 +149,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_k=None,
-                           return_softmax_lse=False, out=None):
+                           return_softmax_lse=False, out=None, sinks=None):
     """Variable-length sequences packed along the first dimension.
 
     q: (total_q, nheads, headdim); k: (total_k, nheads_k, headdim); v: (total_k, nheads_k,
@@ -155,6 +164,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     cu_seqlens_k length when seqused_k is None (flash_attn); cu_seqlens_k may be None then. With
     both, seqused_k[i] may not exceed the cu_seqlens_k length. Forward only (no autograd).
 
+    sinks: (nheads,) attention sink logits (see the module docstring), or None.
+
     out: optional (total_q, nheads, headdim_v) tensor the result is written into (and returned);
     no autograd through it. Returns out, or (out, softmax_lse (nheads, total_q)) with
     return_softmax_lse=True, or (out, softmax_lse, None) with return_attn_probs=True.
@@ -162,7 +173,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     return _impl("q", q).flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-        seqused_k, return_softmax_lse, out)
+        seqused_k, return_softmax_lse, out=out, sinks=sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -189,7 +200,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None,
+                            sinks=None):
     """Decoding / chunked prefill against a KV cache (forward only).
 
     q: (batch, seqlen_q, nheads, headdim). k_cache/v_cache: (batch_cache, seqlen_cache, nheads_k,
@@ -206,11 +218,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     dims (0, 1), (2, 3), ... instead of (i, i + rotary_dim / 2). num_splits: split-KV on
     CUDA (0: heuristic, 1: never split, n: n splits); ignored on the CPU. Head dims that are not a
     multiple of 8 work as elsewhere (the caches are then zero-padded copies, and appended rows are
-    copied back into the caller's caches). out: optional (batch, seqlen_q, nheads, headdim_v)
-    tensor the result is written into (and returned). Returns out, or (out, softmax_lse (batch,
-    nheads, seqlen_q)).
+    copied back into the caller's caches). sinks: (nheads,) attention sink logits, or None. out:
+    optional (batch, seqlen_q, nheads, headdim_v) tensor the result is written into (and returned).
+    Returns out, or (out, softmax_lse (batch, nheads, seqlen_q)).
     """
     return _impl("q", q).flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-        alibi_slopes, num_splits, return_softmax_lse, out)
+        alibi_slopes, num_splits, return_softmax_lse, out=out, sinks=sinks)

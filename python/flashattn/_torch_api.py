@@ -60,21 +60,42 @@ def _check_inputs(named, rank, layout, optional=()):
         _check_optional_tensor(name, x)
 
 
+def _detached(x):
+    return None if x is None else x.detach()
+
+
+def _sinks_fp32(sinks):
+    """The core takes float32 sinks; a model's sinks in its own dtype (bf16 parameters) are cast,
+    differentiably, so that their gradient flows back in that dtype."""
+    if isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and sinks.dtype != torch.float32:
+        return sinks.float()
+    return sinks
+
+
+def _sink_grad_if_needed(ctx, index, sinks, lse, softmax_d):
+    """The gradient of the sinks (argument `index` of the autograd function's forward), or None
+    when there are none or autograd does not ask for it."""
+    if sinks is None or not ctx.needs_input_grad[index]:
+        return None
+    return _torch_ops.sink_grad(sinks, lse, softmax_d)
+
+
 class _FlashAttnFunc(torch.autograd.Function):
     """Batch mode: q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv)."""
 
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                alibi_slopes, deterministic):
+                alibi_slopes, deterministic, sinks=None):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         scale = resolve_softmax_scale(softmax_scale, head_dim)
         left, right = window_pair(window_size)
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
         out_p, lse, rng_state = _torch_ops.call(
-            "fwd", q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state
+            "fwd", q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
+            _detached(sinks),
         )
-        ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes)
+        ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes, sinks)
         ctx.args = (dropout_p, scale, causal, left, right, softcap, deterministic)
         ctx.head_dims = (head_dim, head_dim_v)
         ctx.mark_non_differentiable(lse)
@@ -82,14 +103,15 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes = ctx.saved_tensors
+        q_p, k_p, v_p, out_p, lse, rng_state, alibi_slopes, sinks = ctx.saved_tensors
         dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
-        dq, dk, dv, _ = _torch_ops.call(
+        dq, dk, dv, softmax_d = _torch_ops.call(
             "bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, dropout_p, scale, causal, left, right,
             softcap, alibi_slopes, deterministic, rng_state if dropout_p > 0.0 else None,
         )
-        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 7
+        dsinks = _sink_grad_if_needed(ctx, 10, sinks, lse, softmax_d)
+        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 7 + (dsinks,)
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -98,7 +120,8 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seqused_k=None):
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, seqused_k=None,
+                sinks=None):
         head_dim, head_dim_v = q.shape[-1], v.shape[-1]
         scale = resolve_softmax_scale(softmax_scale, head_dim)
         left, right = window_pair(window_size)
@@ -106,10 +129,10 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
         out_p, lse, rng_state = _torch_ops.call(
             "varlen_fwd", q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-            dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
+            dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state, None, _detached(sinks),
         )
         ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                              alibi_slopes, seqused_k)
+                              alibi_slopes, seqused_k, sinks)
         ctx.args = (max_seqlen_q, max_seqlen_k, dropout_p, scale, causal, left, right, softcap,
                     deterministic)
         ctx.head_dims = (head_dim, head_dim_v)
@@ -118,15 +141,16 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k = ctx.saved_tensors
+        q_p, k_p, v_p, out_p, lse, cu_q, cu_k, rng_state, alibi_slopes, seqused_k, sinks = ctx.saved_tensors
         max_q, max_k, dropout_p, scale, causal, left, right, softcap, deterministic = ctx.args
         head_dim, head_dim_v = ctx.head_dims
-        dq, dk, dv, _ = _torch_ops.call(
+        dq, dk, dv, softmax_d = _torch_ops.call(
             "varlen_bwd", _pad_head_dim(dout), q_p, k_p, v_p, out_p, lse, cu_q, cu_k, seqused_k, max_q, max_k,
             dropout_p, scale, causal, left, right, softcap, alibi_slopes, deterministic,
             rng_state if dropout_p > 0.0 else None,
         )
-        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 12
+        dsinks = _sink_grad_if_needed(ctx, 15, sinks, lse, softmax_d)
+        return (dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]) + (None,) * 12 + (dsinks,)
 
 
 def _result(out, lse, return_attn_probs, return_softmax_lse=False):
@@ -167,20 +191,22 @@ def _forward_only(name, out, head_dim_v, *args):
 
 
 def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                    deterministic, return_attn_probs, out=None):
-    _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
+                    deterministic, return_attn_probs, out=None, sinks=None):
+    _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT,
+                  (("alibi_slopes", alibi_slopes), ("sinks", sinks)))
     dropout_p = check_dropout_p(dropout_p)
-    _check_out(out, q.shape[:-1] + (v.shape[-1],), q, (q, k, v))
+    sinks = _sinks_fp32(sinks)
+    _check_out(out, q.shape[:-1] + (v.shape[-1],), q, (q, k, v, sinks))
     if out is None:
         res, lse = _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                        alibi_slopes, deterministic)
+                                        alibi_slopes, deterministic, sinks)
     else:
         left, right = window_pair(window_size)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
         res, lse = _forward_only(
             "fwd", out, v.shape[-1], _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), dropout_p,
             resolve_softmax_scale(softmax_scale, q.shape[-1]), causal, left, right, softcap, alibi_slopes,
-            rng_state,
+            rng_state, _detached(sinks),
         )
     return _result(res, lse, return_attn_probs)
 
@@ -208,20 +234,21 @@ def flash_attn_kvpacked_func(q, kv, dropout_p, softmax_scale, causal, window_siz
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, block_table, seqused_k=None,
-                           return_softmax_lse=False, out=None):
+                           return_softmax_lse=False, out=None, sinks=None):
     paged = block_table is not None
     _check_inputs((("q", q),), 3, VARLEN_LAYOUT)
     _check_inputs((("k", k), ("v", v)), 4 if paged else 3, PAGED_LAYOUT if paged else VARLEN_LAYOUT,
                   (("alibi_slopes", alibi_slopes), ("block_table", block_table), ("seqused_k", seqused_k),
-                   ("cu_seqlens_k", cu_seqlens_k)))
+                   ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks)))
     _check_tensor("cu_seqlens_q", cu_seqlens_q)
     if not paged:
         _check_tensor("cu_seqlens_k", cu_seqlens_k)
     max_seqlen_q = int_arg("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = int_arg("max_seqlen_k", max_seqlen_k)
     dropout_p = check_dropout_p(dropout_p)
-    _check_out(out, (q.shape[0], q.shape[1], v.shape[-1]), q, (q, k, v))
-    if paged and _needs_grad(q, k, v):
+    sinks = _sinks_fp32(sinks)
+    _check_out(out, (q.shape[0], q.shape[1], v.shape[-1]), q, (q, k, v, sinks))
+    if paged and _needs_grad(q, k, v, sinks):
         raise _C.Error(
             "block_table: a paged K/V has no backward (flash_attn has none either); call under "
             "torch.no_grad() or torch.inference_mode()"
@@ -229,7 +256,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if out is None and not paged:
         res, lse = _FlashAttnVarlenFunc.apply(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-            causal, window_size, softcap, alibi_slopes, deterministic, seqused_k,
+            causal, window_size, softcap, alibi_slopes, deterministic, seqused_k, sinks,
         )
     else:
         left, right = window_pair(window_size)
@@ -240,7 +267,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             "varlen_fwd", out, v.shape[-1], _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), cu_seqlens_q,
             cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
             resolve_softmax_scale(softmax_scale, q.shape[-1]), causal, left, right, softcap, alibi_slopes,
-            rng_state, block_table,
+            rng_state, block_table, _detached(sinks),
         )
     return _result(res, lse, return_attn_probs, return_softmax_lse)
 
@@ -272,12 +299,12 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                            return_softmax_lse, out=None):
+                            return_softmax_lse, out=None, sinks=None):
     _check_inputs(
         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
         (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
          ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
-         ("alibi_slopes", alibi_slopes)),
+         ("alibi_slopes", alibi_slopes), ("sinks", sinks)),
     )
     for name, x in (("k", k), ("v", v)):
         if x is not None:
@@ -299,7 +326,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     res, lse = _torch_ops.call_into(
         "fwd_kvcache", out, q, k_cache_p, v_cache_p, k, v, cache_seqlens, rotary_cos, rotary_sin,
         cache_batch_idx, block_table, alibi_slopes, scale, causal, left, right, softcap, rotary_interleaved,
-        int_arg("num_splits", num_splits), cache_leftpad,
+        int_arg("num_splits", num_splits), cache_leftpad, _detached(_sinks_fp32(sinks)),
     )
     if k is not None:
         with torch.no_grad():

@@ -4,12 +4,17 @@ They mirror the reference C++ functions (fwd, bwd, varlen_fwd, varlen_bwd, fwd_k
 with a fake (meta) implementation so that torch.compile traces them without graph breaks:
 
     torch.ops.flashattn.fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes, rng_state)
+                            window_size_right, softcap, alibi_slopes, rng_state, sinks=None)
         -> (out, softmax_lse, rng_state)
     torch.ops.flashattn.bwd(dout, q, k, v, out, softmax_lse, dropout_p, softmax_scale, causal,
                             window_size_left, window_size_right, softcap, alibi_slopes,
                             deterministic, rng_state)
         -> (dq, dk, dv, softmax_d)
+
+sinks (the last argument of fwd, varlen_fwd and fwd_kvcache: after varlen_fwd's block_table and
+fwd_kvcache's cache_leftpad) is an optional (h,) float32 tensor of attention sinks (docs/sinks.md):
+the forward's lse then includes them, so bwd needs nothing more for dq, dk, dv; the sinks'
+gradient is -sum(exp(sinks - lse) * softmax_d) over the rows (sink_grad).
 
 rng_state is an int64 tensor [seed, offset] on the tensors' device (docs/dropout.md). When
 dropout_p > 0 and no rng_state is given, fwd draws one from PyTorch's default generator; the
@@ -170,15 +175,16 @@ def _fwd(
     softcap: float,
     alibi_slopes: Optional[Tensor],
     rng_state: Optional[Tensor],
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv) -> out (b, sq, h, dv),
     softmax_lse (b, h, sq) fp32, rng_state (2,) int64."""
     return _fwd_into(None, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                     softcap, alibi_slopes, rng_state)
+                     softcap, alibi_slopes, rng_state, sinks)
 
 
 def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-              alibi_slopes, rng_state):
+              alibi_slopes, rng_state, sinks=None):
     """_fwd writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
     b, sq, h, _ = q.shape
     if out is None:
@@ -194,6 +200,7 @@ def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, 
         rng_state=state if dropout_p > 0.0 else None,
         workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
+        sinks=sinks,
     )
     return out, lse, state
 
@@ -203,7 +210,7 @@ fwd = torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-              softcap, alibi_slopes, rng_state):
+              softcap, alibi_slopes, rng_state, sinks=None):
     b, sq, h, _ = q.shape
     return (
         q.new_empty((b, sq, h, v.shape[-1])),
@@ -286,6 +293,7 @@ def _varlen_fwd(
     alibi_slopes: Optional[Tensor],
     rng_state: Optional[Tensor],
     block_table: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv), cu_seqlens_q/k (b + 1) int32
     -> out (total_q, h, dv), softmax_lse (h, total_q) fp32, rng_state (2,) int64.
@@ -293,12 +301,12 @@ def _varlen_fwd(
     (num_blocks, page_size, hk, d/dv), the key counts seqused_k (or cu_seqlens_k, then optional)."""
     return _varlen_fwd_into(None, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                             dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                            alibi_slopes, rng_state, block_table)
+                            alibi_slopes, rng_state, block_table, sinks)
 
 
 def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
                      softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                     rng_state, block_table=None):
+                     rng_state, block_table=None, sinks=None):
     """_varlen_fwd writing into `out` (the caller's (total_q, h, dv) tensor; None: a new one)."""
     total_q, h, _ = q.shape
     if out is None:
@@ -316,6 +324,7 @@ def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_se
         rng_state=state if dropout_p > 0.0 else None,
         workspace_alloc=_alloc_on(q.device),
         stream=_stream(q.device),
+        sinks=sinks,
         **varlen,
     )
     return out, lse, state
@@ -327,7 +336,7 @@ varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())(_
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                     alibi_slopes, rng_state, block_table=None):
+                     alibi_slopes, rng_state, block_table=None, sinks=None):
     total_q, h, _ = q.shape
     return (
         q.new_empty((total_q, h, v.shape[-1])),
@@ -421,6 +430,7 @@ def _fwd_kvcache(
     rotary_interleaved: bool,
     num_splits: int,
     cache_leftpad: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """q (b, sq, h, d) against k_cache/v_cache (b_cache, sk_cache, hk, d/dv), or paged
     (num_blocks, page_size, hk, d/dv) with block_table (b, max_blocks) int32. k/v
@@ -431,12 +441,12 @@ def _fwd_kvcache(
     return _fwd_kvcache_into(None, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                              cache_batch_idx, block_table, alibi_slopes, softmax_scale, causal,
                              window_size_left, window_size_right, softcap, rotary_interleaved, num_splits,
-                             cache_leftpad)
+                             cache_leftpad, sinks)
 
 
 def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                       block_table, alibi_slopes, softmax_scale, causal, window_size_left, window_size_right,
-                      softcap, rotary_interleaved, num_splits, cache_leftpad=None):
+                      softcap, rotary_interleaved, num_splits, cache_leftpad=None, sinks=None):
     """_fwd_kvcache writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
     b, sq, h, _ = q.shape
     if out is None:
@@ -447,7 +457,7 @@ def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
     extra = dict(
         k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, sinks=sinks,
     )
     _call(
         _C.forward_kvcache,
@@ -469,7 +479,7 @@ fwd_kvcache = torch.library.custom_op("flashattn::fwd_kvcache", mutates_args=("k
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin,
                       cache_batch_idx, block_table, alibi_slopes, softmax_scale, causal,
                       window_size_left, window_size_right, softcap, rotary_interleaved, num_splits,
-                      cache_leftpad=None):
+                      cache_leftpad=None, sinks=None):
     b, sq, h, _ = q.shape
     return (
         q.new_empty((b, sq, h, v_cache.shape[-1])),
@@ -487,6 +497,20 @@ def combine(out_partial: Tensor, lse_partial: Tensor, out: Tensor, lse: Optional
     contiguous. A split whose lse is not finite (a row that saw no key there) counts for nothing.
     Not differentiable (no autograd history is recorded)."""
     _call(_C.combine, out_partial.detach(), lse_partial.detach(), out, lse, stream=_stream(out_partial.device))
+
+
+# --- the sinks' gradient ------------------------------------------------------------------------
+
+
+def sink_grad(sinks: Tensor, lse: Tensor, softmax_d: Tensor) -> Tensor:
+    """d loss / d sinks (h,) float32 from the forward's lse and the backward's softmax_d = rowsum(dout
+    * out), both (b, h, sq) or varlen (h, total_q): -sum over the rows of exp(sinks - lse) * softmax_d
+    (docs/sinks.md). Rows that no sequence covers (lse = +inf, softmax_d = 0) add 0."""
+    if lse.dim() == 3:
+        weights = torch.exp(sinks.view(1, -1, 1) - lse)
+        return -(weights * softmax_d).sum(dim=(0, 2))
+    weights = torch.exp(sinks.view(-1, 1) - lse)
+    return -(weights * softmax_d).sum(dim=1)
 
 
 # --- direct calls ------------------------------------------------------------------------------

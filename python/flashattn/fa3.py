@@ -20,6 +20,11 @@ contiguous or paged (page_table) cache: the new keys are rotated (rotary_cos/sin
 the cache at cache_seqlens[i]..., then each sequence's queries attend to its cache, bottom-right
 aligned as in every function here.
 
+Attention sinks: flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache take
+``learnable_sink`` (FlashAttention's name for them) or ``s_aux`` (the name in vLLM's build of this
+interface), a (nheads,) tensor of per-head logits in score units that join each row's softmax
+denominator (docs/sinks.md; flashattn's own name is ``sinks``); differentiable where the function is.
+
 Argument conventions are those of flash_attn (flashattn.flash_attn_interface): negative window
 sizes and softcap <= 0 mean off, softmax_scale=0.0 is a zero scale. num_splits, pack_gqa,
 sm_margin and scheduler_metadata are performance hints of FlashAttention-3's kernels: accepted
@@ -65,20 +70,30 @@ def _refuse(**arguments):
             raise NotImplementedError(f"{name}: not supported by flashattn ({_WHAT[name]})")
 
 
-def _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+def _sinks(learnable_sink, s_aux):
+    """The attention sinks given under either name (not both)."""
+    if learnable_sink is not None and s_aux is not None:
+        raise _C.Error("s_aux: the same argument as learnable_sink (attention sinks); give one of them, not both")
+    return learnable_sink if learnable_sink is not None else s_aux
+
+
+def _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, sinks=None):
     out, lse, _ = flashattn.flash_attn_func(q, k, v, 0.0, _scale_or_default(softmax_scale), causal,
                                             _window_size(window_size), _softcap(softcap), None, deterministic,
-                                            True)
+                                            True, sinks=sinks)
     return (out, lse) if return_attn_probs else out
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
-                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+                    pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False,
+                    learnable_sink=None, s_aux=None):
     """q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d), v (..., dv) -> out, or
-    (out, softmax_lse (batch, nheads, seqlen_q)) with return_attn_probs."""
+    (out, softmax_lse (batch, nheads, seqlen_q)) with return_attn_probs. learnable_sink / s_aux:
+    (nheads,) attention sinks."""
     _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
-    return _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    return _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                   _sinks(learnable_sink, s_aux))
 
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None,
@@ -102,18 +117,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
                            num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
-                           return_attn_probs=False):
+                           return_attn_probs=False, learnable_sink=None, s_aux=None):
     """q (total_q, nheads, d), k (total_k, nheads_k, d), v (..., dv); cu_seqlens_q/k (batch + 1,)
     int32; seqused_k (batch,) int32: only the first seqused_k[i] keys of sequence i are used ->
-    out (total_q, nheads, dv), or (out, softmax_lse (nheads, total_q))."""
+    out (total_q, nheads, dv), or (out, softmax_lse (nheads, total_q)). learnable_sink / s_aux:
+    (nheads,) attention sinks."""
     _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
             seqused_q=seqused_q)
     for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _torch_api._check_tensor(name, x)
+    sinks = _sinks(learnable_sink, s_aux)
+    _torch_api._check_optional_tensor("learnable_sink" if learnable_sink is not None else "s_aux", sinks)
     out, lse = _torch_api._FlashAttnVarlenFunc.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), 0.0,
         _scale_or_default(softmax_scale), causal, _window_size(window_size), _softcap(softcap), None,
-        deterministic, seqused_k)
+        deterministic, seqused_k, _torch_api._sinks_fp32(sinks))
     return (out, lse) if return_attn_probs else out
 
 
@@ -141,25 +159,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, learnable_sink=None, s_aux=None):
     """q (batch, seqlen_q, nheads, d), or (total_q, nheads, d) with cu_seqlens_q / max_seqlen_q.
     k_cache/v_cache (batch_cache, seqlen_cache, nheads_k, d/dv), or paged (num_blocks, page_size,
     nheads_k, d/dv) with page_table (batch, max_blocks) int32. k/v (batch, seqlen_new, nheads_k,
     d/dv), or (total_new, nheads_k, d/dv) with cu_seqlens_k_new: appended IN PLACE at
-    cache_seqlens[i] (rotated when rotary_cos/sin are given), then attended to. Not
-    differentiable."""
+    cache_seqlens[i] (rotated when rotary_cos/sin are given), then attended to. learnable_sink /
+    s_aux: (nheads,) attention sinks. Not differentiable."""
     _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
             cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens)
     window = _window_size(window_size)
     scale = _scale_or_default(softmax_scale)
+    sinks = _sinks(learnable_sink, s_aux)
     if cu_seqlens_q is None and cu_seqlens_k_new is None:
         out, lse = flashattn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, None, page_table,
-            scale, causal, window, _softcap(softcap), rotary_interleaved, None, num_splits, True)
+            scale, causal, window, _softcap(softcap), rotary_interleaved, None, num_splits, True, sinks=sinks)
     else:
         out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    cache_batch_idx, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale,
-                                   causal, window, _softcap(softcap), rotary_interleaved, num_splits)
+                                   causal, window, _softcap(softcap), rotary_interleaved, num_splits, sinks)
     if not return_softmax_lse:
         return out
     no_partials = torch.empty((0,), dtype=torch.float32, device=out.device)
@@ -253,7 +272,7 @@ def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotar
 
 def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
-                    softcap, rotary_interleaved, num_splits):
+                    softcap, rotary_interleaved, num_splits, sinks=None):
     """flash_attn_with_kvcache with varlen queries or new keys: the append and the rotations here
     (the same rotation as the core's append, flashattn.layers.rotary), the queries left-padded into
     a batch — which keeps the bottom-right alignment of causal and window masks — for the core's
@@ -277,7 +296,7 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                                page_table)
     out, lse = flashattn.flash_attn_with_kvcache(
         q_batch, k_cache, v_cache, None, None, None, None, new.to(torch.int32), cache_batch_idx, None, page_table,
-        softmax_scale, causal, window, softcap, rotary_interleaved, None, num_splits, True)
+        softmax_scale, causal, window, softcap, rotary_interleaved, None, num_splits, True, sinks=sinks)
     if gather is None:
         return out, lse
     q_seq, padded_idx = gather

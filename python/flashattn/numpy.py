@@ -106,12 +106,12 @@ def _into(out, result):
 
 
 def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-             alibi_slopes, return_lse, out=None, return_softmax_lse=False, paged=False):
+             alibi_slopes, return_lse, out=None, return_softmax_lse=False, paged=False, sinks=None):
     _check_inputs((("q", q),), 4 if varlen is None else 3, BATCH_LAYOUT if varlen is None else VARLEN_LAYOUT)
     kv_rank = 4 if varlen is None or paged else 3
     _check_inputs((("k", k), ("v", v)), kv_rank,
                   BATCH_LAYOUT if varlen is None else PAGED_LAYOUT if paged else VARLEN_LAYOUT,
-                  (("alibi_slopes", alibi_slopes),))
+                  (("alibi_slopes", alibi_slopes), ("sinks", sinks)))
     dropout_p = check_dropout_p(dropout_p)
     _check_out(out, q.shape[:-1] + (v.shape[-1],), q)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
@@ -136,7 +136,7 @@ def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, sof
     _C.forward(
         *inputs, _kernel_view(res), lse,
         options=opt, alibi_slopes=alibi_slopes, workspace_alloc=_workspace, bf16_bits=bf16_bits,
-        **varlen,
+        sinks=sinks, **varlen,
     )
     res = _into(out, res[..., :head_dim_v])
     if return_lse:
@@ -145,9 +145,10 @@ def _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, sof
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, out=None):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, out=None, *,
+                    sinks=None):
     return _forward(q, k, v, None, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs, out)
+                    alibi_slopes, return_attn_probs, out, sinks=sinks)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -174,7 +175,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, seqused_k=None,
-                           return_softmax_lse=False, out=None):
+                           return_softmax_lse=False, out=None, *, sinks=None):
     paged = block_table is not None
     named = (("cu_seqlens_q", cu_seqlens_q),) + ((("cu_seqlens_k", cu_seqlens_k),) if not paged else ())
     for name, x in named:
@@ -187,7 +188,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
                   max_seqlen_q=int_arg("max_seqlen_q", max_seqlen_q),
                   max_seqlen_k=int_arg("max_seqlen_k", max_seqlen_k))
     return _forward(q, k, v, varlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, return_attn_probs, out, return_softmax_lse, paged)
+                    alibi_slopes, return_attn_probs, out, return_softmax_lse, paged, sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -219,12 +220,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, out=None):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, out=None, *,
+                            sinks=None):
     _check_inputs(
         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
         (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
          ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
-         ("alibi_slopes", alibi_slopes)),
+         ("alibi_slopes", alibi_slopes), ("sinks", sinks)),
     )
     left, right = window_pair(window_size)
     opt = make_options(
@@ -250,7 +252,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k=_kernel_view(k), v=_kernel_view(v), cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
         rotary_cos=_kernel_view(rotary_cos), rotary_sin=_kernel_view(rotary_sin),
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q),
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, bf16_bits=_is_bf16(q), sinks=sinks,
     )
     _C.forward_kvcache(*arrays, _kernel_view(res), lse, options=opt, workspace_alloc=_workspace, **extra)
     if k is not None:

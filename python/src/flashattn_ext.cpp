@@ -197,22 +197,24 @@ flashattn::Stream stream_of(std::uintptr_t handle) { return flashattn::Stream{re
 flashattn::ForwardInputs forward_inputs(const InArray& q, const InArray& k, const InArray& v,
                                         const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
                                         const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k,
-                                        const MaybeIn& block_table, bool bf16_bits) {
+                                        const MaybeIn& block_table, bool bf16_bits, const MaybeIn& sinks) {
   flashattn::ForwardInputs in;
   in.q = view_of("q", q, bf16_bits);
   in.k = view_of("k", k, bf16_bits);
   in.v = view_of("v", v, bf16_bits);
   in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, block_table.has_value());
   in.block_table = maybe_view("block_table", block_table, false);
+  in.sinks = maybe_view("sinks", sinks, false);
   return in;
 }
 
 std::size_t forward_workspace_size(const InArray& q, const InArray& k, const InArray& v,
                                    const flashattn::Options& options, const MaybeIn& alibi_slopes,
                                    const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k,
-                                   int max_seqlen_q, int max_seqlen_k, const MaybeIn& block_table, bool bf16_bits) {
+                                   int max_seqlen_q, int max_seqlen_k, const MaybeIn& block_table, bool bf16_bits,
+                                   const MaybeIn& sinks) {
   const flashattn::ForwardInputs in = forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                                                     max_seqlen_k, block_table, bf16_bits);
+                                                     max_seqlen_k, block_table, bf16_bits, sinks);
   return flashattn::forward_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
 }
 
@@ -220,9 +222,9 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              const flashattn::Options& options, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
              const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
              int max_seqlen_k, const MaybeIn& block_table, const MaybeOut& workspace, std::uintptr_t stream,
-             bool bf16_bits, const nb::object& workspace_alloc) {
+             bool bf16_bits, const nb::object& workspace_alloc, const MaybeIn& sinks) {
   const flashattn::ForwardInputs in = forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                                                     max_seqlen_k, block_table, bf16_bits);
+                                                     max_seqlen_k, block_table, bf16_bits, sinks);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
@@ -238,7 +240,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
 flashattn::BackwardInputs backward_inputs(const InArray& dout, const InArray& q, const InArray& k, const InArray& v,
                                           const InArray& out, const InArray& lse, const MaybeIn& cu_seqlens_q,
                                           const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
-                                          int max_seqlen_k, bool bf16_bits) {
+                                          int max_seqlen_k, bool bf16_bits, const MaybeIn& sinks) {
   flashattn::BackwardInputs in;
   in.dout = view_of("dout", dout, bf16_bits);
   in.q = view_of("q", q, bf16_bits);
@@ -247,6 +249,7 @@ flashattn::BackwardInputs backward_inputs(const InArray& dout, const InArray& q,
   in.out = view_of("out", out, bf16_bits);
   in.lse = view_of("lse", lse, false);
   in.varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k);
+  in.sinks = maybe_view("sinks", sinks, false);
   return in;
 }
 
@@ -254,9 +257,9 @@ std::size_t backward_workspace_size(const InArray& dout, const InArray& q, const
                                     const InArray& out, const InArray& lse, const flashattn::Options& options,
                                     const MaybeIn& alibi_slopes, const MaybeIn& cu_seqlens_q,
                                     const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
-                                    int max_seqlen_k, bool bf16_bits) {
+                                    int max_seqlen_k, bool bf16_bits, const MaybeIn& sinks) {
   const flashattn::BackwardInputs in = backward_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                       seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
+                                                       seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits, sinks);
   return flashattn::backward_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
 }
 
@@ -265,14 +268,16 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
               const OutArray& softmax_d, const flashattn::Options& options, const MaybeIn& alibi_slopes,
               const MaybeIn& rng_state, const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k,
               const MaybeIn& seqused_k, int max_seqlen_q, int max_seqlen_k, const MaybeOut& workspace,
-              std::uintptr_t stream, bool bf16_bits, const nb::object& workspace_alloc) {
+              std::uintptr_t stream, bool bf16_bits, const nb::object& workspace_alloc, const MaybeIn& sinks,
+              const MaybeOut& dsinks) {
   const flashattn::BackwardInputs in = backward_inputs(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                       seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits);
+                                                       seqused_k, max_seqlen_q, max_seqlen_k, bf16_bits, sinks);
   flashattn::BackwardOutputs outs;
   outs.dq = view_of("dq", dq, bf16_bits);
   outs.dk = view_of("dk", dk, bf16_bits);
   outs.dv = view_of("dv", dv, bf16_bits);
   outs.softmax_d = view_of("softmax_d", softmax_d, false);
+  outs.dsinks = maybe_view("dsinks", dsinks, false);
   const flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
   MaybeOut keep;
   const flashattn::Workspace ws = workspace_for(
@@ -288,7 +293,8 @@ flashattn::KVCacheInputs kvcache_inputs(const InArray& q, const CacheArray& k_ca
                                         const MaybeIn& k_new, const MaybeIn& v_new, const MaybeIn& cache_seqlens,
                                         const MaybeIn& cache_batch_idx, const MaybeIn& cache_leftpad,
                                         const MaybeIn& block_table, const MaybeIn& rotary_cos,
-                                        const MaybeIn& rotary_sin, bool rotary_interleaved, bool bf16_bits) {
+                                        const MaybeIn& rotary_sin, bool rotary_interleaved, bool bf16_bits,
+                                        const MaybeIn& sinks) {
   flashattn::KVCacheInputs in;
   in.q = view_of("q", q, bf16_bits);
   in.k_cache = view_of("k_cache", k_cache, bf16_bits);
@@ -302,6 +308,7 @@ flashattn::KVCacheInputs kvcache_inputs(const InArray& q, const CacheArray& k_ca
   in.rotary_cos = maybe_view("rotary_cos", rotary_cos, bf16_bits);
   in.rotary_sin = maybe_view("rotary_sin", rotary_sin, bf16_bits);
   in.rotary_interleaved = rotary_interleaved;
+  in.sinks = maybe_view("sinks", sinks, false);
   return in;
 }
 
@@ -311,10 +318,10 @@ std::size_t forward_kvcache_workspace_size(const InArray& q, const InArray& k_ca
                                            const MaybeIn& cache_batch_idx, const MaybeIn& cache_leftpad,
                                            const MaybeIn& block_table, const MaybeIn& rotary_cos,
                                            const MaybeIn& rotary_sin, bool rotary_interleaved,
-                                           const MaybeIn& alibi_slopes, bool bf16_bits) {
+                                           const MaybeIn& alibi_slopes, bool bf16_bits, const MaybeIn& sinks) {
   const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
                                                      cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-                                                     rotary_sin, rotary_interleaved, bf16_bits);
+                                                     rotary_sin, rotary_interleaved, bf16_bits, sinks);
   return flashattn::forward_kvcache_workspace_size(in, with_tensors(options, alibi_slopes, std::nullopt, in.q));
 }
 
@@ -324,10 +331,10 @@ void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& 
                      const MaybeIn& cache_leftpad, const MaybeIn& block_table, const MaybeIn& rotary_cos,
                      const MaybeIn& rotary_sin, bool rotary_interleaved, const MaybeIn& alibi_slopes,
                      const MaybeOut& workspace, std::uintptr_t stream, bool bf16_bits,
-                     const nb::object& workspace_alloc) {
+                     const nb::object& workspace_alloc, const MaybeIn& sinks) {
   const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
                                                      cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-                                                     rotary_sin, rotary_interleaved, bf16_bits);
+                                                     rotary_sin, rotary_interleaved, bf16_bits, sinks);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
@@ -397,20 +404,20 @@ NB_MODULE(_C, m) {
         nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
         nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("block_table").none() = nb::none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
-        nb::arg("workspace_alloc").none() = nb::none(),
+        nb::arg("workspace_alloc").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
         "Writes out (and lse when given). Varlen when cu_seqlens_q/k are given; block_table (b, "
         "max_blocks_per_seq) int32 makes k/v paged caches (num_blocks, page_size, hk, d) of a varlen "
         "call, whose key counts come from seqused_k (or cu_seqlens_k, then optional). rng_state: int64 "
         "{seed, offset} on q's device, read instead of options.dropout_seed/offset. workspace: 1-D "
         "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0); "
         "or workspace_alloc: a callable that gets the bytes needed (only when more than 0) and "
-        "returns such an array.");
+        "returns such an array. sinks: (h) float32 attention sinks (docs/sinks.md).");
 
   m.def("forward_workspace_size", &forward_workspace_size, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(),
         nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
         nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
         nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("block_table").none() = nb::none(),
-        nb::arg("bf16_bits") = false,
+        nb::arg("bf16_bits") = false, nb::arg("sinks").none() = nb::none(),
         "Bytes of workspace forward needs for these inputs and options (0 when none); reads only "
         "shapes, dtypes and devices.");
 
@@ -420,8 +427,10 @@ NB_MODULE(_C, m) {
         nb::arg("cu_seqlens_q").none() = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none(),
         nb::arg("seqused_k").none() = nb::none(), nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0,
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
-        nb::arg("workspace_alloc").none() = nb::none(),
-        "Writes dq, dk, dv and softmax_d. workspace: 1-D uint8, 256-byte aligned, on q's device, of "
+        nb::arg("workspace_alloc").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
+        nb::arg("dsinks").none() = nb::none(),
+        "Writes dq, dk, dv and softmax_d (and dsinks, the (h) float32 gradient of the forward's "
+        "sinks, when given with them). workspace: 1-D uint8, 256-byte aligned, on q's device, of "
         "backward_workspace_size(...) bytes (None when 0); too small a workspace raises Error. Or "
         "workspace_alloc, as for forward.");
 
@@ -430,6 +439,7 @@ NB_MODULE(_C, m) {
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
         nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("seqused_k").none() = nb::none(),
         nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("bf16_bits") = false,
+        nb::arg("sinks").none() = nb::none(),
         "Bytes of workspace backward needs for these inputs and options (0 when none); reads only "
         "shapes, dtypes and devices.");
 
@@ -441,9 +451,10 @@ NB_MODULE(_C, m) {
         nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
         nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
-        nb::arg("workspace_alloc").none() = nb::none(),
+        nb::arg("workspace_alloc").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
         "Appends k/v into the caches in place (rotated when rotary_cos/sin are given), then attends. "
-        "workspace: as for forward, of forward_kvcache_workspace_size(...) bytes; or workspace_alloc.");
+        "workspace: as for forward, of forward_kvcache_workspace_size(...) bytes; or workspace_alloc. "
+        "sinks: (h) float32 attention sinks.");
 
   m.def("forward_kvcache_workspace_size", &forward_kvcache_workspace_size, nb::arg("q"), nb::arg("k_cache"),
         nb::arg("v_cache"), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),
@@ -452,7 +463,7 @@ NB_MODULE(_C, m) {
         nb::arg("cache_leftpad").none() = nb::none(), nb::arg("block_table").none() = nb::none(),
         nb::arg("rotary_cos").none() = nb::none(), nb::arg("rotary_sin").none() = nb::none(),
         nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
-        nb::arg("bf16_bits") = false,
+        nb::arg("bf16_bits") = false, nb::arg("sinks").none() = nb::none(),
         "Bytes of workspace forward_kvcache needs for these inputs and options (0 when none); reads "
         "only shapes, dtypes and devices.");
 

@@ -257,6 +257,22 @@ void check_alibi(const Checker& c, const Options& opt, std::int64_t b, std::int6
   p.alibi_batch_stride = a.ndim == 2 ? a.stride[0] : 0;
 }
 
+// Attention sinks (docs/sinks.md): (h) fp32, contiguous, on q's device. Their values are not
+// checked: any float is a logit (−∞: no sink; NaN and +∞ make the head's rows NaN, as a score would).
+void check_sinks(const Checker& c, const char* name, const TensorView& t, std::int64_t h, Device device) {
+  c.well_formed(name, t);
+  c.dtype(name, t, DType::f32, "attention sinks are fp32");
+  c.same_device(name, t, device);
+  c.shape(name, t, {h});
+  c.contiguous(name, t);
+}
+
+void set_sinks(const Checker& c, const TensorView& sinks, std::int64_t h, Device device, common::AttentionParams& p) {
+  if (!sinks.defined()) return;
+  check_sinks(c, "sinks", sinks, h, device);
+  p.sinks = static_cast<const float*>(sinks.data);
+}
+
 // Dropout: resolve the seed and offset (from memory when rng_state is given; on the host it can
 // be read now, on a GPU the kernel reads it).
 void set_semantics(const Checker& c, const Options& opt, Device device, common::AttentionParams& p) {
@@ -578,6 +594,7 @@ Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, con
   pr.params.out = row_head(out.out);
   pr.params.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;
   check_alibi(c, opt, dims.b, dims.h, in.q.device, pr.params);
+  set_sinks(c, in.sinks, dims.h, in.q.device, pr.params);
   set_semantics(c, opt, in.q.device, pr.params);
   return pr;
 }
@@ -612,6 +629,14 @@ Problem validate_backward(const BackwardInputs& in, const BackwardOutputs& out, 
   p.dv = row_head(out.dv);
   p.softmax_d = static_cast<float*>(out.softmax_d.data);
   check_alibi(c, opt, dims.b, dims.h, in.q.device, p);
+  set_sinks(c, in.sinks, dims.h, in.q.device, p);
+  if (out.dsinks.defined()) {
+    if (!in.sinks.defined()) {
+      c.fail("dsinks", "is the gradient of the sinks: give the forward's sinks too", "sinks", "none");
+    }
+    check_sinks(c, "dsinks", out.dsinks, dims.h, in.q.device);
+    p.dsinks = static_cast<float*>(out.dsinks.data);
+  }
   set_semantics(c, opt, in.q.device, p);
   return pr;
 }
@@ -762,6 +787,7 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
     p.page_size = int(rows1);
   }
   check_alibi(c, opt, dims.b, dims.h, device, p);
+  set_sinks(c, in.sinks, dims.h, device, p);
   set_semantics(c, opt, device, p);
   return pr;
 }

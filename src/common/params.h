@@ -69,6 +69,11 @@ struct AttentionParams {
   int window_right = -1;
   float dropout_p = 0.0f;
   DropoutParams dropout = {};
+  // Attention sinks (docs/sinks.md): one logit per query head, in score units, that joins each
+  // row's softmax denominator: lse = log(exp(sink) + Σ exp(s)). nullptr: none.
+  const float* sinks = nullptr;  // (h)
+  // Backward: the sinks' gradient, −Σ_{b,i} exp(sink − lse) · softmax_d per head. nullptr: none.
+  float* dsinks = nullptr;  // (h)
   bool deterministic = false;
 
   // Split-KV (forward on CUDA): each (row block, head, batch) spreads its key tiles over this many
@@ -157,6 +162,8 @@ struct AttentionParams {
     m.diag_offset = (long long)sk - sq;
     return m;
   }
+  // The sink logit of head hh; −∞ (no sink) when there are none.
+  FA_HOST_DEVICE float sink(int hh) const { return sinks ? sinks[hh] : -__builtin_huge_valf(); }
   // Stream index of the dropout counter (docs/dropout.md).
   FA_HOST_DEVICE std::uint64_t dropout_stream(int b, int hh) const {
     return std::uint64_t(b) * std::uint64_t(heads) + std::uint64_t(hh);

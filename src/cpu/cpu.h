@@ -26,14 +26,16 @@ struct Fp64Outputs {
   double* dk = nullptr;
   double* dv = nullptr;
   double* softmax_d = nullptr;
+  double* dsinks = nullptr;  // (h)
 };
 
 // Naive attention: materialises each (sq × sk) score matrix of one (batch, head).
 // Forward writes out and lse (lse may be null).
 void reference_forward(const common::AttentionParams& p, RefPrecision precision = RefPrecision::fp64,
                        const Fp64Outputs* sink = nullptr);
-// Backward writes dq, dk, dv and softmax_d. It recomputes the forward itself (it does not read
-// p.out or p.lse), so it is the exact gradient of the function SPEC §2 defines.
+// Backward writes dq, dk, dv, softmax_d (and dsinks when p.dsinks is set). It recomputes the
+// forward itself (it does not read p.out or p.lse), so it is the exact gradient of the function
+// SPEC §2 defines.
 void reference_backward(const common::AttentionParams& p,
                         RefPrecision precision = RefPrecision::fp64,
                         const Fp64Outputs* sink = nullptr);

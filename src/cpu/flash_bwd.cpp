@@ -181,7 +181,8 @@ int backward_step(const AttentionParams& p, const BackwardPlan& plan, int b, int
     const int i = i0 + r;
     flash::load_row(q + p.q_offset(p.q, b, i, hh), d, qt + r * ldq);
     flash::load_row(dout + p.q_offset(p.dout, b, i, hh), dv, dot + r * ldo);
-    // lse = +∞ marks a row without visible keys: 2^(s − ∞) = 0 gives it P = dS = 0.
+    // A row without visible keys has lse = +∞ (2^(s − ∞) = 0), or the sink, and then the mask
+    // below zeroes its P and dS.
     w.lse_log2.get()[r] = p.lse[p.lse_index(b, hh, i)] * flash::kLog2e;
     w.delta.get()[r] = plan.delta[std::size_t(plan.row_index(p, b, i, hh))];
   }
@@ -391,6 +392,23 @@ struct QueryBlock {
   int batch, head, block;
 };
 
+// The sinks' gradient (common/sink.h): dsinks_h = −Σ_{b,i} exp(s_h − lse_i) · D_i over the rows
+// of head h, in fp64 and a fixed order (deterministic for any thread count), from the forward's
+// lse (which includes the sink) and plan.delta.
+void sink_gradient(const AttentionParams& p, const BackwardPlan& plan) {
+  for (int hh = 0; hh < p.heads; ++hh) {
+    const double sink = p.sinks[hh];
+    double sum = 0.0;
+    for (int b = 0; b < p.batch; ++b) {
+      for (int i = 0; i < p.seqlen_q(b); ++i) {
+        const double lse = p.lse[p.lse_index(b, hh, i)];
+        sum += std::exp(sink - lse) * double(plan.delta[std::size_t(plan.row_index(p, b, i, hh))]);
+      }
+    }
+    p.dsinks[hh] = float(-sum);
+  }
+}
+
 }  // namespace
 
 void flash_backward(const AttentionParams& p, int num_threads) {
@@ -440,6 +458,7 @@ void flash_backward(const AttentionParams& p, int num_threads) {
       const QueryBlock& qb = query_blocks[std::size_t(t)];
       delta_block<T>(p, plan, qb.batch, qb.head, qb.block, rows_tmp[std::size_t(worker)].get());
     });
+    if (p.dsinks) sink_gradient(p, plan);
 
     const int key_workers = parallel_workers(num_tasks, num_threads);
     std::vector<BackwardScratch> scratch;

@@ -175,7 +175,11 @@ inline VecF exp2_vec(VecF x) {
   constexpr float kC5 = 1.3333558146428443e-3f, kC6 = 1.5403530393381609e-4f;
   constexpr float kC7 = 1.5252733804059841e-5f;
   constexpr int kMantissaBits = 23;
-  const VecF clamped = x > kMaxExponent ? splat(kMaxExponent) : x;
+  // Clamped on both sides: a finite x far below −64 (a sink far above the scores makes the
+  // backward's s − lse about −290) would shift n out of the int range (undefined behaviour); the
+  // final select gives those lanes 0 anyway.
+  const VecF low_clamped = x < kMinExponent ? splat(kMinExponent) : x;
+  const VecF clamped = x > kMaxExponent ? splat(kMaxExponent) : low_clamped;
   const VecF n = (clamped + kRoundMagic) - kRoundMagic;
   const VecF f = clamped - n;  // in [−1/2, 1/2]
   VecF poly = splat(kC7);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/params.h"
+#include "common/sink.h"
 #include "cpu/cpu.h"
 #include "cpu/flash_common.h"
 #include "cpu/parallel.h"
@@ -228,19 +229,29 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
   auto* out = static_cast<T*>(p.out.data);
   for (int c = 0; c < cols; ++c) {
     const int i = w.col_row[std::size_t(c)], hh = w.col_head[std::size_t(c)];
-    const float sum = w.row_sum.get()[c];
+    float sum = w.row_sum.get()[c];
+    float max_log2 = w.row_max.get()[c];
     T* out_row = out + p.q_offset(p.out, b, i, hh);
-    // No visible key: out = 0, lse = +∞ (SPEC §2.5). A NaN sum (a visible score was NaN, or +∞)
-    // is not "no key": it goes through, making out and lse NaN as in the reference.
+    // No visible key: out = 0, lse = the sink, +∞ without one (SPEC §2.5, common/sink.h). A NaN
+    // sum (a visible score was NaN, or +∞) is not "no key": it goes through, making out and lse
+    // NaN as in the reference.
     const bool no_key = sum == 0.0f;
+    float rescale = 1.0f;
+    if (p.sinks && !no_key) {
+      const common::SinkFold<float> f =
+          common::fold_sink(max_log2, sum, p.sinks[hh] * flash::kLog2e, [](float x) { return std::exp2(x); });
+      max_log2 = f.max_log2;
+      sum = f.sum;
+      rescale = f.rescale;
+    }
     if (!no_key) {
-      flash::store_row(w.o.get() + c * ldv, p.dropout.keep_scale / sum, dv, out_row);
+      flash::store_row(w.o.get() + c * ldv, p.dropout.keep_scale * rescale / sum, dv, out_row);
     } else {
       std::fill(out_row, out_row + dv, common::from_float<T>(0.0f));
     }
     if (p.lse) {
       p.lse[p.lse_index(b, hh, i)] =
-          no_key ? flash::kInfinity : (w.row_max.get()[c] + std::log2(sum)) * flash::kLn2;
+          no_key ? common::empty_row_lse(p.sink(hh)) : (max_log2 + std::log2(sum)) * flash::kLn2;
     }
   }
 }

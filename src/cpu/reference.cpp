@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/numeric.h"
+#include "common/sink.h"
 #include "cpu/cpu.h"
 #include "cpu/storage_dispatch.h"
 
@@ -53,6 +54,7 @@ struct Ref {
     const common::Mask mask = p.mask(b);
     const common::ScoreMod<Acc> mod = p.template score_mod<Acc>(b, hh);
     const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+    const Acc sink_logit = Acc(p.sink(hh));  // −∞: none
     r.s.assign(std::size_t(r.sq) * r.sk, neg_inf);
     r.prob.assign(r.s.size(), Acc(0));
     r.kept.assign(r.s.size(), Acc(0));
@@ -69,9 +71,15 @@ struct Ref {
         // A NaN score sticks (std::max would drop it): the row's lse and out become NaN.
         if (!std::isnan(row_max) && (std::isnan(s) || s > row_max)) row_max = s;
       }
-      // No visible key (or only scores of −∞): p = 0, lse = +∞.
-      if (row_max == neg_inf) continue;
-      Acc sum = 0;
+      // No visible key (or only scores of −∞): p = 0, lse = the sink (+∞ without one).
+      if (row_max == neg_inf) {
+        r.lse[i] = common::empty_row_lse(sink_logit);
+        continue;
+      }
+      // The sink joins the denominator (common/sink.h); measured from the larger of it and the
+      // row max, so that exp never overflows. A NaN sink takes the max and makes everything NaN.
+      if (sink_logit > row_max || std::isnan(sink_logit)) row_max = sink_logit;
+      Acc sum = std::exp(sink_logit - row_max);
       for (int j = 0; j < r.sk; ++j) {
         if (mask.visible(i, j)) sum += std::exp(r.s[std::size_t(i) * r.sk + j] - row_max);
       }
@@ -129,6 +137,9 @@ struct Ref {
 
   void backward() const {
     const int group = p.group_size();
+    // d lse_i / d s_h = exp(s_h − lse_i), and d loss / d lse_i = −D_i (the softmax's Jacobian): the
+    // sinks' gradient sums −exp(s_h − lse_i) · D_i over every row of the head, in order.
+    std::vector<Acc> dsinks(std::size_t(p.heads), Acc(0));
     for (int b = 0; b < p.batch; ++b) {
       const int sq = p.seqlen_q(b), sk = p.seqlen_k(b);
       // Keys of the sequence that exist but are unused (varlen seqused_k) get zero gradients too.
@@ -163,6 +174,7 @@ struct Ref {
             const std::int64_t dqo = p.q_offset(p.dq, b, i, hh);
             for (int d = 0; d < p.head_dim; ++d) store(p.dq, sink ? sink->dq : nullptr, dqo + d, dq[d]);
             const std::int64_t li = p.lse_index(b, hh, i);
+            if (p.sinks) dsinks[std::size_t(hh)] -= std::exp(Acc(p.sinks[hh]) - r.lse[i]) * dsum;
             if (sink && sink->softmax_d) {
               sink->softmax_d[li] = double(dsum);
             } else if (!sink) {
@@ -175,6 +187,13 @@ struct Ref {
           for (int d = 0; d < p.head_dim; ++d) store(p.dk, sink ? sink->dk : nullptr, dko + d, dk[std::size_t(j) * p.head_dim + d]);
           for (int d = 0; d < p.head_dim_v; ++d) store(p.dv, sink ? sink->dv : nullptr, dvo + d, dv[std::size_t(j) * p.head_dim_v + d]);
         }
+      }
+    }
+    for (int hh = 0; p.dsinks && hh < p.heads; ++hh) {
+      if (sink && sink->dsinks) {
+        sink->dsinks[hh] = double(dsinks[std::size_t(hh)]);
+      } else if (!sink) {
+        p.dsinks[hh] = float(dsinks[std::size_t(hh)]);
       }
     }
   }

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/numeric.h"
+#include "common/sink.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
@@ -74,13 +75,18 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
     nan_split = nan_split || isnan(l);
     if (isfinite(l)) max_lse = fmaxf(max_lse, l);
   }
-  // No split saw a key: out = 0, lse = +∞, as for a fully masked row (SPEC §2.5). A split whose
-  // lse is NaN (a NaN score among its keys) makes the row's out and lse NaN, as in the unsplit
-  // attention; no split is summed then.
+  // The head's attention sink (common/sink.h; −∞: none), added here once, never in a split.
+  const float sink = c.sinks != nullptr ? c.sinks[head] : -kInf;
+  // No split saw a key: out = 0, lse = the sink, +∞ without one, as for a fully masked row (SPEC
+  // §2.5). A split whose lse is NaN (a NaN score among its keys) makes the row's out and lse NaN,
+  // as in the unsplit attention; no split is summed then.
   const bool empty = max_lse == -kInf || nan_split;
-  float lse = nan_split ? __int_as_float(kQuietNaNBits) : kInf;
+  float lse = nan_split ? __int_as_float(kQuietNaNBits) : common::empty_row_lse(sink);
   if (!empty) {
-    float sum = 0.0f;
+    // The sink is one more term of the sum, measured like the splits from the largest of them
+    // (a NaN sink takes the max and makes the row NaN; −∞ adds 0).
+    if (sink > max_lse || isnan(sink)) max_lse = sink;
+    float sum = c.sinks != nullptr ? expf(__fsub_rn(sink, max_lse)) : 0.0f;
     for (int s = 0; s < c.splits; ++s) {
       const float l = lse_of(s);
       if (isfinite(l)) sum = __fadd_rn(sum, expf(__fsub_rn(l, max_lse)));

@@ -37,14 +37,18 @@ struct CombineParams {
   std::int64_t lse_batch_stride = 0;
   std::int64_t lse_head_stride = 0;
   const std::int32_t* cu_seqlens_q = nullptr;
+  // Attention sinks (h) fp32 (common/sink.h), joined to each row's sum here: the split-KV
+  // forward's partials are sink-free. nullptr: none (flashattn::combine takes none).
+  const float* sinks = nullptr;
   // The index-check flag (AttentionParams::index_error): the kernel exits when it is set.
   const int* index_error = nullptr;
 };
 
 // Launches the combine kernel on `stream` (a cudaStream_t; nullptr = default stream). Per row:
 // lse = log Σ_s exp(lse_s) over the splits with finite lse_s (+∞ marks a split that saw no key,
-// −∞ is skipped too), out = Σ_s exp(lse_s − lse) · out_s in split order; a row with no finite
-// split gets out = 0 and lse = +∞; a split whose lse is NaN makes the row's out and lse NaN. Throws flashattn::Error when the launch fails.
+// −∞ is skipped too) and, with sinks, exp(sink) of the row's head, out = Σ_s exp(lse_s − lse) ·
+// out_s in split order; a row with no finite split gets out = 0 and lse = +∞ (the sink, with
+// sinks); a split whose lse is NaN makes the row's out and lse NaN. Throws flashattn::Error when the launch fails.
 void combine(const CombineParams& c, void* stream);
 
 }  // namespace flashattn::cuda

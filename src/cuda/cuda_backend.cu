@@ -46,6 +46,7 @@ void combine_split_partials(const common::AttentionParams& p, float* out_partial
   c.lse_batch_stride = p.lse_batch_stride;
   c.lse_head_stride = p.lse_head_stride;
   c.cu_seqlens_q = p.cu_seqlens_q;
+  c.sinks = p.sinks;
   c.index_error = p.index_error;
   combine(c, stream);
 }

@@ -7,6 +7,7 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/family.h"
+#include "cuda/sinks.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
@@ -27,8 +28,13 @@ void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void*
   const FamilyChoice choice = choose_backward_family(p);
   if (!choice.served) throw Error("flashattn::backward (CUDA): " + choice.why_not);
   // SPEC §5 special cases: nothing to compute (dk/dv of no rows are zeros only when there are keys).
-  if (p.batch == 0 || (p.max_seqlen_q == 0 && p.max_seqlen_k == 0)) return;
+  if (p.batch == 0 || (p.max_seqlen_q == 0 && p.max_seqlen_k == 0)) {
+    sink_gradient(p, static_cast<cudaStream_t>(stream));  // dsinks of no rows: 0
+    return;
+  }
   family_backward(choice, p, total_q_rows, workspace, static_cast<cudaStream_t>(stream), rng_state);
+  // After the family's preprocess has written softmax_d (same stream).
+  sink_gradient(p, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace flashattn::cuda

@@ -419,6 +419,23 @@ Buf draw_alibi(Rng& r, Call& c, int b, int h, Alibi* kind) {
   return a;
 }
 
+// Attention sinks (docs/sinks.md): none (75 %), (h) fp32 in [−2, 4], or (sometimes) a wrong shape.
+// Drawn from `sr`, a generator of their own, so that the rest of an iteration's call is what it
+// was before sinks existed (the replays below keep their cases); off while fuzz_sinks is false.
+bool fuzz_sinks = true;
+Buf draw_sinks(Rng& sr, Call& c, int h) {
+  if (!fuzz_sinks || sr.unit() < 0.75) return {};
+  Shape shape{h};
+  if (sr.chance(0.06)) {
+    shape = sr.pick({Shape{h + 1}, Shape{1, h}});
+    c.broke("sinks", fa::shape_string(Tensor(DType::f32, shape).tv()));
+  }
+  Buf s = make_contiguous(DType::f32, shape);
+  s.view.fill_random(sr.next(), -2.0f, 4.0f);
+  c.desc << " sinks" << fa::shape_string(s.view.tv());
+  return s;
+}
+
 // Shrinks the lengths until the reference's work (Σ sq·sk·h·(d+dv)) fits the budget.
 void fit_budget(std::vector<int>& lq, std::vector<int>& lk, int h, int d, int dv, double budget) {
   for (int guard = 0; guard < 12; ++guard) {
@@ -437,6 +454,8 @@ void fit_budget(std::vector<int>& lq, std::vector<int>& lk, int h, int d, int dv
 void fuzz_attention(Rng& r, Dir dir, Stats& stats) {
   Call c;
   c.dir = dir;
+  Rng peek = r;  // a copy: r itself does not advance
+  Rng sinks_rng(peek.next() ^ 0x6A09E667F3BCC909ull);
   const DType dtype = draw_dtype(r, c);
   const bool varlen = r.chance(0.3);
   const int b = r.chance(0.025) ? 0 : r.range(1, 3);
@@ -643,6 +662,8 @@ void fuzz_attention(Rng& r, Dir dir, Stats& stats) {
   c.inputs = {q, k, v};
   if (packed) c.inputs = {qkv};
   if (alibi.defined()) c.inputs.push_back(alibi);
+  const Buf sinks = draw_sinks(sinks_rng, c, h);
+  if (sinks.defined()) c.inputs.push_back(sinks);
   if (varlen) {
     c.inputs.push_back(cu_q);
     c.inputs.push_back(cu_k);
@@ -652,7 +673,8 @@ void fuzz_attention(Rng& r, Dir dir, Stats& stats) {
   if (pass_lse) c.outputs.push_back(lse);
 
   SCOPED_TRACE(std::string(dir_name(dir)) + ":" + c.desc.str());
-  const fa::ForwardInputs fin{q.tv(), k.tv(), v.tv(), vl};
+  fa::ForwardInputs fin{q.tv(), k.tv(), v.tv(), vl};
+  if (sinks.defined()) fin.sinks = sinks.tv();
   const fa::ForwardOutputs fout{out.tv(), pass_lse ? lse.tv() : fa::TensorView{}};
 
   // The problem the checker needs (valid calls only).
@@ -685,6 +707,8 @@ void fuzz_attention(Rng& r, Dir dir, Stats& stats) {
     p.k = k.view;
     p.v = v.view;
     p.alibi_slopes = alibi.view;
+    p.cfg.sinks = sinks.defined();
+    p.sinks = sinks.view;
     p.opt = opt;
     p.varlen = vl;
     return p;
@@ -738,9 +762,19 @@ void fuzz_attention(Rng& r, Dir dir, Stats& stats) {
     dq_tv.dtype = dtype == DType::f16 ? DType::bf16 : DType::f16;
     c.broke("dq", "dtype");
   }
-  const fa::BackwardInputs bin{dout_tv, q.tv(), k.tv(), v.tv(), out.tv(), lse.tv(), vl};
-  const fa::BackwardOutputs bout{dq_tv, dk.tv(), dvb.tv(), sd.tv()};
+  fa::BackwardInputs bin{dout_tv, q.tv(), k.tv(), v.tv(), out.tv(), lse.tv(), vl};
+  fa::BackwardOutputs bout{dq_tv, dk.tv(), dvb.tv(), sd.tv()};
   c.outputs = {dq, dk, dvb, sd};
+  // With sinks: the gradient too (most of the time; the backward also runs without it).
+  Buf dsinks;
+  if (sinks.defined()) {
+    bin.sinks = sinks.tv();
+    if (sinks_rng.chance(0.8)) {
+      dsinks = make_contiguous(DType::f32, {h});
+      bout.dsinks = dsinks.tv();
+      c.outputs.push_back(dsinks);
+    }
+  }
   c.inputs.push_back(dout);
   c.inputs.push_back(out);
   c.inputs.push_back(lse);
@@ -749,7 +783,7 @@ void fuzz_attention(Rng& r, Dir dir, Stats& stats) {
     AttnProblem p = problem();
     p.dout = dout.view;
     EXPECT_TRUE(check_backward(p, ForwardResult{out.view, lse.view},
-                               BackwardResult{dq.view, dk.view, dvb.view, sd.view}));
+                               BackwardResult{dq.view, dk.view, dvb.view, sd.view, dsinks.view}));
   }
 }
 
@@ -1194,12 +1228,14 @@ TEST(FuzzApi, ReplayOfFailingIterations) {
       {16, 2020, "f32 varlen backward with an empty query sequence, d = 8: dq, dk 3.4x the naive error"},
       {22, 1893, "f16 backward, sq = sk = 1, dropout: dq, dk should cancel to 0, kernel 8e-4 (naive 3.7e-4)"},
   };
+  fuzz_sinks = false;  // the calls exactly as they were found
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     Stats stats;
     run_iteration(c.seed, c.iteration, stats);
     EXPECT_EQ(stats.total_accepted() + stats.total_rejected(), 1);
   }
+  fuzz_sinks = true;
 }
 
 }  // namespace

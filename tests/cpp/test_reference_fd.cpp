@@ -3,7 +3,7 @@
 //     src/common functor except the dropout bit, which test_dropout.cpp pins down separately);
 //   * its fp64 backward against central finite differences of its fp64 forward, for
 //     L = Σ out ∘ dout, on tiny shapes with every feature (GQA, masks, softcap, ALiBi, dropout with
-//     a fixed mask, d ≠ dv, varlen).
+//     a fixed mask, d ≠ dv, varlen, attention sinks — whose gradient dsinks is checked the same way).
 //
 // Exactness of the perturbation: the storage is f32 and every input is a multiple of 2^-10 in
 // [-1, 1]; x ± h with h = 2^-12 is a multiple of 2^-12 of magnitude < 2, i.e. at most 13
@@ -108,6 +108,29 @@ std::vector<FdCase> fd_cases() {
   x.opt.dropout_p = 0.25f;
   x.opt.dropout_seed = 99;
   cs.push_back({"everything", x});
+  // Attention sinks (docs/sinks.md): alone, with rows that see no key (lse = the sink), with GQA,
+  // in varlen batches with an empty sequence, and with every other feature.
+  const AttnConfig everything = x;
+  x = base;
+  x.sinks = true;
+  cs.push_back({"sinks", x});
+  x = tiny(1, 9, 4, 2, 2, 8, 8);
+  x.opt.causal = true;
+  x.sinks = true;
+  cs.push_back({"sinks_masked_rows", x});
+  x = tiny(1, 5, 7, 4, 2, 8, 8);
+  x.sinks = true;
+  cs.push_back({"sinks_gqa", x});
+  x = tiny(0, 0, 0, 2, 1, 16, 8);
+  x.varlen_q = {3, 0, 4};
+  x.varlen_k = {5, 2, 6};
+  x.seqused_k = {4, 2, 6};
+  x.opt.causal = true;
+  x.sinks = true;
+  cs.push_back({"sinks_varlen_seqused", x});
+  x = everything;
+  x.sinks = true;
+  cs.push_back({"sinks_everything", x});
   return cs;
 }
 
@@ -117,6 +140,7 @@ AttnProblem make_grid_problem(const AttnConfig& cfg) {
   quantize(p.k);
   quantize(p.v);
   quantize(p.dout);
+  if (p.sinks.defined()) quantize(p.sinks);
   return p;
 }
 
@@ -141,8 +165,9 @@ TEST_P(ReferenceFd, BackwardMatchesFiniteDifferences) {
   SCOPED_TRACE(describe(p.cfg));
   const ForwardResult fwd = make_forward_outputs(p);
   const BackwardResult bwd = make_backward_outputs(p);
-  const auto prob = flashattn::detail::validate_backward(
-      p.backward_inputs(fwd), {bwd.dq.tv(), bwd.dk.tv(), bwd.dv.tv(), bwd.softmax_d.tv()}, p.opt);
+  flashattn::BackwardOutputs bouts{bwd.dq.tv(), bwd.dk.tv(), bwd.dv.tv(), bwd.softmax_d.tv()};
+  if (bwd.dsinks.defined()) bouts.dsinks = bwd.dsinks.tv();
+  const auto prob = flashattn::detail::validate_backward(p.backward_inputs(fwd), bouts, p.opt);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   std::vector<double> dq(std::size_t(bwd.dq.span()), nan), dk(std::size_t(bwd.dk.span()), nan),
       dv(std::size_t(bwd.dv.span()), nan), sd(std::size_t(std::max<std::int64_t>(bwd.softmax_d.span(), 1)), nan);
@@ -151,6 +176,8 @@ TEST_P(ReferenceFd, BackwardMatchesFiniteDifferences) {
   sink.dk = dk.data();
   sink.dv = dv.data();
   sink.softmax_d = sd.data();
+  std::vector<double> dsinks(std::size_t(p.cfg.heads), nan);
+  if (bwd.dsinks.defined()) sink.dsinks = dsinks.data();
   cpu::reference_backward(prob.params, cpu::RefPrecision::fp64, &sink);
 
   // Keys past seqused_k do not enter the function: their finite difference is 0, and the
@@ -193,6 +220,11 @@ TEST_P(ReferenceFd, BackwardMatchesFiniteDifferences) {
   check("dq", p.q, bwd.dq, dq, false);
   check("dk", p.k, bwd.dk, dk, true);
   check("dv", p.v, bwd.dv, dv, true);
+  if (p.sinks.defined()) {
+    const int before = checked;
+    check("dsinks", p.sinks, bwd.dsinks, dsinks, false);
+    EXPECT_EQ(checked - before, p.cfg.heads);
+  }
   EXPECT_GT(checked, 0);
   RecordProperty("worst_err_over_tol", std::to_string(worst));
   if (worst > 1) ADD_FAILURE() << "worst: " << worst_at;
@@ -270,8 +302,15 @@ SpecResult spec_forward(const AttnProblem& p, double scale) {
           s[std::size_t(j)] = sc;
           m = std::max(m, sc);
         }
-        if (m == -std::numeric_limits<double>::infinity()) continue;  // out 0, lse +inf
-        double sum = 0;
+        // The sink (docs/sinks.md): one more term of the denominator, none of the output; a row
+        // without keys has lse = the sink.
+        const double sink = p.sinks.defined() ? double(p.sinks.get({h})) : -std::numeric_limits<double>::infinity();
+        if (m == -std::numeric_limits<double>::infinity()) {  // out 0, lse +inf (or the sink)
+          if (p.sinks.defined()) r.lse[(std::size_t(b) * H + h) * SQ + i] = sink;
+          continue;
+        }
+        m = std::max(m, sink);
+        double sum = std::exp(sink - m);
         for (double v : s) sum += std::exp(v - m);
         const double lse = m + std::log(sum);
         r.lse[(std::size_t(b) * H + h) * SQ + i] = lse;

@@ -368,6 +368,7 @@ std::string describe(const AttnConfig& cfg) {
   if (cfg.alibi == Alibi::per_head) os << " alibi(h)";
   if (cfg.alibi == Alibi::per_batch_head) os << " alibi(b,h)";
   if (o.dropout_p > 0) os << " dropout=" << o.dropout_p << " seed=" << o.dropout_seed;
+  if (cfg.sinks) os << " sinks";
   static const char* const kLayouts[] = {"contiguous", "packed_qkv", "bhsd", "padded"};
   os << " layout=" << kLayouts[int(cfg.layout)];
   if (cfg.padded_outputs) os << " padded_outputs";
@@ -491,6 +492,13 @@ AttnProblem make_problem(const AttnConfig& cfg_in) {
     p.alibi_slopes.fill_random(mix(cfg.seed, 5), 0.01f, 0.5f);
     p.opt.alibi_slopes = p.alibi_slopes.tv();
   }
+  if (cfg.sinks) {
+    // Sinks of the size of a row's log-sum-exp (about log sk for these scores) and around it, so
+    // that exp(s_h) competes with the keys' weight instead of vanishing beside it.
+    const int keys = p.is_varlen() ? *std::max_element(cfg.varlen_k.begin(), cfg.varlen_k.end()) : cfg.seqlen_k;
+    p.sinks = Tensor(DType::f32, {h});
+    p.sinks.fill_random(mix(cfg.seed, 6), -2.0f, 2.0f + std::log1p(float(std::max(keys, 0))));
+  }
   return p;
 }
 
@@ -500,6 +508,7 @@ flashattn::ForwardInputs AttnProblem::forward_inputs() const {
   in.k = k.tv();
   in.v = v.tv();
   in.varlen = varlen;
+  if (sinks.defined()) in.sinks = sinks.tv();
   return in;
 }
 
@@ -512,6 +521,7 @@ flashattn::BackwardInputs AttnProblem::backward_inputs(const ForwardResult& fwd)
   in.out = fwd.out.tv();
   in.lse = fwd.lse.tv();
   in.varlen = varlen;
+  if (sinks.defined()) in.sinks = sinks.tv();
   return in;
 }
 
@@ -531,6 +541,7 @@ BackwardResult make_backward_outputs(const AttnProblem& p) {
   r.dk = make_rows(cfg.dtype, batch_dim(p), p.total_k, cfg.heads_k, cfg.head_dim, lay);
   r.dv = make_rows(cfg.dtype, batch_dim(p), p.total_k, cfg.heads_k, p.head_dim_v, lay);
   r.softmax_d = make_lse_like(p);
+  if (cfg.sinks) r.dsinks = Tensor(DType::f32, {cfg.heads});
   return r;
 }
 
@@ -553,7 +564,8 @@ BackwardResult run_backward(const AttnProblem& p, const ForwardResult& fwd, Back
   opt.backend = backend;
   opt.num_threads = num_threads;
   const auto in = p.backward_inputs(fwd);
-  const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+  flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+  if (r.dsinks.defined()) outs.dsinks = r.dsinks.tv();
   std::vector<std::uint64_t> ws((flashattn::backward_workspace_size(in, opt) + 7) / 8 + 1);
   flashattn::backward(in, outs, opt, {ws.data(), ws.size() * 8});
   return r;
@@ -802,8 +814,8 @@ testing::AssertionResult check_forward(const AttnProblem& p, const ForwardResult
 testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResult& fwd,
                                         const BackwardResult& bwd) {
   if (fwd.not_run || bwd.not_run) return testing::AssertionSuccess() << "not run (skip recorded)";
-  const flashattn::BackwardOutputs outs{bwd.dq.tv(), bwd.dk.tv(), bwd.dv.tv(),
-                                        bwd.softmax_d.tv()};
+  flashattn::BackwardOutputs outs{bwd.dq.tv(), bwd.dk.tv(), bwd.dv.tv(), bwd.softmax_d.tv()};
+  if (bwd.dsinks.defined()) outs.dsinks = bwd.dsinks.tv();
   flashattn::detail::Problem prob;
   try {
     prob = flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt);
@@ -826,6 +838,14 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
   sink.dk = ref_dk.data();
   sink.dv = ref_dv.data();
   sink.softmax_d = ref_d.data();
+  Tensor s_ds, n_ds;
+  std::vector<double> ref_ds = nan_sink(bwd.dsinks.defined() ? bwd.dsinks.span() : 0);
+  if (bwd.dsinks.defined()) {
+    s_ds = Tensor::empty_like(bwd.dsinks);
+    n_ds = Tensor::empty_like(bwd.dsinks);
+    p64.dsinks = static_cast<float*>(s_ds.data());
+    sink.dsinks = ref_ds.data();
+  }
   flashattn::cpu::reference_backward(p64, flashattn::cpu::RefPrecision::fp64, &sink);
 
   Tensor n_dq = Tensor::empty_like(bwd.dq), n_dk = Tensor::empty_like(bwd.dk),
@@ -835,6 +855,7 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
   pn.dk.data = n_dk.data();
   pn.dv.data = n_dv.data();
   pn.softmax_d = static_cast<float*>(n_d.data());
+  if (bwd.dsinks.defined()) pn.dsinks = static_cast<float*>(n_ds.data());
   flashattn::cpu::reference_backward(pn, flashattn::cpu::RefPrecision::emulate_storage, nullptr);
 
   const double u = rounding_unit(p, params), f = factor_of(p.opt);
@@ -847,6 +868,29 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
   cmps.push_back(compare("dv", k_like_offsets(params, params.dv, params.head_dim_v), bwd.dv,
                          ref_dv, n_dv, u, f));
   cmps.push_back(compare("softmax_d", lse_offsets(params), bwd.softmax_d, ref_d, n_d, u, f));
+  if (bwd.dsinks.defined()) {
+    // dsinks_h sums exp(s_h − lse_i) · D_i over every row of the head, terms of both signs: its
+    // rounding is that of the partial sums, at most Σ|terms| (taken from the kernel's lse), with
+    // the relative rounding each D_i carries (u, as for softmax_d) and that of the fp32 reduction
+    // over all rows.
+    const std::vector<std::int64_t> rows = lse_offsets(params);
+    double terms = 0;
+    for (int hh = 0; hh < params.heads; ++hh) {
+      double abs_sum = 0;
+      for (int b = 0; b < params.batch; ++b)
+        for (int i = 0; i < params.seqlen_q(b); ++i) {
+          const std::int64_t li = params.lse_index(b, hh, i);
+          const double weight = std::exp(double(p.sinks.load(hh)) - double(fwd.lse.load(li)));
+          const double w = weight * std::abs(ref_d[std::size_t(li)]);
+          if (std::isfinite(w)) abs_sum += w;
+        }
+      terms = std::max(terms, abs_sum);
+    }
+    const double u_sum = u + double(rows.size()) / params.heads * 5.9604644775390625e-08;
+    std::vector<std::int64_t> heads(std::size_t(params.heads));
+    for (int hh = 0; hh < params.heads; ++hh) heads[std::size_t(hh)] = hh;
+    cmps.push_back(compare("dsinks", heads, bwd.dsinks, ref_ds, n_ds, u_sum, f, terms));
+  }
   return verdict(cmps, f, u, p.cfg);
 }
 

@@ -39,7 +39,7 @@
 //                   .opt holds the options (alibi_slopes pointing into the problem)
 //   p.forward_inputs(), p.backward_inputs(fwd)
 //   ForwardResult  make_forward_outputs(p)         poisoned out, lse (padded if cfg asks)
-//   BackwardResult make_backward_outputs(p)        poisoned dq, dk, dv, softmax_d
+//   BackwardResult make_backward_outputs(p)        poisoned dq, dk, dv, softmax_d (and dsinks)
 //   ForwardResult  run_forward(p, backend, num_threads = 0)          poison, call the API
 //   BackwardResult run_backward(p, fwd, backend, num_threads = 0)
 //   std::string describe(const AttnConfig&)        one line, for SCOPED_TRACE
@@ -49,7 +49,7 @@
 //   testing::AssertionResult check_backward(p, fwd, bwd)
 //       Runs the fp64 reference (cpu::reference_*, fp64 sink) and the naive_lowprec reference
 //       (RefPrecision::emulate_storage) on the SAME stored inputs and, for each of out, lse
-//       (forward) and dq, dk, dv, softmax_d (backward), asserts
+//       (forward) and dq, dk, dv, softmax_d, dsinks (backward), asserts
 //           max|kernel − ref| ≤ F · max|naive − ref| + 2 · max|ref| · u(dtype)
 //       with F = 2 (3 with softcap) and u = 2^-8 (bf16), 2^-11 (f16), 2^-24 (f32). NaN never
 //       passes; an element still poisoned fails; where ref is +inf (lse of a fully masked row) the
@@ -171,6 +171,9 @@ struct AttnConfig {
   Layout layout = Layout::contiguous;
   bool padded_outputs = false;  // out/dq/dk/dv with gaps (checked for stray writes)
   Alibi alibi = Alibi::none;
+  // Attention sinks (docs/sinks.md): a random (h) fp32 sink logit per head, in the forward and
+  // backward inputs, and dsinks among the backward outputs.
+  bool sinks = false;
   // Every other option (causal, window, softcap, dropout, softmax_scale, ...). alibi_slopes and
   // backend are set by make_problem / run_*.
   flashattn::Options opt = {};
@@ -206,6 +209,7 @@ struct ForwardResult {
 struct BackwardResult {
   Tensor dq, dk, dv;
   Tensor softmax_d;  // like lse
+  Tensor dsinks;     // (h) f32 when cfg.sinks
   bool not_run = false;
 };
 
@@ -217,6 +221,7 @@ struct AttnProblem {
   Tensor qkv_buffer;  // Layout::packed_qkv: the packed storage q, k, v view into
   Tensor cu_seqlens_q, cu_seqlens_k, seqused_k;
   Tensor alibi_slopes;
+  Tensor sinks;  // (h) f32 when cfg.sinks
   flashattn::Options opt;
   flashattn::Varlen varlen;
 

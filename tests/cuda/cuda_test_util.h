@@ -217,7 +217,7 @@ class DeviceArena {
 using ParamsHook = std::function<void(flashattn::common::AttentionParams&, DeviceArena&)>;
 
 // Device copies of what the params point to besides the tensors: cu_seqlens, seqused_k, ALiBi
-// slopes; and of the {seed, offset} pair when given (returned, else nullptr).
+// slopes, attention sinks; and of the {seed, offset} pair when given (returned, else nullptr).
 inline const std::uint64_t* mirror_batch_layout(const AttnProblem& p, flashattn::common::AttentionParams& dp,
                                                 DeviceArena& dev, const std::uint64_t* host_rng_state) {
   if (p.is_varlen()) {
@@ -226,6 +226,7 @@ inline const std::uint64_t* mirror_batch_layout(const AttnProblem& p, flashattn:
     if (p.seqused_k.defined()) dp.seqused_k = static_cast<const std::int32_t*>(dev.mirror(p.seqused_k));
   }
   if (dp.alibi_slopes != nullptr) dp.alibi_slopes = static_cast<const float*>(dev.mirror(p.alibi_slopes));
+  if (dp.sinks != nullptr) dp.sinks = static_cast<const float*>(dev.mirror(p.sinks));
   if (host_rng_state == nullptr) return nullptr;
   return static_cast<const std::uint64_t*>(dev.upload(host_rng_state, 2 * sizeof(std::uint64_t)));
 }
@@ -276,7 +277,8 @@ inline ForwardResult run_cuda_forward(const AttnProblem& p, const ParamsHook& ho
 inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResult& fwd,
                                         const std::uint64_t* host_rng_state = nullptr) {
   BackwardResult r = make_backward_outputs(p);
-  const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+  flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+  if (r.dsinks.defined()) outs.dsinks = r.dsinks.tv();
   const flashattn::detail::Problem pr = flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt);
   flashattn::common::AttentionParams dp = pr.params;
   if (fwd.not_run || !kernel_built(flashattn::cuda::sm80::Family::bwd, dp)) {
@@ -299,6 +301,8 @@ inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResul
   dp.dk.data = d_dk;
   dp.dv.data = d_dv;
   dp.softmax_d = static_cast<float*>(d_softmax_d);
+  void* d_dsinks = dev.mirror(r.dsinks);  // nullptr without sinks
+  dp.dsinks = static_cast<float*>(d_dsinks);
   const std::uint64_t* d_rng = mirror_batch_layout(p, dp, dev, host_rng_state);
 
   const std::int64_t rows = p.is_varlen() ? p.total_q : std::int64_t(p.cfg.batch) * p.total_q;
@@ -311,6 +315,7 @@ inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResul
   DeviceArena::download(r.dk, d_dk);
   DeviceArena::download(r.dv, d_dv);
   DeviceArena::download(r.softmax_d, d_softmax_d);
+  DeviceArena::download(r.dsinks, d_dsinks);
   return r;
 }
 

@@ -29,16 +29,19 @@ def _required(names):
     return [(n, NO_DEFAULT) for n in names]
 
 
-# FlashAttention-3's argument lists (hopper/flash_attn_interface.py).
+# Attention sinks, after FlashAttention-3's own arguments: its name and vLLM's (docs/sinks.md).
+_SINKS = [("learnable_sink", None), ("s_aux", None)]
+
+# FlashAttention-3's argument lists (hopper/flash_attn_interface.py), and the sinks.
 SIGNATURES = {
     "flash_attn_func": _required(["q", "k", "v"]) + [("softmax_scale", None), ("causal", False), ("qv", None)]
-    + _FP8 + _MASKING + _HINTS,
+    + _FP8 + _MASKING + _HINTS + _SINKS,
     "flash_attn_qkvpacked_func": _required(["qkv"]) + [("softmax_scale", None), ("causal", False)] + _FP8
     + _MASKING + [("deterministic", False), ("num_heads_q", None), ("sm_margin", 0), ("return_attn_probs", False)],
     "flash_attn_varlen_func": _required(["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                                          "max_seqlen_k"])
     + [("seqused_q", None), ("seqused_k", None), ("softmax_scale", None), ("causal", False), ("qv", None)]
-    + _FP8 + _MASKING + _HINTS,
+    + _FP8 + _MASKING + _HINTS + _SINKS,
     "flash_attn_combine": _required(["out_partial", "lse_partial"]) + [("out", None), ("out_dtype", None)],
     "flash_attn_with_kvcache": _required(["q", "k_cache", "v_cache"]) + [
         ("k", None), ("v", None), ("qv", None), ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
@@ -46,7 +49,7 @@ SIGNATURES = {
         ("cu_seqlens_k_new", None), ("max_seqlen_q", None), ("rotary_seqlens", None)] + _FP8 + [
         ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("attention_chunk", 0),
         ("softcap", 0.0), ("rotary_interleaved", True), ("scheduler_metadata", None), ("num_splits", 0),
-        ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False)],
+        ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False)] + _SINKS,
 }
 
 

@@ -153,9 +153,30 @@ def test_continuous_batching():
             assert batch[f"req_{i}"].generated_tokens == alone.tolist()
 
 
-def test_refuses_sinks():
-    ours, _ = pair("cpu")
-    module = ours.model.layers[0].self_attn
-    x = torch.zeros((1, 4, 3, 16))
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        fa_hf.attention_forward(module, x, x[:, :2], x[:, :2], None, s_aux=torch.zeros(4))
+def test_sinks_match_gpt_oss_eager_attention():
+    """gpt-oss passes its per-head sinks as s_aux: out and the gradients (the sinks' included) as
+    transformers' eager gpt-oss attention gives them, which concatenates the sink to the scaled
+    logits. (A gpt-oss model built with attn_implementation="flashattn" is redirected by
+    transformers to the FlashAttention kernels it lists for that model; the attention function is
+    what it would call.)"""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    g = torch.Generator().manual_seed(7)
+    b, h, hk, n, d = 2, 4, 2, 11, 16
+    query, key, value = (torch.randn(b, heads, n, d, generator=g).requires_grad_() for heads in (h, hk, hk))
+    sinks = (torch.randn(h, generator=g) * 2).requires_grad_()
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=h // hk, sinks=sinks, training=False)
+    scaling = d ** -0.5
+    causal_mask = torch.full((n, n), float("-inf")).triu(1).view(1, 1, n, n)
+    want, _ = eager_attention_forward(module, query, key, value, causal_mask, scaling)
+    got, weights = fa_hf.attention_forward(module, query, key, value, None, scaling=scaling, s_aux=sinks)
+    assert weights is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    dout = torch.randn(want.shape, generator=g)
+    grads_want = torch.autograd.grad(want, (query, key, value, sinks), dout)
+    grads_got = torch.autograd.grad(got, (query, key, value, sinks), dout)
+    for name, a, w in zip(("query", "key", "value", "sinks"), grads_got, grads_want):
+        torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5, msg=name)
+    assert grads_got[3].abs().max() > 1e-3

@@ -206,7 +206,7 @@ def test_positional_order_and_defaults():
 
     expected = {
         "flash_attn_func": ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size",
-                            "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "out"],
+                            "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "out", "sinks"],
         "flash_attn_qkvpacked_func": ["qkv", "dropout_p", "softmax_scale", "causal", "window_size",
                                       "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "out"],
         "flash_attn_kvpacked_func": ["q", "kv", "dropout_p", "softmax_scale", "causal", "window_size",
@@ -214,21 +214,26 @@ def test_positional_order_and_defaults():
         "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                                    "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size",
                                    "softcap", "alibi_slopes", "deterministic", "return_attn_probs",
-                                   "block_table", "seqused_k", "return_softmax_lse", "out"],
+                                   "block_table", "seqused_k", "return_softmax_lse", "out", "sinks"],
         "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin",
                                     "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
                                     "softmax_scale", "causal", "window_size", "softcap",
                                     "rotary_interleaved", "alibi_slopes", "num_splits",
-                                    "return_softmax_lse", "out"],
+                                    "return_softmax_lse", "out", "sinks"],
     }
     defaults = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
                 "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "return_attn_probs": False,
                 "rotary_interleaved": True, "num_splits": 0, "return_softmax_lse": False,
                 "k": None, "cache_seqlens": None, "cache_leftpad": None, "block_table": None,
-                "seqused_k": None, "out": None}
+                "seqused_k": None, "out": None, "sinks": None}
+    # flashattn's extras past flash_attn's arguments are keyword-only.
+    extras = {"out", "sinks"}
+    extras_of = {"flash_attn_varlen_func": extras | {"seqused_k", "return_softmax_lse"}}
     for fn_name, params in expected.items():
         sig = inspect.signature(getattr(flashattn, fn_name))
         assert list(sig.parameters) == params, fn_name
         for p in sig.parameters.values():
             if p.name in defaults and p.default is not inspect.Parameter.empty:
                 assert p.default == defaults[p.name], f"{fn_name}.{p.name}"
+            if p.name in extras_of.get(fn_name, extras):
+                assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"{fn_name}.{p.name}"

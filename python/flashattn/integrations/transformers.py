@@ -23,8 +23,13 @@ ahead, without causal), softcap > 0 soft-caps, dropout is transformers' (0 outsi
 Float32 inputs on CUDA (which has no fp32 kernels) are computed in bfloat16 (or the autocast
 dtype) and returned in float32. Continuous batching (generate_batch, whose calls carry transformers'
 paged cache) goes through transformers' own FlashAttention path, which the loader hook makes run
-on flashattn's flash_attn_varlen_func / flash_attn_with_kvcache. Attention sinks (s_aux) raise
-NotImplementedError; attention weights are never returned (None).
+on flashattn's flash_attn_varlen_func / flash_attn_with_kvcache. Attention sinks (s_aux, gpt-oss:
+one logit per head in each row's softmax denominator, docs/sinks.md) go to flashattn's own
+functions as sinks=, with their gradient; with the paged cache of continuous batching they raise
+NotImplementedError. (transformers 5.23 sends models that list their own FlashAttention kernels,
+gpt-oss among them, to the first of those instead of a backend it does not list: such a model
+reaches this function only when that list is bypassed.) Attention weights are never returned
+(None).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from transformers import AttentionInterface
 from transformers.integrations.flash_attention import flash_attention_forward as _hf_flash_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+import flashattn
 from flashattn.bert_padding import pad_input, unpad_input
 from flashattn.flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -76,9 +82,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention-function contract: query (batch, heads, q_len, d), key/value
     (batch, kv_heads, kv_len, d/dv) -> (out (batch, q_len, heads, dv), None)."""
-    if s_aux is not None:
-        raise NotImplementedError("s_aux: attention sinks are not supported by flashattn")
     if kwargs.get("cache") is not None:  # continuous batching: transformers' paged path, on flashattn's functions
+        if s_aux is not None:
+            raise NotImplementedError("s_aux: attention sinks with transformers' paged cache (continuous batching) "
+                                      "are not supported by flashattn")
         return _hf_flash_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
     batch, q_len = query.shape[0], query.shape[2]
@@ -90,20 +97,24 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     reach = sliding_window - 1 if sliding_window is not None else -1
     common = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal,
                   window_size=(reach, 0 if causal else reach), softcap=softcap or 0.0)
+    attend, attend_varlen = flash_attn_func, flash_attn_varlen_func
+    if s_aux is not None:  # flashattn's own functions take the sinks (flash_attn's have none)
+        attend, attend_varlen = flashattn.flash_attn_func, flashattn.flash_attn_varlen_func
+        common["sinks"] = s_aux
 
     if attention_mask is not None:  # (batch, kv_len) bool: True where a token is
         q_mask = attention_mask[:, -q_len:]
         q_rows, q_index, cu_q, max_q, _ = unpad_input(q, q_mask)
         k_rows, _, cu_k, max_k, _ = unpad_input(k, attention_mask)
         v_rows = unpad_input(v, attention_mask)[0]
-        out = flash_attn_varlen_func(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **common)
+        out = attend_varlen(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **common)
         out = pad_input(out, q_index, batch, q_len)
     elif (packed := _packed_batch(kwargs, batch, q_len)) is not None:
         flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
-        out = flash_attn_varlen_func(*flat, *packed, **common)
+        out = attend_varlen(*flat, *packed, **common)
         out = out.view(batch, q_len, *out.shape[1:])
     else:
-        out = flash_attn_func(q, k, v, **common)
+        out = attend(q, k, v, **common)
     return out.to(query.dtype), None
 
 

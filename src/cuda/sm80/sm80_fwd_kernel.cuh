@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "common/params.h"
+#include "common/sink.h"
 #include "cuda/device/math.cuh"
 #include "cuda/device/score_mod.cuh"
 #include "cuda/sm80/sm80_fwd.h"
@@ -753,17 +754,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   Tensor cO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol_layout(cO.layout()));
   float lse[kRows];
+  // Attention sinks (common/sink.h) join the denominator here, once, with the final row max —
+  // except in split-KV, where each split's partial stays sink-free and the combine adds the sink.
+  const bool fold_sinks = !kSplit && p.sinks != nullptr;
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
-    const float sum = quad_sum(row_sum[mi]);
-    // No visible key: out = 0, lse = +∞ (SPEC §2.5). A NaN sum (a NaN score the row sees) is
-    // not empty: it stays NaN in out and lse.
+    float sum = quad_sum(row_sum[mi]);
+    // No visible key: out = 0, lse = the sink, +∞ without one (SPEC §2.5). A NaN sum (a NaN score
+    // the row sees) is not empty: it stays NaN in out and lse.
     const bool empty = sum == 0.0f;
-    // sum ≥ 1 (the row's max contributes exp2(0)): the approximate reciprocal and log2 (MUFU, 2 ulp
-    // and 2^-22 absolute) are far inside fp32 accuracy here, where IEEE division and log2f took
-    // some 40 instructions per row, a slow-path call included.
-    const float inv = empty ? 0.0f : __fdividef(keep_scale, sum);
-    lse[mi] = empty ? kInf : (row_max[mi] * score_to_log2 + __log2f(sum)) * kLn2;
+    float max_log2 = row_max[mi] * score_to_log2;
+    float rescale = 1.0f;
+    // (The row's query head: the CTA's, or per row when GQA-packed.)
+    const float sink = fold_sinks ? p.sinks[row_head(m_start + get<0>(cO_rc(mi, 0)))] : -kInf;
+    if (fold_sinks && !empty) {
+      const common::SinkFold<float> f =
+          common::fold_sink(max_log2, sum, sink * kLog2e, [](float x) { return exp2_ftz(x); });
+      max_log2 = f.max_log2;
+      sum = f.sum;
+      rescale = f.rescale;
+    }
+    // sum ≥ 1 (the larger of the row's max and the sink contributes exp2(0)): the approximate
+    // reciprocal and log2 (MUFU, 2 ulp and 2^-22 absolute) are far inside fp32 accuracy here, where
+    // IEEE division and log2f took some 40 instructions per row, a slow-path call included.
+    const float inv = empty ? 0.0f : __fdividef(keep_scale * rescale, sum);
+    lse[mi] = empty ? common::empty_row_lse(sink) : (max_log2 + __log2f(sum)) * kLn2;
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= inv;
   }

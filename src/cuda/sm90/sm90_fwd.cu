@@ -35,6 +35,7 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (p.is_varlen() && p.cu_seqlens_k == nullptr) return "varlen keys without cu_seqlens_k are not in this family";
   const bool cache = p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr;
   if (cache && p.is_varlen()) return "varlen queries over a KV cache are not in this family yet";
+  if (p.sinks != nullptr) return "attention sinks are not in this family yet";
   // A TMA descriptor needs every extent ≥ 1 (and an empty tensor may have no address at all).
   const bool varlen = p.is_varlen();
   const std::int64_t rows_q = varlen ? p.total_q : p.max_seqlen_q;
