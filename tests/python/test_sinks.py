@@ -108,8 +108,11 @@ def test_forward_and_gradients_match_the_formula(device, dtype, causal):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rows_without_keys_and_minus_infinity(device):
+def test_rows_without_keys_and_minus_infinity(device, monkeypatch):
     need(device)
+    # Bits are compared within one kernel family: on Hopper GPUs the sm90 forward would take the
+    # call without sinks, and sinks run in the sm80 family.
+    monkeypatch.setenv("FLASHATTN_CUDA_FAMILY", "sm80")
     q, k, v, _, sinks = problem(device, torch.float16, sq=20, sk=8)
     out, lse, _ = flashattn.flash_attn_func(q, k, v, causal=True, sinks=sinks, return_attn_probs=True)
     # Rows 0..11 see no key: out 0, lse the sink exactly.
