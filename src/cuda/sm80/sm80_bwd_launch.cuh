@@ -66,7 +66,7 @@ struct BwdConfig<Element, 64, kFull, kStages, kSmall> {
   static constexpr BwdTile kTile = bwd_tile(64, kFull);
   using Traits = BwdTraits<Element, 64, kTile.block_m, kTile.block_n, kFull ? 2 : FLASHATTN_SM80_BWD64_SDP_WARPS_M, 4, 4,
                            kStages, !kFull && FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
-                           !kFull && FLASHATTN_SM80_BWD64_LATE_LOAD != 0, kFull && FLASHATTN_SM80_BWD_PAIRED_DROPOUT != 0>;
+                           !kFull && FLASHATTN_SM80_BWD64_LATE_LOAD != 0, kFull>;
 };
 template <class Element, bool kFull, int kStages, bool kSmall>
 struct BwdConfig<Element, 128, kFull, kStages, kSmall> {
@@ -74,13 +74,13 @@ struct BwdConfig<Element, 128, kFull, kStages, kSmall> {
   using Traits = BwdTraits<Element, 128, kTile.block_m, kTile.block_n, 2, kFull ? 4 : FLASHATTN_SM80_BWD128_DKV_WARPS_N,
                            kFull ? 2 : FLASHATTN_SM80_BWD128_DQ_WARPS_M, kStages,
                            !kFull && FLASHATTN_SM80_BWD128_SPREAD_DQ != 0, !kFull && FLASHATTN_SM80_BWD128_LATE_LOAD != 0,
-                           kFull && FLASHATTN_SM80_BWD_PAIRED_DROPOUT != 0>;
+                           kFull>;
 };
 template <class Element, bool kFull, int kStages, bool kSmall>
 struct BwdConfig<Element, 256, kFull, kStages, kSmall> {
   static constexpr BwdTile kTile = bwd_tile(256, kFull);
   using Traits = BwdTraits<Element, 256, kTile.block_m, kTile.block_n, 4, 2, 2, kStages, true, true,
-                           kFull && FLASHATTN_SM80_BWD_PAIRED_DROPOUT != 0>;
+                           kFull>;
 };
 
 template <class Traits, bool kFull>
