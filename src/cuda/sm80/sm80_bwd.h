@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "cuda/sm80/sm80_tuning.h"
 
 namespace flashattn::cuda::sm80 {
 
@@ -16,28 +17,17 @@ inline constexpr int kBwdRowBlock = 64;
 // Sequences start on a multiple of this many rows in the dQ accumulator (sm80_bwd_kernel.cuh).
 inline constexpr int kBwdTileRowsHost = 128;
 
-// Tile of one backward CTA: kBlockM query rows × kBlockN keys. The plain variant's are FA2's for
-// 8 warps; with softcap / ALiBi / dropout compiled in (full) they shrink, for the per-element
-// dscore and the Philox state: d 64 to 64 × 128, d 128 to 64 × 128 (64 × 64 small), d 256 to
-// 64 × 32.
-struct BwdTile {
-  int block_m;
-  int block_n;
-};
-// The full variant's key tile at d 64 and d 128 is 128, as FA2 keeps with dropout (more registers
-// than 64: on sm_90a the d 64 one spills 4 bytes per thread, the d 128 one 264). H200, dropout
-// 0.1, s 4k/16k, paired dropout tiles: ×1.26–1.33 over 64 keys (src/cuda/README.md, removed
-// knobs). d 64: 97 KiB with two stages, within the 99 KiB of sm86/sm89. d 128: its 128-key tile
-// needs 128.5 KiB even with one stage, so a 64 × 64 one-stage tile is compiled beside it and
-// taken where nothing else fits, the 99 KiB GPUs (bwd_has_small, bwd_choice; run on the H200 with
-// its shared-memory limit capped by SmallSharedMemoryTiles).
-// small: the d 128 full variant's fallback for GPUs whose shared memory its 128-key tile exceeds.
+// Tiles per head dim: bwd_tuning (sm80_tuning.h). The plain variant's are FA2's for 8 warps; with
+// softcap / ALiBi / dropout compiled in (full) they shrink, for the per-element dscore and the
+// Philox state: d 64 to 64 × 128, d 128 stays 64 × 128, d 256 to 64 × 32. small: the d 128 full
+// variant's one-stage fallback (64 × 64) for GPUs whose shared memory its 128-key tile exceeds
+// (bwd_has_small, bwd_choice); elsewhere the full tile.
+constexpr bool bwd_has_small(int head_dim) { return bwd_tuning(head_dim).small_tile.block_n > 0; }
 constexpr BwdTile bwd_tile(int head_dim, bool full, bool small = false) {
-  return head_dim <= 64    ? (full ? BwdTile{64, 128} : BwdTile{128, 128})
-         : head_dim <= 128 ? (full ? BwdTile{64, small ? 64 : 128} : BwdTile{64, 128})
-                           : (full ? BwdTile{64, 32} : BwdTile{64, 64});
+  return !full                                 ? bwd_tuning(head_dim).plain_tile
+         : small && bwd_has_small(head_dim) ? bwd_tuning(head_dim).small_tile
+                                            : bwd_tuning(head_dim).full_tile;
 }
-constexpr bool bwd_has_small(int head_dim) { return head_dim > 64 && head_dim <= 128; }
 
 // Shared memory of a backward tile, in bytes (BwdTraits::kSmemBytes, checked there): `stages`
 // buffers of the Q and dO tiles and their row statistics (lse, softmax_d), the K and V tiles, and
@@ -55,7 +45,9 @@ constexpr int bwd_smem_bytes(int head_dim, BwdTile t, int stages) {
 // d 256 209 / 144.5 (plain 1 stage) / 169 / 104.5 — so an H100 runs every plain tile, an A100
 // (163 KiB) all but d 256's second stage, and the 99 KiB GPUs (sm86/sm89) d 64, d 128 through the
 // small tile and no d 256 backward.
-constexpr bool bwd_has_one_stage(int head_dim, bool full) { return head_dim > 128 || (full && head_dim > 64); }
+constexpr bool bwd_has_one_stage(int head_dim, bool full) {
+  return full ? bwd_tuning(head_dim).full_one_stage : bwd_tuning(head_dim).plain_one_stage;
+}
 constexpr int bwd_min_smem_bytes(int head_dim) {
   return bwd_smem_bytes(head_dim, bwd_tile(head_dim, true, bwd_has_small(head_dim)),
                         bwd_has_one_stage(head_dim, true) ? 1 : 2);

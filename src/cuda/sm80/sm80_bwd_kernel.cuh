@@ -45,6 +45,7 @@
 
 #include "cuda/device/row_dot.cuh"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
+#include "cuda/sm80/sm80_tuning.h"
 
 namespace flashattn::cuda::sm80 {
 
@@ -62,7 +63,7 @@ constexpr int kBwdThreads = 256;
 // products instead of before them. Both move global-memory traffic out of the S/dP phase, whose
 // ldmatrix reads keep the shared-memory pipe busy, into the tensor-bound dK/dV phase (the
 // atomics and ldmatrix share the load/store unit's queue; the cp.async writes share the shared-memory
-// bandwidth). See BwdConfig for where they are on.
+// bandwidth). bwd_tuning (sm80_tuning.h) says where they are on.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ,
           int kStages_, bool kSpreadDq_ = false, bool kLateLoad_ = false, bool kPairedN_ = false>
 struct BwdTraits {
@@ -219,7 +220,7 @@ __device__ __forceinline__ float* dq_tile(const common::AttentionParams& p, floa
 template <int kHeadDim>
 __device__ constexpr int dq_vec() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return kHeadDim <= 128 ? 4 : 1;  // at d 256 runs of four made the plain kernel spill
+  return bwd_tuning(kHeadDim).dq_vec_sm90;
 #else
   return 1;
 #endif
@@ -323,7 +324,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 // Grid (⌈max_seqlen_k / kBlockN⌉, heads_k, batch), key block fastest (deterministic ordering, see
 // the top of the file). counters: nullptr unless deterministic. rng_state: optional device
 // {seed, offset}. kScoreModAndDropout as in the forward; kScoreMod: softcap and ALiBi compiled into
-// the plain variant (FLASHATTN_SM80_BWD_PLAIN_SCOREMOD).
+// the plain variant (bwd_tuning's plain_scoremod).
 template <class Traits, bool kScoreModAndDropout, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int* counters, int m_blocks,
