@@ -236,8 +236,12 @@ def _all_gather_uneven(x, sizes, dim, group):
 # exact: the last cropped row then sees the last cropped column, so the call's diagonal lies in
 # the band. Wider calls (one per query segment, or one for the whole block) are tried first.
 
-# flip and shift: the ALiBi terms of the call (below); 1 and 0 without ALiBi.
-_Call = namedtuple("_Call", "r0 r1 c0 c1 wl wr flip shift", defaults=(1, 0))
+# flip and shift: the ALiBi terms of the call (below); 1 and 0 without ALiBi. at: with dropout,
+# the global (row, column) of the call's first cell, its dropout position offsets; else None.
+_Call = namedtuple("_Call", "r0 r1 c0 c1 wl wr flip shift at", defaults=(1, 0, None))
+
+# The dropout mask's blocks are 16 x 16 (docs/dropout.md): a call's position offsets are multiples of it.
+_MASK_BLOCK = 16
 
 
 def _pair_band(qs, ks, left, right):
@@ -301,14 +305,17 @@ def _bbox(rects):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(q_segments, k_segments, left, right, alibi=False):
+def _plan(q_segments, k_segments, left, right, alibi=False, dropout=False):
     """The library calls (rows, columns, window) that compute exactly the part of the global
     mask between a rank's query segments and a K/V block's segments; () when it is empty. With
-    alibi, also the ALiBi bias of global positions (one segment pair per call; see _alibi_calls)."""
-    if alibi:
-        return tuple(call for qs in q_segments for ks in k_segments
-                     for call in _alibi_calls(_rect_of(qs, ks), _pair_band(qs, ks, left, right),
-                                              (qs.start - qs.local) - (ks.start - ks.local)))
+    alibi, also the ALiBi bias of global positions (one segment pair per call; see _alibi_calls).
+    With dropout, also the dropout mask of global positions (one segment pair per call, starting
+    on the mask's blocks; see _aligned)."""
+    if dropout:
+        q_segments, k_segments = _joined(q_segments), _joined(k_segments)
+    if alibi or dropout:
+        return tuple(call for qs in q_segments for ks in k_segments for call in _pair_calls(qs, ks, left, right,
+                                                                                             alibi, dropout))
     pairs = [(_rect_of(qs, ks), _pair_band(qs, ks, left, right)) for qs in q_segments for ks in k_segments]
     crops = [c for rect, band in pairs if (c := _crop(rect, band)) is not None]
     if not crops:
@@ -333,19 +340,83 @@ def _plan(q_segments, k_segments, left, right, alibi=False):
     return tuple(_merge_rows(calls, pairs))
 
 
-def _cropped_calls(rect, band, pairs):
+def _cropped_calls(rect, band, pairs, align=None):
     """The cells of one pair's band inside rect, cropped: one call, except where the library's
     normalisation (a window ≥ the call's key count is unbounded) stands in the way — a crop much
-    taller than wide — and the rows are halved until each part fits (one row always does)."""
-    crop = _crop(rect, band)
+    taller than wide — and the rows are halved until each part fits (one row always does).
+    align: see _aligned."""
+    crop = _aligned(_crop(rect, band), rect, align)
     if crop is None:
         return []
     window = _fit(crop, pairs)
     if window is not None:
         return [_Call(*crop, *window)]
-    r0, r1, c0, c1 = crop
+    top, bottom = _halves(crop, align)
+    return _cropped_calls(top, band, pairs, align) + _cropped_calls(bottom, band, pairs, align)
+
+
+def _halves(rect, align):
+    """rect cut in two between its rows, near the middle: with align, on a row of the mask's
+    blocks, so that the lower half's calls start there."""
+    r0, r1, c0, c1 = rect
     mid = (r0 + r1) // 2
-    return _cropped_calls((r0, mid, c0, c1), band, pairs) + _cropped_calls((mid, r1, c0, c1), band, pairs)
+    if align is not None:
+        mid -= (mid + align[0]) % _MASK_BLOCK
+        if mid <= r0:
+            mid += _MASK_BLOCK
+        if mid >= r1:
+            raise NotImplementedError(
+                f"dropout_p: ring attention with dropout cannot compute the {r1 - r0} x {c1 - c0} block at global "
+                f"rows {r0 + align[0]} and keys {c0 + align[1]} exactly: the library's window normalisation needs "
+                f"it cut between rows, and no row of it starts a block of the dropout mask")
+    return (r0, mid, c0, c1), (mid, r1, c0, c1)
+
+
+# Dropout of global positions. A call draws the mask of the cells (row_offset + i, col_offset + j)
+# of its own indices i, j, the offsets being multiples of 16 (docs/dropout.md). So with dropout a
+# call covers rows of one query segment and columns of one key segment (each a contiguous run of
+# global positions: local index + shift, align = (row shift, column shift)), and its first row and
+# column are at global multiples of 16. A cropped rectangle is extended up and left to the
+# previous such rows and columns, never out of the rectangle it was cropped from (whose first row
+# and column are such positions: a segment's start, or a cut made by _halves). The cells it gains
+# lie outside the band (the crop held all of the band's cells in that rectangle), and the window
+# is fitted again on the extended rectangle; its diagonal c1 − r1 is unchanged. Rows it gains see
+# nothing in that call: their lse there is not finite, which the combine ignores, and in the
+# backward they add nothing. A cut between rows (_halves) is made on such a row too, or else the
+# extended lower part would hold cells of the upper one twice. A rank's two segments that follow
+# each other in the sequence are one run here (_joined).
+
+def _aligned(crop, rect, align):
+    """crop extended to start on the dropout mask's blocks inside rect (align given), else crop."""
+    if crop is None or align is None:
+        return crop
+    r0, r1, c0, c1 = crop
+    r0 = max(rect[0], r0 - (r0 + align[0]) % _MASK_BLOCK)
+    c0 = max(rect[2], c0 - (c0 + align[1]) % _MASK_BLOCK)
+    return r0, r1, c0, c1
+
+
+def _pair_calls(qs, ks, left, right, alibi, dropout):
+    """The calls of one segment pair: with alibi (_alibi_calls), with dropout (aligned, _aligned),
+    or both; each call's `at` set with dropout."""
+    rect, band = _rect_of(qs, ks), _pair_band(qs, ks, left, right)
+    shifts = (qs.start - qs.local, ks.start - ks.local)
+    align = shifts if dropout else None
+    if alibi:
+        calls = _alibi_calls(rect, band, shifts[0] - shifts[1], align)
+    else:
+        calls = _cropped_calls(rect, band, [(rect, band)], align)
+    if not dropout:
+        return calls
+    placed = []
+    for c in calls:
+        at = (c.r0 + shifts[0], c.c0 + shifts[1])
+        if at[0] % _MASK_BLOCK or at[1] % _MASK_BLOCK:
+            raise NotImplementedError(
+                f"dropout_p: ring attention with dropout needs every shard to start at a multiple of {_MASK_BLOCK} "
+                f"tokens; a block starts at global row {at[0]}, key {at[1]}")
+        placed.append(c._replace(at=at))
+    return placed
 
 
 def _diagonal(rect):
@@ -364,8 +435,8 @@ def _diagonal(rect):
 # diag is cut there, so every call qualifies. Numerically the shift is exact enough: a large
 # shift means a distant block, whose weight exp(−slope·distance) is negligible.
 
-def _alibi_calls(rect, band, d):
-    crop = _crop(rect, band)
+def _alibi_calls(rect, band, d, align=None):
+    crop = _aligned(_crop(rect, band), rect, align)
     if crop is None:
         return []
     lo, hi = _clip(band, crop)
@@ -373,12 +444,11 @@ def _alibi_calls(rect, band, d):
     if d != diag:
         for cut in (diag, d):
             if lo < cut < hi:
-                return _alibi_calls(crop, (lo, cut), d) + _alibi_calls(crop, (cut + 1, hi), d)
+                return _alibi_calls(crop, (lo, cut), d, align) + _alibi_calls(crop, (cut + 1, hi), d, align)
     window = _fit(crop, [(crop, band)])
     if window is None:  # the library's window normalisation; halve the rows (as _cropped_calls)
-        r0, r1, c0, c1 = crop
-        mid = (r0 + r1) // 2
-        return _alibi_calls((r0, mid, c0, c1), band, d) + _alibi_calls((mid, r1, c0, c1), band, d)
+        top, bottom = _halves(crop, align)
+        return _alibi_calls(top, band, d, align) + _alibi_calls(bottom, band, d, align)
     if d == diag:
         return [_Call(*crop, *window)]
     tau = 1 if lo >= d else -1
@@ -435,6 +505,38 @@ def _shard_lengths(local, seqlen, layout, rank, world, group, device):
         raise ValueError(f"seqlen: layout {layout!r} of a {seqlen}-token sequence gives rank {rank} {lengths[rank]} "
                          f"tokens; q holds {local}")
     return lengths
+
+
+def _joined(segments):
+    """The segments with those that follow each other both in the buffer and in the sequence
+    made one (the two chunks of the middle rank of a zigzag layout, or of a world of one)."""
+    runs = []
+    for s in segments:
+        if s.length == 0:
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and s.local == last.local + last.length and s.start == last.start + last.length:
+            runs[-1] = Segment(last.local, last.start, last.length + s.length)
+        else:
+            runs.append(s)
+    return tuple(runs)
+
+
+def _check_dropout_shards(length, world, layout, what):
+    """With dropout every shard must start at a multiple of 16 tokens (the dropout mask's block,
+    where each call's position offsets lie; a rank's two chunks that follow each other count as
+    one shard): with a world of one, any length; else with n chunks (world for contiguous,
+    2·world for zigzag) a length L with L % (16·n) == 0 or 16·n − 1, or L ≤ 1 (the empty chunks of
+    a shorter sequence are left out)."""
+    starts = [s.start for p in range(world) for s in _joined(_segments(length, world, p, layout))]
+    if all(start % _MASK_BLOCK == 0 for start in starts):
+        return
+    n = world if layout == "contiguous" else 2 * world
+    raise NotImplementedError(
+        f"dropout_p: ring attention with dropout needs every shard to start at a multiple of {_MASK_BLOCK} tokens "
+        f"(the dropout mask's blocks); layout {layout!r} of {what} ({length} tokens) over {world} ranks gives starts "
+        f"{sorted(starts)}; use a length that is a multiple of {_MASK_BLOCK * n} ({_MASK_BLOCK} x {n} chunks) or "
+        f"one less")
 
 
 class _BatchLayout:
