@@ -23,6 +23,7 @@ def padded_head_dim(d: int) -> int:
 # The core's integer arguments are C++ ints (int32): larger Python ints are refused here with
 # the argument's name, instead of by the binding's overload resolution.
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_HEAD_DIM = 256
 # The axes of each kind of attention input, for messages.
 BATCH_LAYOUT = "(batch, seqlen, nheads, headdim)"
@@ -104,6 +105,8 @@ def make_options(
     deterministic: bool = False,
     num_threads: int = 0,
     num_splits: int = 0,
+    dropout_row_offset: int = 0,
+    dropout_col_offset: int = 0,
 ) -> _C.Options:
     opt = _C.Options()
     opt.softmax_scale = float(softmax_scale)
@@ -115,6 +118,10 @@ def make_options(
     opt.deterministic = bool(deterministic)
     opt.num_threads = int(num_threads)
     opt.num_splits = int_arg("num_splits", num_splits)
+    # Where the call's rows and keys sit in a longer sequence whose dropout mask it draws
+    # (docs/dropout.md); the core refuses values that are not whole 16×16 blocks in [0, 2^30].
+    opt.dropout_row_offset = int_arg("dropout_row_offset", dropout_row_offset, INT64_MIN, INT64_MAX)
+    opt.dropout_col_offset = int_arg("dropout_col_offset", dropout_col_offset, INT64_MIN, INT64_MAX)
     return opt
 
 

@@ -4,17 +4,24 @@ They mirror the reference C++ functions (fwd, bwd, varlen_fwd, varlen_bwd, fwd_k
 with a fake (meta) implementation so that torch.compile traces them without graph breaks:
 
     torch.ops.flashattn.fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                            window_size_right, softcap, alibi_slopes, rng_state, sinks=None)
+                            window_size_right, softcap, alibi_slopes, rng_state, sinks=None,
+                            dropout_row_offset=0, dropout_col_offset=0)
         -> (out, softmax_lse, rng_state)
     torch.ops.flashattn.bwd(dout, q, k, v, out, softmax_lse, dropout_p, softmax_scale, causal,
                             window_size_left, window_size_right, softcap, alibi_slopes,
-                            deterministic, rng_state)
+                            deterministic, rng_state, dropout_row_offset=0, dropout_col_offset=0)
         -> (dq, dk, dv, softmax_d)
 
 sinks (the last argument of fwd, varlen_fwd and fwd_kvcache: after varlen_fwd's block_table and
 fwd_kvcache's cache_leftpad) is an optional (h,) float32 tensor of attention sinks (docs/sinks.md):
 the forward's lse then includes them, so bwd needs nothing more for dq, dk, dv; the sinks'
 gradient is -sum(exp(sinks - lse) * softmax_d) over the rows (sink_grad).
+
+dropout_row_offset / dropout_col_offset (the last two arguments of fwd, bwd, varlen_fwd and
+varlen_bwd; multiples of 16, at most 2^30, default 0): row i and key j of the call draw the
+dropout mask of positions (dropout_row_offset + i, dropout_col_offset + j) of a longer sequence
+(docs/dropout.md), so that a computation cut into blocks (ring attention) draws the mask of one
+call over the whole sequence. A backward takes the offsets of its forward.
 
 rng_state is an int64 tensor [seed, offset] on the tensors' device (docs/dropout.md). When
 dropout_p > 0 and no rng_state is given, fwd draws one from PyTorch's default generator; the
@@ -146,7 +153,7 @@ def _require_rng_state(rng_state: Optional[Tensor], dropout_p: float) -> Optiona
 
 
 def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
-             num_splits=0):
+             num_splits=0, dropout_row_offset=0, dropout_col_offset=0):
     return make_options(
         softmax_scale=softmax_scale,
         causal=causal,
@@ -157,6 +164,8 @@ def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropo
         deterministic=deterministic,
         num_threads=_num_threads(q.device),
         num_splits=num_splits,
+        dropout_row_offset=dropout_row_offset,
+        dropout_col_offset=dropout_col_offset,
     )
 
 
@@ -176,22 +185,25 @@ def _fwd(
     alibi_slopes: Optional[Tensor],
     rng_state: Optional[Tensor],
     sinks: Optional[Tensor] = None,
+    dropout_row_offset: int = 0,
+    dropout_col_offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv) -> out (b, sq, h, dv),
     softmax_lse (b, h, sq) fp32, rng_state (2,) int64."""
     return _fwd_into(None, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                     softcap, alibi_slopes, rng_state, sinks)
+                     softcap, alibi_slopes, rng_state, sinks, dropout_row_offset, dropout_col_offset)
 
 
 def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-              alibi_slopes, rng_state, sinks=None):
+              alibi_slopes, rng_state, sinks=None, dropout_row_offset=0, dropout_col_offset=0):
     """_fwd writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
     b, sq, h, _ = q.shape
     if out is None:
         out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+                   dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.forward,
         q, k, v, out, lse,
@@ -210,7 +222,7 @@ fwd = torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-              softcap, alibi_slopes, rng_state, sinks=None):
+              softcap, alibi_slopes, rng_state, sinks=None, dropout_row_offset=0, dropout_col_offset=0):
     b, sq, h, _ = q.shape
     return (
         q.new_empty((b, sq, h, v.shape[-1])),
@@ -235,6 +247,8 @@ def _bwd(
     alibi_slopes: Optional[Tensor],
     deterministic: bool,
     rng_state: Optional[Tensor],
+    dropout_row_offset: int = 0,
+    dropout_col_offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> dq, dk, dv (shapes of q, k, v; contiguous), softmax_d (b, h, sq) fp32."""
     b, sq, h, _ = q.shape
@@ -244,7 +258,7 @@ def _bwd(
     softmax_d = _row_stats((b, h, sq), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
-                   deterministic)
+                   deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.backward,
         *inputs, dq, dk, dv, softmax_d,
@@ -262,7 +276,8 @@ bwd = torch.library.custom_op("flashattn::bwd", mutates_args=())(_bwd)
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p, softmax_scale, causal, window_size_left,
-              window_size_right, softcap, alibi_slopes, deterministic, rng_state):
+              window_size_right, softcap, alibi_slopes, deterministic, rng_state, dropout_row_offset=0,
+              dropout_col_offset=0):
     b, sq, h, _ = q.shape
     return (
         q.new_empty(q.shape),
@@ -294,6 +309,8 @@ def _varlen_fwd(
     rng_state: Optional[Tensor],
     block_table: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    dropout_row_offset: int = 0,
+    dropout_col_offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv), cu_seqlens_q/k (b + 1) int32
     -> out (total_q, h, dv), softmax_lse (h, total_q) fp32, rng_state (2,) int64.
@@ -301,19 +318,20 @@ def _varlen_fwd(
     (num_blocks, page_size, hk, d/dv), the key counts seqused_k (or cu_seqlens_k, then optional)."""
     return _varlen_fwd_into(None, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                             dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                            alibi_slopes, rng_state, block_table, sinks)
+                            alibi_slopes, rng_state, block_table, sinks, dropout_row_offset, dropout_col_offset)
 
 
 def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
                      softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                     rng_state, block_table=None, sinks=None):
+                     rng_state, block_table=None, sinks=None, dropout_row_offset=0, dropout_col_offset=0):
     """_varlen_fwd writing into `out` (the caller's (total_q, h, dv) tensor; None: a new one)."""
     total_q, h, _ = q.shape
     if out is None:
         out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((h, total_q), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p)
+    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+                   dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
     _call(
@@ -336,7 +354,8 @@ varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())(_
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                     alibi_slopes, rng_state, block_table=None, sinks=None):
+                     alibi_slopes, rng_state, block_table=None, sinks=None, dropout_row_offset=0,
+                     dropout_col_offset=0):
     total_q, h, _ = q.shape
     return (
         q.new_empty((total_q, h, v.shape[-1])),
@@ -366,6 +385,8 @@ def _varlen_bwd(
     alibi_slopes: Optional[Tensor],
     deterministic: bool,
     rng_state: Optional[Tensor],
+    dropout_row_offset: int = 0,
+    dropout_col_offset: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> dq, dk, dv (shapes of q, k, v; contiguous), softmax_d (h, total_q) fp32."""
     total_q, h, _ = q.shape
@@ -375,7 +396,7 @@ def _varlen_bwd(
     softmax_d = _row_stats((h, total_q), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
     opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
-                   deterministic)
+                   deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     _call(
@@ -397,7 +418,8 @@ varlen_bwd = torch.library.custom_op("flashattn::varlen_bwd", mutates_args=())(_
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
-                     window_size_right, softcap, alibi_slopes, deterministic, rng_state):
+                     window_size_right, softcap, alibi_slopes, deterministic, rng_state,
+                     dropout_row_offset=0, dropout_col_offset=0):
     total_q, h, _ = q.shape
     return (
         q.new_empty(q.shape),

@@ -14,7 +14,9 @@ one device; gradients flow back to the local q, k, v.
   global causal / sliding-window mask is expressed per block with the library's bottom-right
   aligned windows on cropped views (blocks that see nothing are skipped), and ALiBi of global
   distances by the library's ALiBi with the slope's sign chosen per call and the call's lse
-  shifted by a constant (see _alibi_calls).
+  shifted by a constant (see _alibi_calls). With dropout every call is told where its rows and
+  keys sit in the sequence (the library's dropout position offsets), so that it draws its part of
+  the mask of one call over the whole sequence (see _aligned).
 - ``ulysses_flash_attn_func``: head parallelism by all-to-all (DeepSpeed-Ulysses). Two
   all-to-alls trade the sequence shard for a head shard, each rank attends over the whole
   sequence for nheads / world heads, and one all-to-all trades back.
@@ -32,14 +34,18 @@ in memory; its communication (world − 1 K/V blocks forward, twice that plus th
 accumulators backward) hides behind the computation when the shards are long enough. Ulysses
 needs nheads % world == 0 (and nheads_k % world == 0 or world % nheads_k == 0), moves less data
 (4 all-to-alls of a shard each way) but cannot overlap them, and supports everything the
-single-device function does — dropout included. Prefer Ulysses when the heads divide
-across the ranks and the interconnect is fast all-to-all (NVLink within a node); prefer ring
-attention across nodes, for few heads, or for very long sequences.
+single-device function does. Prefer Ulysses when the heads divide across the ranks and the
+interconnect is fast all-to-all (NVLink within a node); prefer ring attention across nodes, for
+few heads, or for very long sequences.
 
-Not supported by ring attention: ``dropout_p > 0`` (NotImplementedError) — the library's dropout
-mask is a function of the row and column indices *within a call* (docs/dropout.md) and the API
-has no position offset, so a block computed apart cannot draw the mask the whole sequence would.
-Use ``ulysses_flash_attn_func``, which draws it exactly.
+Dropout. Both draw exactly the mask of a single-device call over the whole sequence with the same
+rng_state (drawn on the group's first rank from PyTorch's default generator, as flash_attn_func
+draws it, and broadcast). Ring attention with ``dropout_p > 0`` needs every shard to start at a
+multiple of 16 tokens (the mask's 16 × 16 blocks, where a call's position offsets must lie): with
+n chunks (world for contiguous, 2·world for zigzag) a length L with L % (16·n) == 0 or
+L % (16·n) == 16·n − 1 (or L ≤ 1, or a world of one); other lengths raise NotImplementedError
+saying so. Its calls then cover one pair of shard segments each (and, in a varlen batch, one
+sequence each), so a step makes more, smaller calls than without dropout.
 """
 
 from __future__ import annotations
@@ -189,6 +195,17 @@ def local_cu_seqlens(cu_seqlens, group=None, *, layout="zigzag"):
     return torch.tensor(local, dtype=torch.int32, device=device)
 
 
+def _shared_rng_state(dropout_p, group, device):
+    """The [seed, offset] of one dropout call over the whole sequence (None without dropout):
+    drawn on the group's first rank from PyTorch's default generator, as a single-device call
+    draws it, and broadcast, so that every rank draws its part of the same mask."""
+    if dropout_p == 0.0:
+        return None
+    shared = _torch_ops.draw_rng_state(device).to(_comm_device(group, device))
+    dist.broadcast(shared, _global_rank(group, 0), group=group)
+    return shared.to(device)
+
+
 def _global_rank(group, rank):
     """The global rank of `group`'s rank `rank` (P2P and broadcast address ranks globally)."""
     return rank if group is None else dist.get_global_rank(group, rank)
@@ -236,8 +253,12 @@ def _all_gather_uneven(x, sizes, dim, group):
 # exact: the last cropped row then sees the last cropped column, so the call's diagonal lies in
 # the band. Wider calls (one per query segment, or one for the whole block) are tried first.
 
-# flip and shift: the ALiBi terms of the call (below); 1 and 0 without ALiBi.
-_Call = namedtuple("_Call", "r0 r1 c0 c1 wl wr flip shift", defaults=(1, 0))
+# flip and shift: the ALiBi terms of the call (below); 1 and 0 without ALiBi. at: with dropout,
+# the global (row, column) of the call's first cell, its dropout position offsets; else None.
+_Call = namedtuple("_Call", "r0 r1 c0 c1 wl wr flip shift at", defaults=(1, 0, None))
+
+# The dropout mask's blocks are 16 x 16 (docs/dropout.md): a call's position offsets are multiples of it.
+_MASK_BLOCK = 16
 
 
 def _pair_band(qs, ks, left, right):
@@ -301,14 +322,17 @@ def _bbox(rects):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(q_segments, k_segments, left, right, alibi=False):
+def _plan(q_segments, k_segments, left, right, alibi=False, dropout=False):
     """The library calls (rows, columns, window) that compute exactly the part of the global
     mask between a rank's query segments and a K/V block's segments; () when it is empty. With
-    alibi, also the ALiBi bias of global positions (one segment pair per call; see _alibi_calls)."""
-    if alibi:
-        return tuple(call for qs in q_segments for ks in k_segments
-                     for call in _alibi_calls(_rect_of(qs, ks), _pair_band(qs, ks, left, right),
-                                              (qs.start - qs.local) - (ks.start - ks.local)))
+    alibi, also the ALiBi bias of global positions (one segment pair per call; see _alibi_calls).
+    With dropout, also the dropout mask of global positions (one segment pair per call, starting
+    on the mask's blocks; see _aligned)."""
+    if dropout:
+        q_segments, k_segments = _joined(q_segments), _joined(k_segments)
+    if alibi or dropout:
+        return tuple(call for qs in q_segments for ks in k_segments for call in _pair_calls(qs, ks, left, right,
+                                                                                             alibi, dropout))
     pairs = [(_rect_of(qs, ks), _pair_band(qs, ks, left, right)) for qs in q_segments for ks in k_segments]
     crops = [c for rect, band in pairs if (c := _crop(rect, band)) is not None]
     if not crops:
@@ -333,19 +357,83 @@ def _plan(q_segments, k_segments, left, right, alibi=False):
     return tuple(_merge_rows(calls, pairs))
 
 
-def _cropped_calls(rect, band, pairs):
+def _cropped_calls(rect, band, pairs, align=None):
     """The cells of one pair's band inside rect, cropped: one call, except where the library's
     normalisation (a window ≥ the call's key count is unbounded) stands in the way — a crop much
-    taller than wide — and the rows are halved until each part fits (one row always does)."""
-    crop = _crop(rect, band)
+    taller than wide — and the rows are halved until each part fits (one row always does).
+    align: see _aligned."""
+    crop = _aligned(_crop(rect, band), rect, align)
     if crop is None:
         return []
     window = _fit(crop, pairs)
     if window is not None:
         return [_Call(*crop, *window)]
-    r0, r1, c0, c1 = crop
+    top, bottom = _halves(crop, align)
+    return _cropped_calls(top, band, pairs, align) + _cropped_calls(bottom, band, pairs, align)
+
+
+def _halves(rect, align):
+    """rect cut in two between its rows, near the middle: with align, on a row of the mask's
+    blocks, so that the lower half's calls start there."""
+    r0, r1, c0, c1 = rect
     mid = (r0 + r1) // 2
-    return _cropped_calls((r0, mid, c0, c1), band, pairs) + _cropped_calls((mid, r1, c0, c1), band, pairs)
+    if align is not None:
+        mid -= (mid + align[0]) % _MASK_BLOCK
+        if mid <= r0:
+            mid += _MASK_BLOCK
+        if mid >= r1:
+            raise NotImplementedError(
+                f"dropout_p: ring attention with dropout cannot compute the {r1 - r0} x {c1 - c0} block at global "
+                f"rows {r0 + align[0]} and keys {c0 + align[1]} exactly: the library's window normalisation needs "
+                f"it cut between rows, and no row of it starts a block of the dropout mask")
+    return (r0, mid, c0, c1), (mid, r1, c0, c1)
+
+
+# Dropout of global positions. A call draws the mask of the cells (row_offset + i, col_offset + j)
+# of its own indices i, j, the offsets being multiples of 16 (docs/dropout.md). So with dropout a
+# call covers rows of one query segment and columns of one key segment (each a contiguous run of
+# global positions: local index + shift, align = (row shift, column shift)), and its first row and
+# column are at global multiples of 16. A cropped rectangle is extended up and left to the
+# previous such rows and columns, never out of the rectangle it was cropped from (whose first row
+# and column are such positions: a segment's start, or a cut made by _halves). The cells it gains
+# lie outside the band (the crop held all of the band's cells in that rectangle), and the window
+# is fitted again on the extended rectangle; its diagonal c1 − r1 is unchanged. Rows it gains see
+# nothing in that call: their lse there is not finite, which the combine ignores, and in the
+# backward they add nothing. A cut between rows (_halves) is made on such a row too, or else the
+# extended lower part would hold cells of the upper one twice. A rank's two segments that follow
+# each other in the sequence are one run here (_joined).
+
+def _aligned(crop, rect, align):
+    """crop extended to start on the dropout mask's blocks inside rect (align given), else crop."""
+    if crop is None or align is None:
+        return crop
+    r0, r1, c0, c1 = crop
+    r0 = max(rect[0], r0 - (r0 + align[0]) % _MASK_BLOCK)
+    c0 = max(rect[2], c0 - (c0 + align[1]) % _MASK_BLOCK)
+    return r0, r1, c0, c1
+
+
+def _pair_calls(qs, ks, left, right, alibi, dropout):
+    """The calls of one segment pair: with alibi (_alibi_calls), with dropout (aligned, _aligned),
+    or both; each call's `at` set with dropout."""
+    rect, band = _rect_of(qs, ks), _pair_band(qs, ks, left, right)
+    shifts = (qs.start - qs.local, ks.start - ks.local)
+    align = shifts if dropout else None
+    if alibi:
+        calls = _alibi_calls(rect, band, shifts[0] - shifts[1], align)
+    else:
+        calls = _cropped_calls(rect, band, [(rect, band)], align)
+    if not dropout:
+        return calls
+    placed = []
+    for c in calls:
+        at = (c.r0 + shifts[0], c.c0 + shifts[1])
+        if at[0] % _MASK_BLOCK or at[1] % _MASK_BLOCK:
+            raise NotImplementedError(
+                f"dropout_p: ring attention with dropout needs every shard to start at a multiple of {_MASK_BLOCK} "
+                f"tokens; a block starts at global row {at[0]}, key {at[1]}")
+        placed.append(c._replace(at=at))
+    return placed
 
 
 def _diagonal(rect):
@@ -364,8 +452,8 @@ def _diagonal(rect):
 # diag is cut there, so every call qualifies. Numerically the shift is exact enough: a large
 # shift means a distant block, whose weight exp(−slope·distance) is negligible.
 
-def _alibi_calls(rect, band, d):
-    crop = _crop(rect, band)
+def _alibi_calls(rect, band, d, align=None):
+    crop = _aligned(_crop(rect, band), rect, align)
     if crop is None:
         return []
     lo, hi = _clip(band, crop)
@@ -373,12 +461,11 @@ def _alibi_calls(rect, band, d):
     if d != diag:
         for cut in (diag, d):
             if lo < cut < hi:
-                return _alibi_calls(crop, (lo, cut), d) + _alibi_calls(crop, (cut + 1, hi), d)
+                return _alibi_calls(crop, (lo, cut), d, align) + _alibi_calls(crop, (cut + 1, hi), d, align)
     window = _fit(crop, [(crop, band)])
     if window is None:  # the library's window normalisation; halve the rows (as _cropped_calls)
-        r0, r1, c0, c1 = crop
-        mid = (r0 + r1) // 2
-        return _alibi_calls((r0, mid, c0, c1), band, d) + _alibi_calls((mid, r1, c0, c1), band, d)
+        top, bottom = _halves(crop, align)
+        return _alibi_calls(top, band, d, align) + _alibi_calls(bottom, band, d, align)
     if d == diag:
         return [_Call(*crop, *window)]
     tau = 1 if lo >= d else -1
@@ -408,8 +495,10 @@ def _merge_rows(calls, pairs):
 # of the K/V block (slices, or index tensors for varlen batches); varlen is None for a batch call,
 # else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of the gathered rows and columns.
 # alibi: None without ALiBi; else (flip, shift) of the call (batch), or per gathered sequence
-# (varlen) the tensors (sequence index, flip, shift, rows).
-_TensorCall = namedtuple("_TensorCall", "rows cols wl wr varlen alibi")
+# (varlen) the tensors (sequence index, flip, shift, rows). drop: None without dropout; else
+# (row offset, column offset, seq) with seq the index of the call's sequence in a varlen batch
+# (whose Philox streams and ALiBi slopes the call takes), None for batch tensors.
+_TensorCall = namedtuple("_TensorCall", "rows cols wl wr varlen alibi drop", defaults=(None,))
 
 
 def _take(x, index):
@@ -437,33 +526,70 @@ def _shard_lengths(local, seqlen, layout, rank, world, group, device):
     return lengths
 
 
+def _joined(segments):
+    """The segments with those that follow each other both in the buffer and in the sequence
+    made one (the two chunks of the middle rank of a zigzag layout, or of a world of one)."""
+    runs = []
+    for s in segments:
+        if s.length == 0:
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and s.local == last.local + last.length and s.start == last.start + last.length:
+            runs[-1] = Segment(last.local, last.start, last.length + s.length)
+        else:
+            runs.append(s)
+    return tuple(runs)
+
+
+def _check_dropout_shards(length, world, layout, what):
+    """With dropout every shard must start at a multiple of 16 tokens (the dropout mask's block,
+    where each call's position offsets lie; a rank's two chunks that follow each other count as
+    one shard): with a world of one, any length; else with n chunks (world for contiguous,
+    2·world for zigzag) a length L with L % (16·n) == 0 or 16·n − 1, or L ≤ 1 (the empty chunks of
+    a shorter sequence are left out)."""
+    starts = [s.start for p in range(world) for s in _joined(_segments(length, world, p, layout))]
+    if all(start % _MASK_BLOCK == 0 for start in starts):
+        return
+    n = world if layout == "contiguous" else 2 * world
+    raise NotImplementedError(
+        f"dropout_p: ring attention with dropout needs every shard to start at a multiple of {_MASK_BLOCK} tokens "
+        f"(the dropout mask's blocks); layout {layout!r} of {what} ({length} tokens) over {world} ranks gives starts "
+        f"{sorted(starts)}; use a length that is a multiple of {_MASK_BLOCK * n} ({_MASK_BLOCK} x {n} chunks) or "
+        f"one less")
+
+
 class _BatchLayout:
     """Batch tensors (b, s, h, d): one sequence, the same shards in every batch row."""
 
-    def __init__(self, lengths, layout, rank, world):
+    def __init__(self, lengths, layout, rank, world, dropout=False):
         self.seqlen = sum(lengths)
         expected = [sum(s.length for s in _segments(self.seqlen, world, p, layout)) for p in range(world)]
         if lengths != expected:
             raise ValueError(f"q: the ranks hold {lengths} tokens; layout {layout!r} of a {self.seqlen}-token sequence "
                              f"gives {expected} (shard the batch with flashattn.distributed.shard(..., "
                              f"layout={layout!r}))")
+        if dropout:
+            _check_dropout_shards(self.seqlen, world, layout, "the sequence")
         self.layout, self.rank, self.world, self.lengths = layout, rank, world, lengths
 
     def block_tokens(self, src):
         return self.lengths[src]
 
-    def calls(self, src, left, right, device, alibi):
+    def calls(self, src, left, right, device, alibi, dropout=False):
         plan = _plan(_segments(self.seqlen, self.world, self.rank, self.layout),
-                     _segments(self.seqlen, self.world, src, self.layout), left, right, alibi)
+                     _segments(self.seqlen, self.world, src, self.layout), left, right, alibi, dropout)
         return [_TensorCall(slice(c.r0, c.r1), slice(c.c0, c.c1), c.wl, c.wr, None,
-                            (c.flip, c.shift) if alibi else None) for c in plan]
+                            (c.flip, c.shift) if alibi else None, (*c.at, None) if dropout else None) for c in plan]
 
 
 class _VarlenLayout:
     """Varlen tensors (total, h, d), seen as (1, total, h, d): every sequence sharded on its own."""
 
-    def __init__(self, cu_seqlens, layout, rank, world):
+    def __init__(self, cu_seqlens, layout, rank, world, dropout=False):
         self.cu, self.layout, self.rank, self.world = cu_seqlens, layout, rank, world
+        if dropout:
+            for b in range(len(cu_seqlens) - 1):
+                _check_dropout_shards(self._len(b), world, layout, f"sequence {b}")
         self.starts = []  # starts[p][b]: where sequence b begins in rank p's buffer
         self.lengths = []
         for p in range(world):
@@ -480,7 +606,9 @@ class _VarlenLayout:
     def block_tokens(self, src):
         return self.lengths[src]
 
-    def calls(self, src, left, right, device, alibi):
+    def calls(self, src, left, right, device, alibi, dropout=False):
+        if dropout:
+            return self._dropout_calls(src, left, right, alibi)
         # Calls of the same window go into one varlen call; a call whose rows or columns meet
         # those of an earlier call of its sequence goes into a later round, so that no row or
         # column repeats within one varlen call (its results are added by index).
@@ -516,6 +644,20 @@ class _VarlenLayout:
             calls.append(_TensorCall(rows.to(device), cols.to(device), wl, wr, varlen, terms))
         return calls
 
+    def _dropout_calls(self, src, left, right, alibi):
+        """With dropout, one batch call per sequence and planned call, on slices of the buffers:
+        the single-device varlen mask of sequence b uses the Philox streams offset + b·nheads + h,
+        and one call's position offsets hold for one run of one sequence only."""
+        calls = []
+        for b in range(len(self.cu) - 1):
+            n = self._len(b)
+            qs, ks = self.starts[self.rank][b], self.starts[src][b]
+            for c in _plan(_segments(n, self.world, self.rank, self.layout),
+                           _segments(n, self.world, src, self.layout), left, right, alibi, True):
+                calls.append(_TensorCall(slice(qs + c.r0, qs + c.r1), slice(ks + c.c0, ks + c.c1), c.wl, c.wr, None,
+                                         (c.flip, c.shift) if alibi else None, (*c.at, b)))
+        return calls
+
 
 def _alibi_terms(call, slopes):
     """(the slopes to give the library call, the shift of its lse (broadcastable to (b, h, n)))
@@ -524,6 +666,9 @@ def _alibi_terms(call, slopes):
         return None, None
     if call.varlen is None:
         flip, shift = call.alibi
+        seq = None if call.drop is None else call.drop[2]
+        if seq is not None and slopes.dim() == 2:
+            slopes = slopes[seq:seq + 1]                                     # a varlen sequence's (1, h)
         per_row = slopes if slopes.dim() == 2 else slopes[None]              # (b or 1, h)
         return (slopes * flip).contiguous(), (per_row * shift)[..., None]
     seq, flip, shift, n_rows = call.alibi
@@ -533,12 +678,27 @@ def _alibi_terms(call, slopes):
     return (span * flip[:, None]).contiguous(), rows_shift.t()[None]
 
 
-def _forward_call(q, k, v, call, scale, softcap, slopes):
+def _dropout_terms(call, dropout):
+    """(dropout_p, rng_state, row offset, column offset) of one call; dropout: None or the ring
+    call's (dropout_p, rng_state, nheads). A varlen sequence b's call takes the streams of b in
+    the single-device call: the offset advanced by b·nheads (docs/dropout.md)."""
+    if dropout is None:
+        return 0.0, None, 0, 0
+    p, state, heads = dropout
+    row, col, seq = call.drop
+    if seq:
+        state = state.clone()
+        state[1] += seq * heads
+    return p, state, row, col
+
+
+def _forward_call(q, k, v, call, scale, softcap, slopes, dropout=None):
     """out (b, n, h, dv) in q's dtype and lse (b, h, n) fp32 of one call (varlen: b = 1)."""
     qc, kc, vc = _take(q, call.rows), _take(k, call.cols), _take(v, call.cols)
     if call.varlen is None:
-        out, lse, _ = _torch_ops.call("fwd", qc, kc, vc, 0.0, scale, False, call.wl, call.wr, softcap, slopes,
-                                      None)
+        p, state, row, col = _dropout_terms(call, dropout)
+        out, lse, _ = _torch_ops.call("fwd", qc, kc, vc, p, scale, False, call.wl, call.wr, softcap, slopes, state,
+                                      None, row, col)
         return out, lse
     cu_q, cu_k, max_q, max_k = call.varlen
     out, lse, _ = _torch_ops.call("varlen_fwd", qc[0], kc[0], vc[0], cu_q, cu_k, None, max_q, max_k, 0.0, scale,
@@ -546,14 +706,15 @@ def _forward_call(q, k, v, call, scale, softcap, slopes):
     return out[None], lse[None]
 
 
-def _backward_call(dout, q, k, v, out, lse, call, scale, softcap, slopes, deterministic):
+def _backward_call(dout, q, k, v, out, lse, call, scale, softcap, slopes, deterministic, dropout=None):
     """dq, dk, dv of one call, given the whole row's out and lse (in the call's terms: minus its
     ALiBi shift), so that P and softmax_d are those of the whole sequence."""
     rows, cols = call.rows, call.cols
     args = (_take(dout, rows), _take(q, rows), _take(k, cols), _take(v, cols), _take(out, rows))
     if call.varlen is None:
-        dq, dk, dv, _ = _torch_ops.call("bwd", *args, lse, 0.0, scale, False, call.wl, call.wr, softcap, slopes,
-                                        deterministic, None)
+        p, state, row, col = _dropout_terms(call, dropout)
+        dq, dk, dv, _ = _torch_ops.call("bwd", *args, lse, p, scale, False, call.wl, call.wr, softcap, slopes,
+                                        deterministic, state, row, col)
         return dq, dk, dv
     cu_q, cu_k, max_q, max_k = call.varlen
     dq, dk, dv, _ = _torch_ops.call("varlen_bwd", *(a[0] for a in args), lse[0], cu_q, cu_k, None, max_q, max_k,
@@ -667,10 +828,13 @@ def _unpack(buf, b, n, heads, d, dv):
 
 
 class _RingAttention(torch.autograd.Function):
-    """q (b, s, h, d), k (b, s, hk, d), v (b, s, hk, dv): this rank's shard (varlen: b = 1)."""
+    """q (b, s, h, d), k (b, s, hk, d), v (b, s, hk, dv): this rank's shard (varlen: b = 1).
+    dropout_p > 0: every call draws its part of the mask of the whole sequence's call with
+    rng_state (the same on every rank), forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale, left, right, softcap, alibi_slopes, deterministic, group):
+    def forward(ctx, q, k, v, layout, scale, left, right, softcap, alibi_slopes, deterministic, group, dropout_p,
+                rng_state):
         head_dim_v = v.shape[-1]
         q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         b, s, h, _ = q_p.shape
@@ -679,6 +843,7 @@ class _RingAttention(torch.autograd.Function):
         acc_out = torch.zeros((b, s, h, dv), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((b, h, s), -_INF, dtype=torch.float32, device=q.device)
         block = _pack(k_p, v_p)
+        dropout = None if dropout_p == 0.0 else (dropout_p, rng_state, h)
         steps = []
         for step in range(ring.world):
             src = (ring.rank - step) % ring.world
@@ -687,10 +852,11 @@ class _RingAttention(torch.autograd.Function):
                 pending = ring.start(block, incoming, _TAG_KV)
             kb, vb = _unpack(block, b, layout.block_tokens(src), hk, d, dv)
             calls = [(call, *_alibi_terms(call, alibi_slopes))
-                     for call in layout.calls(src, left, right, q.device, alibi_slopes is not None)]
+                     for call in layout.calls(src, left, right, q.device, alibi_slopes is not None,
+                                              dropout is not None)]
             steps.append(calls)
             for call, slopes, lse_shift in calls:
-                out, lse = _forward_call(q_p, kb, vb, call, scale, softcap, slopes)
+                out, lse = _forward_call(q_p, kb, vb, call, scale, softcap, slopes, dropout)
                 _merge(acc_out, acc_lse, call.rows, out, lse if lse_shift is None else lse + lse_shift)
             if step + 1 < ring.world:
                 ring.wait(pending)
@@ -698,22 +864,23 @@ class _RingAttention(torch.autograd.Function):
         # A row that saw no key anywhere (only possible for an empty sequence) has lse +inf (SPEC §2).
         lse = torch.where(acc_lse == -_INF, _INF, acc_lse)
         out_p = acc_out.to(q.dtype)
-        ctx.save_for_backward(q_p, k_p, v_p, out_p, lse)
+        ctx.save_for_backward(q_p, k_p, v_p, out_p, lse, rng_state)
         ctx.steps, ctx.layout, ctx.group = steps, layout, group
-        ctx.args = (scale, softcap, deterministic)
+        ctx.args = (scale, softcap, deterministic, dropout_p)
         ctx.head_dims = (q.shape[-1], k.shape[-1], head_dim_v)
         ctx.mark_non_differentiable(lse)
         return out_p[..., :head_dim_v], lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q_p, k_p, v_p, out_p, lse = ctx.saved_tensors
-        scale, softcap, deterministic = ctx.args
+        q_p, k_p, v_p, out_p, lse, rng_state = ctx.saved_tensors
+        scale, softcap, deterministic, dropout_p = ctx.args
         layout = ctx.layout
         head_dim, head_dim_k, head_dim_v = ctx.head_dims
         dout_p = _pad_head_dim(dout)
         b, s, h, _ = q_p.shape
         hk, d, dv = k_p.shape[2], k_p.shape[3], v_p.shape[3]
+        dropout = None if dropout_p == 0.0 else (dropout_p, rng_state, h)
         ring = _Ring(ctx.group, q_p.device)
         dq_acc = torch.zeros(q_p.shape, dtype=torch.float32, device=q_p.device)
         block = _pack(k_p, v_p)
@@ -733,7 +900,7 @@ class _RingAttention(torch.autograd.Function):
                 lse_rows = lse[:, :, rows] if isinstance(rows, slice) else lse.index_select(2, rows)
                 lse_rows = (lse_rows if lse_shift is None else lse_rows - lse_shift).contiguous()
                 dq, dk, dv_ = _backward_call(dout_p, q_p, kb, vb, out_p, lse_rows, call, scale, softcap, slopes,
-                                             deterministic)
+                                             deterministic, dropout)
                 _add_rows(dq_acc, call.rows, dq)
                 _add_rows(dk_acc, call.cols, dk)
                 _add_rows(dv_acc, call.cols, dv_)
@@ -755,16 +922,11 @@ class _RingAttention(torch.autograd.Function):
             ring.wait(pending_grads)
         dk, dv_ = _unpack(grads_in, b, s, hk, d, dv)
         return (dq_acc[..., :head_dim].to(q_p.dtype), dk[..., :head_dim_k].to(k_p.dtype),
-                dv_[..., :head_dim_v].to(v_p.dtype)) + (None,) * 8
+                dv_[..., :head_dim_v].to(v_p.dtype)) + (None,) * 10
 
 
-def _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, layout, batch):
+def _ring_arguments(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, layout, batch):
     _check_layout(layout)
-    if check_dropout_p(dropout_p) > 0.0:
-        raise NotImplementedError(
-            "dropout_p: ring attention cannot draw the single-device dropout mask (the library's Philox counter "
-            "uses row and column indices within a call, and the API has no position offset); use "
-            "ulysses_flash_attn_func, which draws it exactly, or dropout_p=0")
     heads = q.shape[-2]
     if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device
                                      or tuple(alibi_slopes.shape) not in ((heads,), (batch, heads))):
@@ -793,18 +955,24 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     causal, window_size, softcap and alibi_slopes ((nheads,) or (batch, nheads) fp32) apply to
     global positions, as on one device; GQA/MQA as in flash_attn_func. Returns this rank's out
     (batch, seqlen_local, nheads, headdim_v), or with return_attn_probs=True (out, softmax_lse
-    (batch, nheads, seqlen_local), None). dropout_p > 0 raises NotImplementedError (see the
-    module); use ulysses_flash_attn_func. seqlen: the whole sequence's length, optional — without
-    it the ranks all-gather their local lengths, which on CUDA synchronises with the device.
+    (batch, nheads, seqlen_local), None). dropout_p > 0 draws the mask of flash_attn_func on the
+    whole sequence with the same rng_state (drawn on the group's first rank, as flash_attn_func
+    draws it, and broadcast); it needs every shard to start at a multiple of 16 tokens: a length
+    that is a multiple of 16·world (contiguous) or 16·2·world (zigzag), or one less
+    (NotImplementedError otherwise; see the module). seqlen: the whole sequence's length,
+    optional — without it the ranks all-gather their local lengths, which on CUDA synchronises
+    with the device.
     """
     _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT, (("alibi_slopes", alibi_slopes),))
-    scale, left, right, softcap = _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+    dropout_p = check_dropout_p(dropout_p)
+    scale, left, right, softcap = _ring_arguments(q, k, v, softmax_scale, causal, window_size, softcap,
                                                   alibi_slopes, layout, q.shape[0])
     rank, world = _group_info(group)
     lengths = _shard_lengths(q.shape[1], seqlen, layout, rank, world, group, q.device)
-    plan = _BatchLayout(lengths, layout, rank, world)
+    plan = _BatchLayout(lengths, layout, rank, world, dropout_p > 0.0)
+    rng_state = _shared_rng_state(dropout_p, group, q.device)
     out, lse = _RingAttention.apply(q, k, v, plan, scale, left, right, softcap, alibi_slopes, bool(deterministic),
-                                    group)
+                                    group, dropout_p, rng_state)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -820,6 +988,10 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     layout=layout)`` cuts them (``local_cu_seqlens`` gives their boundaries). max_seqlen_q/k are
     checked against cu_seqlens. Returns this rank's out (total_local, nheads, headdim_v), or
     (out, softmax_lse (nheads, total_local), None). block_table (paged K/V) is not supported.
+    dropout_p > 0 draws the mask of flash_attn_varlen_func on the whole batch (sequence b on the
+    Philox streams of batch index b) and needs every sequence's length to qualify as in
+    ring_flash_attn_func; it is slower than without dropout: each step makes one call per sequence
+    and segment pair instead of a few varlen calls for all sequences.
     """
     if block_table is not None:
         raise NotImplementedError("block_table: paged K/V is not supported by ring attention (each rank's K/V shard "
@@ -832,15 +1004,17 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if max(int(max_seqlen_q), int(max_seqlen_k)) < longest:
         raise ValueError(f"max_seqlen_q: must be at least the longest sequence of cu_seqlens_q ({longest}); got "
                          f"{max_seqlen_q} and max_seqlen_k {max_seqlen_k}")
-    scale, left, right, softcap = _ring_arguments(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+    dropout_p = check_dropout_p(dropout_p)
+    scale, left, right, softcap = _ring_arguments(q, k, v, softmax_scale, causal, window_size, softcap,
                                                   alibi_slopes, layout, len(cu_q) - 1)
     rank, world = _group_info(group)
-    plan = _VarlenLayout(cu_q, layout, rank, world)
+    plan = _VarlenLayout(cu_q, layout, rank, world, dropout_p > 0.0)
     if q.shape[0] != plan.lengths[rank]:
         raise ValueError(f"q: rank {rank} holds {q.shape[0]} tokens; layout {layout!r} of cu_seqlens gives it "
                          f"{plan.lengths[rank]} (shard with flashattn.distributed.shard(..., cu_seqlens=...))")
+    rng_state = _shared_rng_state(dropout_p, group, q.device)
     out, lse = _RingAttention.apply(q[None], k[None], v[None], plan, scale, left, right, softcap, alibi_slopes,
-                                    bool(deterministic), group)
+                                    bool(deterministic), group, dropout_p, rng_state)
     out, lse = out[0], lse[0]
     return (out, lse, None) if return_attn_probs else out
 
@@ -1008,12 +1182,7 @@ def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=F
     lengths = _shard_lengths(q.shape[1], seqlen, layout, rank, world, group, q.device)
     _BatchLayout(lengths, layout, rank, world)  # checks the shard sizes
     exchange = _SeqHeadExchange(lengths, layout, rank, world, group, q.device)
-    rng_state = None
-    if dropout_p > 0.0:
-        rng_state = _torch_ops.draw_rng_state(q.device)
-        shared = rng_state.to(_comm_device(group, q.device))
-        dist.broadcast(shared, _global_rank(group, 0), group=group)
-        rng_state = shared.to(q.device)
+    rng_state = _shared_rng_state(dropout_p, group, q.device)
     kv_repeat = 1 if heads_k % world == 0 else world // heads_k
     out, lse = _UlyssesAttention.apply(q, k, v, exchange, kv_repeat, dropout_p, scale, left, right, float(softcap),
                                        alibi_slopes, bool(deterministic), rng_state)

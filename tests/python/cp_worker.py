@@ -27,7 +27,9 @@ from flashattn._torch_ops import draw_rng_state
 from torch_checks import check_batch, check_varlen
 
 # Every case: the function, the layout and the flash_attn arguments. Shapes are small (two CPU
-# cores run the whole suite) and lengths deliberately do not divide by 2·world.
+# cores run the whole suite) and lengths deliberately do not divide by 2·world — except with
+# dropout in ring attention, which needs every shard to start at a multiple of 16 tokens: lengths
+# that are multiples of 16·2·world (16·world contiguous), one less, or 1, for world 2 and 4.
 BATCH = dict(b=2, seqlen=37, h=4, hk=4, d=32, dv=32, dtype="bfloat16")
 CASES = {
     "ring_contiguous_full": dict(fn="ring", layout="contiguous"),
@@ -47,6 +49,15 @@ CASES = {
     "ulysses_causal_gqa": dict(fn="ulysses", layout="contiguous", causal=True, hk=2),
     "ulysses_zigzag_alibi_window": dict(fn="ulysses", layout="zigzag", alibi=True, window=(8, 0)),
     "ulysses_dropout_mqa": dict(fn="ulysses", layout="zigzag", causal=True, hk=1, dropout_p=0.2),
+    "ring_dropout_zigzag_causal_gqa": dict(fn="ring", layout="zigzag", causal=True, seqlen=128, hk=2, dropout_p=0.2,
+                                           give_seqlen=True),
+    "ring_dropout_contiguous_window_alibi": dict(fn="ring", layout="contiguous", window=(20, 7), seqlen=63,
+                                                 alibi=True, softcap=3.0, dropout_p=0.3, deterministic=True),
+    "ring_varlen_dropout_zigzag_causal": dict(fn="ring_varlen", layout="zigzag", causal=True, seqlens=[128, 1, 255],
+                                              hk=1, dropout_p=0.25),
+    "ring_varlen_dropout_contiguous_alibi": dict(fn="ring_varlen", layout="contiguous", alibi=True, window=(-1, 9),
+                                                 seqlens=[63, 32], dropout_p=0.2),
+    "ring_dropout_unaligned_refused": dict(fn="ring_refusal"),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -55,7 +66,38 @@ def randn(shape, dtype, gen, device):
     return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
 
 
+def check_unaligned_refused(device):
+    """Ring attention with dropout refuses, on every rank and before any transfer, shards that do
+    not start at multiples of 16 tokens, naming the rule; the same shards without dropout work."""
+    world = dist.get_world_size()
+    for layout in fd.LAYOUTS:
+        n = world if layout == "contiguous" else 2 * world
+        seqlen = 16 * n + 5
+        x = torch.randn(1, seqlen, 2, 16, device=device)
+        xl = fd.shard(x, layout=layout)
+        try:
+            fd.ring_flash_attn_func(xl, xl, xl, dropout_p=0.1, layout=layout)
+        except NotImplementedError as e:
+            assert f"a multiple of {16 * n} ({16} x {n} chunks) or one less" in str(e), str(e)
+            assert f"({seqlen} tokens)" in str(e), str(e)
+        else:
+            raise AssertionError(f"{layout}: an unaligned {seqlen}-token sequence was accepted with dropout")
+        fd.ring_flash_attn_func(xl, xl, xl, layout=layout)
+        cu = [0, 16 * n, 16 * n + seqlen]
+        flat = torch.randn(cu[-1], 2, 16, device=device)
+        fl = fd.shard(flat, layout=layout, cu_seqlens=cu)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+        try:
+            fd.ring_flash_attn_varlen_func(fl, fl, fl, cu_t, cu_t, seqlen, seqlen, dropout_p=0.1, layout=layout)
+        except NotImplementedError as e:
+            assert f"of sequence 1 ({seqlen} tokens)" in str(e), str(e)
+        else:
+            raise AssertionError(f"{layout}: an unaligned varlen sequence was accepted with dropout")
+
+
 def run_case(name, case, device):
+    if case["fn"] == "ring_refusal":
+        return check_unaligned_refused(device)
     c = {**BATCH, **case}
     dtype = DTYPES[c["dtype"]]
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
@@ -106,14 +148,16 @@ def run_case(name, case, device):
         return
     out_w, dq, dk, dv = whole
     check = dict(causal=causal, window=window, softcap=softcap, grads=(dq, dk, dv), dout=dout)
+    rng_state = None
+    if dropout_p > 0:
+        # The single-device call's rng_state: the same draw after the same seed.
+        torch.manual_seed(seed)
+        rng_state = draw_rng_state(torch.device(device))
+    check["dropout_p"], check["rng_state"] = dropout_p, rng_state
     if varlen:
         check_varlen(q, k, v, cu, cu, out_w, lse_whole, max_seqlen_k=max(c["seqlens"]), alibi=alibi, **check)
     else:
-        rng_state = None
-        if dropout_p > 0:
-            torch.manual_seed(seed)
-            rng_state = draw_rng_state(torch.device(device))
-        check_batch(q, k, v, out_w, lse_whole, alibi=alibi, dropout_p=dropout_p, rng_state=rng_state, **check)
+        check_batch(q, k, v, out_w, lse_whole, alibi=alibi, **check)
 
 
 def main():

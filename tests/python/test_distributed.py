@@ -7,6 +7,7 @@ flash_attn_func, and the shard / unshard helpers."""
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import os
 import subprocess
@@ -27,10 +28,13 @@ import cp_worker  # noqa: E402
 WORLD_CASES = {
     2: list(cp_worker.CASES),
     4: ["ring_zigzag_causal", "ring_contiguous_causal_window_softcap", "ring_varlen_zigzag_causal",
-        "ring_zigzag_causal_alibi", "ring_varlen_zigzag_alibi", "ulysses_dropout_mqa", "ulysses_zigzag_alibi_window"],
+        "ring_zigzag_causal_alibi", "ring_varlen_zigzag_alibi", "ulysses_dropout_mqa", "ulysses_zigzag_alibi_window",
+        "ring_dropout_zigzag_causal_gqa", "ring_dropout_contiguous_window_alibi", "ring_varlen_dropout_zigzag_causal",
+        "ring_dropout_unaligned_refused"],
 }
 GPU_CASES = ["ring_zigzag_causal", "ring_zigzag_causal_alibi", "ring_varlen_zigzag_causal", "ring_zigzag_window",
-             "ulysses_causal_gqa", "ulysses_dropout_mqa"]
+             "ulysses_causal_gqa", "ulysses_dropout_mqa", "ring_dropout_zigzag_causal_gqa",
+             "ring_varlen_dropout_zigzag_causal"]
 WORKER_TIMEOUT_S = 300
 
 
@@ -126,10 +130,26 @@ def inputs(s=8, h=2, d=16):
     return [torch.randn(1, s, h, d) for _ in range(3)]
 
 
-def test_ring_refuses_dropout():
-    q, k, v = inputs()
-    with pytest.raises(NotImplementedError, match="dropout_p: ring attention cannot draw"):
-        fd.ring_flash_attn_func(q, k, v, dropout_p=0.1)
+def test_ring_dropout_refuses_only_unaligned_shards():
+    """With dropout, the shard layouts are checked: every shard must start at a multiple of 16
+    tokens (the message says which lengths qualify); any other layout, and any layout without
+    dropout, is accepted."""
+    with pytest.raises(NotImplementedError, match=r"dropout_p: ring attention with dropout needs every shard to "
+                                                  r"start at a multiple of 16 tokens .* layout 'zigzag' of the "
+                                                  r"sequence \(37 tokens\) over 2 ranks gives starts \[0, 10, "
+                                                  r"28\]; use a length that is a multiple of 64 .* or one less"):
+        fd._BatchLayout([19, 18], "zigzag", 0, 2, dropout=True)
+    fd._BatchLayout([19, 18], "zigzag", 0, 2)
+    with pytest.raises(NotImplementedError, match=r"of sequence 1 \(33 tokens\) over 2 ranks"):
+        fd._VarlenLayout([0, 32, 65], "contiguous", 1, 2, dropout=True)
+    fd._VarlenLayout([0, 32, 65], "contiguous", 1, 2)
+    for world, layout, lengths in [(2, "zigzag", [64, 63, 128, 1, 0]), (2, "contiguous", [32, 31, 96]),
+                                   (4, "zigzag", [128, 127, 256]), (3, "contiguous", [48, 47]),
+                                   (1, "zigzag", [5, 37])]:
+        fd._VarlenLayout([0] + list(itertools.accumulate(lengths)), layout, 0, world, dropout=True)
+        for n in lengths:
+            sizes = [sum(s.length for s in fd._segments(n, world, p, layout)) for p in range(world)]
+            fd._BatchLayout(sizes, layout, 0, world, dropout=True)
 
 
 def test_ring_checks_alibi_slopes():
@@ -186,6 +206,38 @@ def test_world_of_one_matches_flash_attn_func(single_rank_group):
     (ref_grad,) = torch.autograd.grad(ref, qkv, dout)
     assert torch.equal(grad, ref_grad)
 
+
+@pytest.mark.parametrize("layout", fd.LAYOUTS)
+def test_world_of_one_dropout_matches_flash_attn_func(single_rank_group, layout):
+    """One rank with dropout: the ring draws its rng_state as flash_attn_func does, and its calls
+    (per run of the sequence, with their position offsets) the same mask, so under the same
+    manual_seed the results match; zigzag's two chunks (one run here) need no alignment. For a
+    varlen batch, each sequence's calls take that sequence's Philox streams."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 37, 4, 32).requires_grad_() for _ in range(3))
+    kw = dict(dropout_p=0.3, causal=True, window_size=(20, -1), softcap=2.0)
+    torch.manual_seed(5)
+    out = fd.ring_flash_attn_func(q, k, v, layout=layout, **kw)
+    torch.manual_seed(5)
+    ref = flashattn.flash_attn_func(q, k, v, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    torch.manual_seed(6)
+    assert not torch.allclose(fd.ring_flash_attn_func(q, k, v, layout=layout, **kw), ref, atol=1e-3)
+    dout = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+    cu = torch.tensor([0, 21, 21, 58, 70], dtype=torch.int32)
+    qv, kv, vv = (torch.randn(70, 4, 32).requires_grad_() for _ in range(3))
+    torch.manual_seed(7)
+    out = fd.ring_flash_attn_varlen_func(qv, kv, vv, cu, cu, 37, 37, layout=layout, **kw)
+    torch.manual_seed(7)
+    ref = flashattn.flash_attn_varlen_func(qv, kv, vv, cu, cu, 37, 37, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    dout = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, (qv, kv, vv), dout),
+                         torch.autograd.grad(ref, (qv, kv, vv), dout)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 def test_seqlen_must_match_the_shard(single_rank_group):
     q, k, v = inputs(s=8)

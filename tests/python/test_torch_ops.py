@@ -135,6 +135,108 @@ def test_rng_state_goes_from_forward_to_backward(device):
                                 False, None)
 
 
+
+# --- dropout position offsets ----------------------------------------------------------------------
+#
+# With v one-hot (dv = sk, v[j] = e_j) and small scores, out[i, h, j] = keep · p_ij / (1 − p) with
+# p_ij > 0, so the mask of a call is out != 0.
+
+
+def one_hot_problem(device, b=2, sq=48, sk=96, h=3):
+    g = torch.Generator().manual_seed(44)
+    q = (0.25 * torch.randn(b, sq, h, 16, generator=g)).to(device)
+    k = (0.25 * torch.randn(b, sk, h, 16, generator=g)).to(device)
+    v = torch.eye(sk).expand(b, h, sk, sk).transpose(1, 2).contiguous().to(device)  # (b, sk, h, sk)
+    return q, k, v
+
+
+def part_of(q, k, rows, cols, device):
+    """q's rows and k's columns, with v one-hot over those columns."""
+    n = cols.stop - cols.start
+    v = torch.eye(n).expand(q.shape[0], q.shape[2], n, n).transpose(1, 2).contiguous().to(device)
+    return q[:, rows].contiguous(), k[:, cols].contiguous(), v
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_dropout_offsets_draw_that_part_of_the_whole_mask(device):
+    """fwd over rows [16, 48) x keys [32, 96), told (16, 32), draws exactly that part of the mask of
+    the whole call (both through the op and directly); without the offsets, another one. varlen_fwd
+    with the same offsets does the same for each sequence (stream = offset + sequence·nheads + head)."""
+    q, k, v = one_hot_problem(device)
+    state = rng_state(device, seed=77)
+    p, scale = 0.4, 0.5
+    whole = torch.ops.flashattn.fwd(q, k, v, p, scale, False, -1, -1, 0.0, None, state)[0] != 0
+    assert 0.4 < whole.float().mean().item() < 0.8
+    rows, cols = slice(16, 48), slice(32, 96)
+    qp, kp, vp = part_of(q, k, rows, cols, device)
+    want = whole[:, rows, :, cols]
+    args = (qp, kp, vp, p, scale, False, -1, -1, 0.0, None, state, None)
+    assert torch.equal(torch.ops.flashattn.fwd(*args, 16, 32)[0] != 0, want)
+    assert torch.equal(_torch_ops.call("fwd", *args, 16, 32)[0] != 0, want)
+    assert not torch.equal(torch.ops.flashattn.fwd(*args)[0] != 0, want)
+    assert not torch.equal(torch.ops.flashattn.fwd(*args, 16, 0)[0] != 0, want)
+
+    b, n_rows, n_cols = q.shape[0], 32, 64
+    cu_q = torch.arange(0, (b + 1) * n_rows, n_rows, dtype=torch.int32, device=device)
+    cu_k = torch.arange(0, (b + 1) * n_cols, n_cols, dtype=torch.int32, device=device)
+    out = torch.ops.flashattn.varlen_fwd(qp.flatten(0, 1), kp.flatten(0, 1), vp.flatten(0, 1), cu_q, cu_k, None,
+                                         n_rows, n_cols, p, scale, False, -1, -1, 0.0, None, state, None, None,
+                                         16, 32)[0]
+    assert torch.equal(out.view(b, n_rows, *out.shape[1:]) != 0, want)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_dropout_offsets_in_the_backward(device):
+    """The whole call's gradients are the sum of those of four calls on the blocks rows {[0, 16),
+    [16, 48)} x keys {[0, 32), [32, 96)}, each given its offsets and the whole call's out and lse
+    (as ring attention computes them), by bwd and by varlen_bwd; with the offsets left at 0 they
+    are not."""
+    g = torch.Generator().manual_seed(45)
+    q, k, v = (torch.randn(2, n, 3, 16, generator=g).to(device) for n in (48, 96, 96))
+    dout = torch.randn(2, 48, 3, 16, generator=g).to(device)
+    state = rng_state(device, seed=78)
+    p, scale = 0.3, 0.25
+    out, lse, _ = torch.ops.flashattn.fwd(q, k, v, p, scale, False, -1, -1, 0.0, None, state)
+    want = torch.ops.flashattn.bwd(dout, q, k, v, out, lse, p, scale, False, -1, -1, 0.0, None, False, state)[:3]
+
+    def blockwise(offsets, varlen):
+        grads = [torch.zeros_like(x) for x in (q, k, v)]
+        for rows in (slice(0, 16), slice(16, 48)):
+            for cols in (slice(0, 32), slice(32, 96)):
+                at = (rows.start, cols.start) if offsets else (0, 0)
+                parts = (dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows])
+                lse_rows = lse[:, :, rows].contiguous()
+                if varlen:
+                    n_r, n_c = rows.stop - rows.start, cols.stop - cols.start
+                    cu_q = torch.tensor([0, n_r, 2 * n_r], dtype=torch.int32, device=device)
+                    cu_k = torch.tensor([0, n_c, 2 * n_c], dtype=torch.int32, device=device)
+                    flat = [x.flatten(0, 1) for x in parts]
+                    lse_flat = lse_rows.transpose(0, 1).flatten(1, 2).contiguous()
+                    dq, dk, dv, _ = torch.ops.flashattn.varlen_bwd(*flat, lse_flat, cu_q, cu_k, None, n_r, n_c, p,
+                                                                   scale, False, -1, -1, 0.0, None, False, state,
+                                                                   *at)
+                    dq, dk, dv = dq.view(2, n_r, 3, 16), dk.view(2, n_c, 3, 16), dv.view(2, n_c, 3, 16)
+                else:
+                    dq, dk, dv, _ = torch.ops.flashattn.bwd(*parts, lse_rows, p, scale, False, -1, -1, 0.0, None,
+                                                            False, state, *at)
+                grads[0][:, rows] += dq
+                grads[1][:, cols] += dk
+                grads[2][:, cols] += dv
+        return grads
+
+    for varlen in (False, True):
+        for got, ref in zip(blockwise(True, varlen), want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(blockwise(False, varlen)[1], want[1], atol=1e-3)
+
+
+def test_dropout_offsets_must_be_whole_blocks():
+    q, k, v = qkv("cpu")
+    for offsets, name in (((8, 0), "dropout_row_offset"), ((0, -16), "dropout_col_offset")):
+        with pytest.raises(ValueError, match=name):
+            torch.ops.flashattn.fwd(q, k, v, 0.2, 0.2, False, -1, -1, 0.0, None, rng_state("cpu"), None, *offsets)
+
+
 def test_packed_qkv_is_read_in_place(monkeypatch):
     """The kernels receive views of the packed tensor (same storage), not copies."""
     qkv_t = torch.randn(2, 9, 3, 2, 16, dtype=torch.float16)
