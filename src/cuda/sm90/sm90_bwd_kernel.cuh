@@ -3,10 +3,13 @@
 //                          padded copies of lse · log2 e and softmax_d that the main kernel bulk-loads
 //   bwd_kernel             warp-specialised: one producer warpgroup (one thread issues the TMA
 //                          loads) and two consumer warpgroups (sm90_bwd_mainloop.cuh)
-//   bwd_postprocess_kernel dQ: the fp32 accumulator in the caller's element type
+//   bwd_postprocess_kernel dQ: the fp32 accumulator (in the consumers' fragment order) in the
+//                          caller's element type
 #pragma once
 
 #include <cute/tensor.hpp>
+
+#include <cstring>
 
 #include "cuda/device/row_dot.cuh"
 #include "cuda/sm90/sm90_bwd_mainloop.cuh"
@@ -51,26 +54,39 @@ __global__ void __launch_bounds__(kBwdPrepostThreads)
   }
 }
 
-// Grid (⌈sq / 64⌉, heads, batch): thread t converts 4 consecutive columns per step (the
-// instantiated head dim is a multiple of 64), skipping columns ≥ d.
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(kBwdPrepostThreads)
+// Grid (padded_rows / block_m, heads, batch), the consumer warpgroups' threads: thread t reads
+// its dQ fragment of the row block from the accumulator (float4 v of the warpgroup's slice at
+// (v · 128 + lane) · 4, as BwdMainloop::compute staged it; coalesced), converts it and writes
+// the rows below sq and columns below d, two columns per 32-bit store.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kConsumerThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, int padded_rows) {
   if (p.index_check_failed()) return;
-  constexpr int kRows = 64;
-  constexpr int kVec = 4;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const float* const tile = dq_accum + ((std::int64_t(batch) * p.heads + head) * padded_rows + blockIdx.x * kRows) * kHeadDim;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int head = blockIdx.y, batch = blockIdx.z, thread = threadIdx.x;
+  const int m_start = blockIdx.x * kBlockM;
+  const int wg = thread / Traits::kWarpgroupThreads, lane = thread % Traits::kWarpgroupThreads;
+  const float4* const slice = reinterpret_cast<const float4*>(
+      dq_accum + ((std::int64_t(batch) * p.heads + head) * padded_rows + m_start) * kHeadDim +
+      wg * Traits::kDqFloatsPerWarpgroup);
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor c_dq = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   auto* dq = static_cast<Element*>(p.dq.data);
-  for (int e = threadIdx.x * kVec; e < kRows * kHeadDim; e += kBwdPrepostThreads * kVec) {
-    const int row = e / kHeadDim, col = e % kHeadDim;
-    const int i = blockIdx.x * kRows + row;
-    if (i >= p.max_seqlen_q || col >= p.head_dim) continue;
-    const float4 v = *reinterpret_cast<const float4*>(tile + e);
-    Element out[kVec] = {Element(v.x), Element(v.y), Element(v.z), Element(v.w)};
-    Element* const dst = dq + p.q_offset(p.dq, batch, i, head) + col;
-    // d is a multiple of 8 (layout checks): 4 columns never straddle it.
-    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(out);
+  CUTE_UNROLL
+  for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
+    const float4 x = slice[v * Traits::kWarpgroupThreads + lane];
+    const float pair_values[2][2] = {{x.x, x.y}, {x.z, x.w}};
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int row = m_start + get<0>(c_dq(4 * v + 2 * h)), col = get<1>(c_dq(4 * v + 2 * h));
+      if (row >= p.max_seqlen_q || col >= p.head_dim) continue;
+      const Element pair[2] = {Element(pair_values[h][0]), Element(pair_values[h][1])};
+      std::uint32_t packed;
+      std::memcpy(&packed, pair, sizeof packed);
+      *reinterpret_cast<std::uint32_t*>(dq + p.q_offset(p.dq, batch, row, head) + col) = packed;
+    }
   }
 }
 
@@ -107,7 +123,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync()) Mainloop::load(params, ss, q_pipe, do_pipe, t);
+    if (warp == 0 && cute::elect_one_sync()) {
+      Mainloop::load(params, ss, q_pipe, do_pipe, t);
+    } else if (warp == kDqWriterWarp) {
+      Mainloop::write_dq(params, ss, t, int(threadIdx.x) % 32);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread = int(threadIdx.x) - Traits::kWarpgroupThreads;

@@ -72,8 +72,9 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
     if ((err = launch_bwd<BwdTraitsOf<Element, kHeadDim>>(p, ws, stream)) != cudaSuccess) return err;
   }
   if (row_blocks > 0) {
-    bwd_postprocess_kernel<Element, kHeadDim><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
-        p, ws.dq_accum, ws.padded_rows);
+    using Traits = BwdTraitsOf<Element, kHeadDim>;
+    bwd_postprocess_kernel<Traits><<<dim3(ws.padded_rows / Traits::kBlockM, p.heads, p.batch), Traits::kConsumerThreads,
+                                     0, stream>>>(p, ws.dq_accum, ws.padded_rows);
     err = cudaGetLastError();
   }
   return err;

@@ -35,8 +35,11 @@ struct BwdParams {
 
 // The named barrier ids of the backward kernel.
 enum class BwdBarrier : int {
-  kDsWritten = 1,  // all consumers: both halves of a row block's dSᵀ are in shared memory
+  kDsWritten = 1,   // all consumers: both halves of a row block's dSᵀ are in shared memory
+  kDqFullWg0 = 2,   // + warpgroup: its dQ slice is staged (the warpgroup and the dQ writer warp)
+  kDqEmptyWg0 = 4,  // + warpgroup: the writer has read its dQ slice out
 };
+inline constexpr int kDqWriterWarp = 1;  // of the producer warpgroup
 
 // The work of one CTA: key tile n_block of (kv_head, batch), and the query row blocks
 // [m_block_min, m_block_max) whose rows see one of its keys (the same for every head of the group).
@@ -134,6 +137,42 @@ struct BwdMainloop {
     }
   }
 
+  // --- the dQ writer: warp kDqWriterWarp of the producer warpgroup ----------------------------
+  // Per step, each consumer warpgroup's staged slice is added to the accumulator's row block by
+  // one bulk reduce-add (fp32, the fragment order of both sides); once both have been read out of
+  // shared memory the warpgroups may stage the next step's (not after the last step: every
+  // arrival on a named barrier is matched).
+  __device__ static void write_dq(const BwdParams<Traits>& params, SharedStorage& ss, const BwdTile& t, int lane) {
+    constexpr int kWgs = Traits::kConsumerWarpgroups;
+    constexpr int kThreads = Traits::kWarpgroupThreads + 32;
+    constexpr std::uint32_t kBytes = Traits::kDqFloatsPerWarpgroup * sizeof(float);
+    const int group = params.p.group_size();
+    const int m_blocks = t.m_block_max - t.m_block_min;
+    const int steps = t.steps(group);
+    for (int s = 0; s < steps; ++s) {
+      const int head = t.kv_head * group + s / m_blocks;
+      const int m = t.m_block_min + s % m_blocks;
+      float* const rows = params.dq_accum + stat_offset(params, t.batch, head, m) * kHeadDim;
+      for (int wg = 0; wg < kWgs; ++wg) {
+        named_barrier_sync(int(BwdBarrier::kDqFullWg0) + wg, kThreads);
+        if (lane == 0) {
+          const std::uint32_t src = cute::cast_smem_ptr_to_uint(ss.dq[wg]);
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                           rows + wg * Traits::kDqFloatsPerWarpgroup),
+                       "r"(src), "r"(kBytes)
+                       : "memory");
+          cute::tma_store_arrive();  // commit the bulk group
+        }
+      }
+      if (s + 1 == steps) break;
+      if (lane == 0) cute::tma_store_wait<0>();  // the slices have been read (not yet added)
+      __syncwarp();
+      for (int wg = 0; wg < kWgs; ++wg) named_barrier_arrive(int(BwdBarrier::kDqEmptyWg0) + wg, kThreads);
+    }
+    // The last additions complete (not only their reads) before the thread exits.
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+
   // --- consumers: two warpgroups of 64 keys each ----------------------------------------------
   // thread: index among the consumer threads. Leaves dK and dV (fp32, dS already scaled by
   // softmax_scale) in acc_dk / acc_dv.
@@ -183,7 +222,6 @@ struct BwdMainloop {
 
     Tensor c_s = thr_sdp.partition_C(make_identity_tensor(kShapeSdP));
     Tensor c_rc = make_tensor(c_s.data(), rowcol_layout(c_s.layout()));  // (key, row) of each element
-    Tensor c_dq = thr_dq.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedQ{})));
     constexpr int kKeys = decltype(size<0>(s_rc))::value;
     constexpr int kRows = decltype(size<1>(s_rc))::value;
 
@@ -197,7 +235,6 @@ struct BwdMainloop {
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, 0);
     PipelineState<kStages> st;
     for (int s = 0; s < t.steps(group); ++s) {
-      const int head = t.kv_head * group + s / m_blocks;
       const int m = t.m_block_min + s % m_blocks;
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
@@ -234,7 +271,8 @@ struct BwdMainloop {
         for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), params.scale_log2, -lse));
       }
       convert_fragment<Element>(acc_s, p_flat);
-      cute::warpgroup_wait<0>();  // dPᵀ has landed
+      wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);  // runs under dSᵀ
+      cute::warpgroup_wait<1>();  // dPᵀ has landed
       CUTE_UNROLL
       for (int c = 0; c < kRows; ++c) {
         const float d = dpsum[get<1>(c_rc(0, c))];
@@ -249,7 +287,6 @@ struct BwdMainloop {
       for (int i = 0; i < size(ds_flat); ++i) tSsdS_b(i) = ds_flat(i);
       cutlass::arch::fence_view_async_shared();
 
-      wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
       wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
       named_barrier_sync(int(BwdBarrier::kDsWritten), Traits::kConsumerThreads);
       wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
@@ -258,14 +295,19 @@ struct BwdMainloop {
       do_pipe.consumer_release(st, true);
       st.advance();
 
-      // dQ of this row block += the fragment (fp32 pairs; the accumulator's padding rows absorb
-      // the rows past the sequence).
-      float* const dq_rows = params.dq_accum + stat_offset(params, t.batch, head, m) * kHeadDim;
+      // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
+      // thread l at (v · 128 + l) · 4: conflict-free, and the order the accumulator keeps).
+      constexpr int kDqThreads = Traits::kWarpgroupThreads + 32;
+      if (s > 0) named_barrier_sync(int(BwdBarrier::kDqEmptyWg0) + wg, kDqThreads);
+      float4* const slice = reinterpret_cast<float4*>(ss.dq[wg]);
+      const int lane = thread % Traits::kWarpgroupThreads;
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += 2) {
-        const int row = get<0>(c_dq(i)), col = get<1>(c_dq(i));
-        atomicAdd(reinterpret_cast<float2*>(dq_rows + row * kHeadDim + col), make_float2(acc_dq(i), acc_dq(i + 1)));
+      for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
+        slice[v * Traits::kWarpgroupThreads + lane] =
+            make_float4(acc_dq(4 * v), acc_dq(4 * v + 1), acc_dq(4 * v + 2), acc_dq(4 * v + 3));
       }
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_arrive(int(BwdBarrier::kDqFullWg0) + wg, kDqThreads);
     }
   }
 
