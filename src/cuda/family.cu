@@ -157,6 +157,10 @@ void family_backward(const FamilyChoice& choice, const common::AttentionParams& 
   ws.dq_accum = reinterpret_cast<float*>(base);
   ws.lse_log2 = reinterpret_cast<float*>(base + w.dq_accum_bytes);
   ws.dpsum = reinterpret_cast<float*>(base + w.dq_accum_bytes + w.row_stat_bytes);
+  if (p.deterministic) {
+    ws.dq_semaphores = reinterpret_cast<int*>(base + w.dq_accum_bytes + 2 * w.row_stat_bytes);
+    ws.semaphore_bytes = w.semaphore_bytes;
+  }
   ws.padded_rows = w.padded_rows;
   ws.dq_accum_bytes = w.dq_accum_bytes;
   const cudaError_t err = sm90::dispatch_bwd(p.storage, choice.head_dim, p, ws, rng_state, stream);

@@ -51,7 +51,6 @@ TEST(CudaSm90BackwardHost, FeaturesItDoesNotServeYetAreNamed) {
       {"softcap", [](AttnConfig& c) { c.opt.softcap = 30.0f; }},
       {"ALiBi", [](AttnConfig& c) { c.alibi = Alibi::per_head; }},
       {"dropout", [](AttnConfig& c) { c.opt.dropout_p = 0.1f; }},
-      {"deterministic", [](AttnConfig& c) { c.opt.deterministic = true; }},
       {"varlen", [](AttnConfig& c) { c.varlen_q = {40, 24}; c.varlen_k = {30, 34}; }},
   };
   for (const auto& [name, set] : declined) {

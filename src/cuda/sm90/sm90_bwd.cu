@@ -15,7 +15,6 @@ std::string bwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f) {
     return "softcap, ALiBi and dropout are not in this family's backward yet";
   }
-  if (p.deterministic) return "the deterministic backward is not in this family yet";
   if (p.max_seqlen_q == 0) return "no query rows: nothing for the TMA loads (dK and dV are zeros elsewhere)";
   // The forward's TMA rules hold for q, k and v; dO is read the same way as q.
   const std::string why = fwd_unsupported(p, head_dim);
@@ -30,6 +29,7 @@ BwdWorkspace bwd_workspace(const common::AttentionParams& p, int head_dim) {
   const std::size_t rows = std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(w.padded_rows);
   w.dq_accum_bytes = detail::workspace_align_up(rows * std::size_t(head_dim) * sizeof(float));
   w.row_stat_bytes = detail::workspace_align_up(rows * sizeof(float));
+  if (p.deterministic) w.semaphore_bytes = detail::workspace_align_up(rows / block_m * sizeof(int));
   return w;
 }
 

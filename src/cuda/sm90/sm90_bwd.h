@@ -32,11 +32,14 @@ constexpr BwdTileShape bwd_tile(int head_dim) {
 // query rows rounded up to a row block): the fp32 dQ accumulator (rows × the instantiated head
 // dim), lse · log2 e and softmax_d (one float per row; +∞ and 0 on the padding rows, so that a
 // row block is read whole).
+// Deterministic calls add one int32 per (batch, head, row block): how many key tiles have added
+// their dQ to the row block, so that they add it in key-tile order (BwdMainloop::write_dq).
 struct BwdWorkspace {
   int padded_rows = 0;
   std::size_t dq_accum_bytes = 0;
-  std::size_t row_stat_bytes = 0;  // each of lse_log2 and dpsum
-  std::size_t total_bytes() const { return dq_accum_bytes + 2 * row_stat_bytes; }
+  std::size_t row_stat_bytes = 0;   // each of lse_log2 and dpsum
+  std::size_t semaphore_bytes = 0;  // deterministic only
+  std::size_t total_bytes() const { return dq_accum_bytes + 2 * row_stat_bytes + semaphore_bytes; }
 };
 BwdWorkspace bwd_workspace(const common::AttentionParams& p, int head_dim);
 
@@ -45,8 +48,10 @@ struct BwdScratch {
   float* dq_accum = nullptr;
   float* lse_log2 = nullptr;
   float* dpsum = nullptr;
+  int* dq_semaphores = nullptr;  // (b, h, padded_rows / block_m) int32, or nullptr
   int padded_rows = 0;
   std::size_t dq_accum_bytes = 0;
+  std::size_t semaphore_bytes = 0;
 };
 
 // Why the sm90 backward does not serve p in the instantiated head dim `head_dim`, or "" when it

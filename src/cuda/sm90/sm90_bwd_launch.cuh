@@ -38,6 +38,7 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.dq_accum = ws.dq_accum;
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;
+  params.dq_semaphores = ws.dq_semaphores;
   params.padded_rows = ws.padded_rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
 
@@ -61,6 +62,7 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
   using Element = typename device::ElementOf<kStorage>::type;
   constexpr int kRows = 64;
   cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
+  if (err == cudaSuccess && ws.dq_semaphores != nullptr) err = cudaMemsetAsync(ws.dq_semaphores, 0, ws.semaphore_bytes, stream);
   if (err != cudaSuccess) return err;
   const int row_blocks = ws.padded_rows / kRows;
   if (row_blocks > 0) {

@@ -29,6 +29,7 @@ struct BwdParams {
   float* dq_accum;                      // (b, h, padded_rows, kHeadDim) fp32
   const float* lse_log2;                // (b, h, padded_rows)
   const float* dpsum;                   // (b, h, padded_rows)
+  int* dq_semaphores;                   // deterministic: (b, h, padded_rows / kBlockM), else nullptr
   int padded_rows;
   float scale_log2;  // softmax_scale · log2 e
 };
@@ -40,6 +41,17 @@ enum class BwdBarrier : int {
   kDqEmptyWg0 = 4,  // + warpgroup: the writer has read its dQ slice out
 };
 inline constexpr int kDqWriterWarp = 1;  // of the producer warpgroup
+
+// Deterministic dQ turns (BwdMainloop::write_dq): an acquiring load and a releasing increment at
+// GPU scope.
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(p) : "memory");
+  return value;
+}
+__device__ __forceinline__ void release_increment(int* p) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
+}
 
 // The work of one CTA: key tile n_block of (kv_head, batch), and the query row blocks
 // [m_block_min, m_block_max) whose rows see one of its keys (the same for every head of the group).
@@ -153,6 +165,18 @@ struct BwdMainloop {
       const int head = t.kv_head * group + s / m_blocks;
       const int m = t.m_block_min + s % m_blocks;
       float* const rows = params.dq_accum + stat_offset(params, t.batch, head, m) * kHeadDim;
+      // Deterministic: the key tiles that reach row block m add their dQ in key-tile order,
+      // [first_n_block(m), ...), each once its predecessors' additions have landed. The tiles
+      // start in that order (blockIdx.x), so a waiting CTA's predecessors are running or done.
+      int* const semaphore = params.dq_semaphores == nullptr
+                                 ? nullptr
+                                 : params.dq_semaphores + stat_offset(params, t.batch, head, m) / kBlockM;
+      if (semaphore != nullptr && lane == 0) {
+        const int turn = t.n_block - t.mask.block_col_begin(m * kBlockM) / kBlockN;
+        while (load_acquire(semaphore) != turn) {
+        }
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk additions come after
+      }
       for (int wg = 0; wg < kWgs; ++wg) {
         named_barrier_sync(int(BwdBarrier::kDqFullWg0) + wg, kThreads);
         if (lane == 0) {
@@ -163,6 +187,11 @@ struct BwdMainloop {
                        : "memory");
           cute::tma_store_arrive();  // commit the bulk group
         }
+      }
+      if (semaphore != nullptr && lane == 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // landed, not only read
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        release_increment(semaphore);
       }
       if (s + 1 == steps) break;
       if (lane == 0) cute::tma_store_wait<0>();  // the slices have been read (not yet added)
