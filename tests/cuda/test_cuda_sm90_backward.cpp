@@ -46,10 +46,11 @@ TEST(CudaSm90BackwardHost, FeaturesItDoesNotServeYetAreNamed) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 64, 64);
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
   cfg.opt.causal = true;
+  cfg.opt.softcap = 30.0f;
+  cfg.alibi = Alibi::per_head;
+  cfg.opt.deterministic = true;
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
   const std::pair<const char*, void (*)(AttnConfig&)> declined[] = {
-      {"softcap", [](AttnConfig& c) { c.opt.softcap = 30.0f; }},
-      {"ALiBi", [](AttnConfig& c) { c.alibi = Alibi::per_head; }},
       {"dropout", [](AttnConfig& c) { c.opt.dropout_p = 0.1f; }},
       {"varlen", [](AttnConfig& c) { c.varlen_q = {40, 24}; c.varlen_k = {30, 34}; }},
   };
@@ -84,14 +85,14 @@ TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
   EXPECT_TRUE(served.served);
   EXPECT_EQ(served.family, fc::Family::sm90);
   AttnConfig scored = feature_config(DType::bf16, 128, 100, 100);
-  scored.opt.softcap = 30.0f;
+  scored.opt.dropout_p = 0.1f;
   const fc::FamilyChoice other = fc::choose_backward_family(backward_params_of(make_problem(scored)));
   EXPECT_TRUE(other.served);
   EXPECT_EQ(other.family, fc::Family::sm80);
   const FamilyOverride family("sm90");
   const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(scored)));
   EXPECT_FALSE(refused.served);
-  EXPECT_NE(refused.why_not.find("softcap"), std::string::npos) << refused.why_not;
+  EXPECT_NE(refused.why_not.find("dropout"), std::string::npos) << refused.why_not;
 }
 
 // --- the shape grid -----------------------------------------------------------------------------
@@ -151,6 +152,27 @@ TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
     cfg.opt.window_left = 0;
     cfg.opt.window_right = 0;  // rows 0…199 see no key
     expect_sm90_backward_matches(cfg);
+  }
+}
+
+// Softcap 1.5 with scores well past it (the derivative 1 − tanh² far from 1), ALiBi per head and
+// per (batch, head), both together, causal or not, GQA (the slope is the query head's).
+TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : softcap_configs(GetParam())) {
+    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+  }
+  for (int d : {64, 128}) {
+    for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
+        cfg.alibi = a;
+        cfg.opt.causal = causal;
+        expect_sm90_backward_matches(cfg);
+        cfg.opt.softcap = 5.0f;
+        expect_sm90_backward_matches(cfg);
+      }
+    }
   }
 }
 

@@ -51,9 +51,10 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   return cudaGetLastError();
 }
 
-template <class Element, int kHeadDim>
+// The variants of one (dtype, head dim): softcap and ALiBi compiled in or not.
+template <class Element, int kHeadDim, bool kScoreMod>
 using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
-                              bwd_tile(kHeadDim).stages>;
+                              bwd_tile(kHeadDim).stages, kScoreMod>;
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
@@ -71,10 +72,13 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.max_seqlen_k > 0) {
-    if ((err = launch_bwd<BwdTraitsOf<Element, kHeadDim>>(p, ws, stream)) != cudaSuccess) return err;
+    const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+    err = score_mod ? launch_bwd<BwdTraitsOf<Element, kHeadDim, true>>(p, ws, stream)
+                    : launch_bwd<BwdTraitsOf<Element, kHeadDim, false>>(p, ws, stream);
+    if (err != cudaSuccess) return err;
   }
   if (row_blocks > 0) {
-    using Traits = BwdTraitsOf<Element, kHeadDim>;
+    using Traits = BwdTraitsOf<Element, kHeadDim, false>;  // the variants share the dQ layout
     bwd_postprocess_kernel<Traits><<<dim3(ws.padded_rows / Traits::kBlockM, p.heads, p.batch), Traits::kConsumerThreads,
                                      0, stream>>>(p, ws.dq_accum, ws.padded_rows);
     err = cudaGetLastError();

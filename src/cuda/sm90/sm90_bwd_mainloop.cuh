@@ -4,9 +4,12 @@
 // dQ accumulation and the dK/dV epilogue. The product schedule is in sm90_bwd_traits.cuh.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cute/tensor.hpp>
 
 #include "cuda/device/math.cuh"
+#include "cuda/device/score_mod.cuh"
 #include "cuda/sm90/sm90_bwd_traits.cuh"
 #include "cuda/sm90/sm90_pipeline.cuh"
 #include "cuda/sm90/sm90_softmax.cuh"
@@ -263,10 +266,20 @@ struct BwdMainloop {
 
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, 0);
     PipelineState<kStages> st;
+    // Softcap's derivative per score (kScoreMod kernels only), as fp16 pairs: it multiplies dSᵀ,
+    // which is rounded to 16 bits itself, and 1 − tanh² ∈ [0, 1] keeps 11 bits there (fp32 took
+    // 32 more registers, spilled).
+    [[maybe_unused]] __half2 dtanh[Traits::kScoreMod ? kKeys * kRows / 2 : 1];
     for (int s = 0; s < t.steps(group); ++s) {
       const int m = t.m_block_min + s % m_blocks;
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
+      // Softcap and ALiBi (kScoreMod): raw scores in device::TileScoreMod's units, whose
+      // out_scale · log2 e is the exponent's multiplier; ALiBi's slope is the head's.
+      [[maybe_unused]] const device::TileScoreMod mod(
+          p.template score_mod_for<float>(t.batch, t.kv_head * group + s / m_blocks, t.seqlen_q, t.seqlen_k),
+          Traits::kScoreMod);
+      const float exp_scale = Traits::kScoreMod ? mod.out_scale * device::kLog2e : params.scale_log2;
 
       q_pipe.consumer_wait(st);
       wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
@@ -277,6 +290,27 @@ struct BwdMainloop {
       const float* const dpsum = ss.dpsum[st.index];
       cute::warpgroup_wait<1>();  // Sᵀ has landed; dPᵀ still runs
 
+      if constexpr (Traits::kScoreMod) {
+        if (mod.softcap) {
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc_s); e += 2) {
+            acc_s(e) = device::TileScoreMod::tanh(acc_s(e) * mod.k);
+            acc_s(e + 1) = device::TileScoreMod::tanh(acc_s(e + 1) * mod.k);
+            dtanh[e / 2] = __floats2half2_rn(fmaf(-acc_s(e), acc_s(e), 1.0f), fmaf(-acc_s(e + 1), acc_s(e + 1), 1.0f));
+          }
+        }
+        if (mod.alibi) {  // distance |i + sk − sq − j| of row i and key j
+          const int key_first = key0 + get<0>(c_rc(0, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < kRows; ++c) {
+            const float base = mod.alibi_base(row0 + get<1>(c_rc(0, c)), key_first);
+            CUTE_UNROLL
+            for (int r = 0; r < kKeys; ++r) {
+              s_rc(r, c) = mod.add_alibi(s_rc(r, c), base, get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0)));
+            }
+          }
+        }
+      }
       // Pᵀ, with the keys a row does not see (and keys past the sequence) at 0. Rows past the
       // sequence have lse = +∞ and Q = 0: their P is 0 too.
       const int row_e = min(row0 + kBlockM, t.seqlen_q);
@@ -297,7 +331,7 @@ struct BwdMainloop {
       for (int c = 0; c < kRows; ++c) {
         const float lse = lse_log2[get<1>(c_rc(0, c))];
         CUTE_UNROLL
-        for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), params.scale_log2, -lse));
+        for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
       }
       convert_fragment<Element>(acc_s, p_flat);
       wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);  // runs under dSᵀ
@@ -307,6 +341,16 @@ struct BwdMainloop {
         const float d = dpsum[get<1>(c_rc(0, c))];
         CUTE_UNROLL
         for (int r = 0; r < kKeys; ++r) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d) * scale;
+      }
+      if constexpr (Traits::kScoreMod) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)
+        if (mod.softcap) {
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc_dp); e += 2) {
+            const float2 f = __half22float2(dtanh[e / 2]);
+            acc_dp(e) *= f.x;
+            acc_dp(e + 1) *= f.y;
+          }
+        }
       }
       convert_fragment<Element>(acc_dp, ds_flat);
 

@@ -27,13 +27,16 @@ namespace flashattn::cuda::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// kScoreMod: softcap and ALiBi compiled in (device::TileScoreMod on each Sᵀ tile, softcap's
+// derivative 1 − tanh² in dSᵀ), each taken when the call asks for it.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kScoreMod_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step
   static constexpr int kBlockN = kBlockN_;  // keys of the CTA
   static constexpr int kStages = kStages_;  // Q/dO ring
+  static constexpr bool kScoreMod = kScoreMod_;
 
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
   static constexpr int kConsumerWarpgroups = kBlockN / kKeysPerWarpgroup;
