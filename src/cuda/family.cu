@@ -161,7 +161,7 @@ void family_backward(const FamilyChoice& choice, const common::AttentionParams& 
     ws.dq_semaphores = reinterpret_cast<int*>(base + w.dq_accum_bytes + 2 * w.row_stat_bytes);
     ws.semaphore_bytes = w.semaphore_bytes;
   }
-  ws.padded_rows = w.padded_rows;
+  ws.rows = w.rows;
   ws.dq_accum_bytes = w.dq_accum_bytes;
   const cudaError_t err = sm90::dispatch_bwd(p.storage, choice.head_dim, p, ws, rng_state, stream);
   if (err != cudaSuccess) {

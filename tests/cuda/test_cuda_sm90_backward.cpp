@@ -52,7 +52,6 @@ TEST(CudaSm90BackwardHost, FeaturesItDoesNotServeYetAreNamed) {
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
   const std::pair<const char*, void (*)(AttnConfig&)> declined[] = {
       {"dropout", [](AttnConfig& c) { c.opt.dropout_p = 0.1f; }},
-      {"varlen", [](AttnConfig& c) { c.varlen_q = {40, 24}; c.varlen_k = {30, 34}; }},
   };
   for (const auto& [name, set] : declined) {
     AttnConfig d = feature_config(DType::bf16, 128, 64, 64);
@@ -69,10 +68,29 @@ TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 65, 10);  // 65 rows: two row blocks of 64
   const c::AttentionParams p = backward_params_of(make_problem(cfg));
   const fc::sm90::BwdWorkspace w = fc::sm90::bwd_workspace(p, 128);
-  EXPECT_EQ(w.padded_rows, 128);
+  EXPECT_EQ(w.rows.padded_rows, 128);
+  EXPECT_EQ(w.rows.head_stride, 2 * 128);  // b · padded rows
   EXPECT_GE(w.dq_accum_bytes, std::size_t(2 * 4 * 128 * 128 * 4));  // b · h · rows · d fp32
   EXPECT_GE(w.row_stat_bytes, std::size_t(2 * 4 * 128 * 4));
-  EXPECT_EQ(fc::sm90::bwd_workspace(p, 64).padded_rows, 128);  // d 64: row blocks of 128
+  EXPECT_EQ(fc::sm90::bwd_workspace(p, 64).rows.padded_rows, 128);  // d 64: row blocks of 128
+  // Varlen: each sequence starts on a row block and keeps its rounded-up rows, within
+  // total + (b + 1) · block_m rows per head.
+  AttnConfig v = feature_config(DType::bf16, 128, 0, 0);
+  v.varlen_q = {65, 0, 1, 130};
+  v.varlen_k = {10, 20, 30, 40};
+  const c::AttentionParams vp = backward_params_of(make_problem(v));
+  const fc::sm90::BwdRows r = fc::sm90::bwd_rows(vp, 128);
+  const std::vector<int> cu = {0, 65, 65, 66, 196};
+  c::AttentionParams hp = vp;
+  hp.cu_seqlens_q = cu.data();  // bwd_row_start reads cu_seqlens_q (host copy)
+  std::int64_t end = 0;
+  for (int b = 0; b < 4; ++b) {
+    const std::int64_t start = fc::sm90::bwd_row_start(hp, r, b);
+    EXPECT_EQ(start % 64, 0) << b;
+    EXPECT_GE(start, end) << b;
+    end = start + (cu[b + 1] - cu[b] + 63) / 64 * 64;
+  }
+  EXPECT_LE(end, r.head_stride);
   static_assert(fc::sm90::bwd_tile(64).block_m == 128 && fc::sm90::bwd_tile(128).block_m == 64);
 }
 
@@ -172,6 +190,31 @@ TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
         cfg.opt.softcap = 5.0f;
         expect_sm90_backward_matches(cfg);
       }
+    }
+  }
+}
+
+// Varlen batches: empty sequences (no rows, no keys), lengths that end inside row blocks and key
+// tiles (the next sequence's rows zeroed in shared memory), causal and windows, GQA, seqused_k
+// (the unused keys' dK/dV zero), deterministic.
+TEST_P(CudaSm90BackwardFeatures, Varlen) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+      cfg.varlen_q = {300, 0, 129, 1, 77};
+      cfg.varlen_k = {257, 64, 400, 0, 200};
+      if (variant == 1) cfg.opt.causal = true;
+      if (variant == 2) {
+        cfg.opt.window_left = 70;
+        cfg.opt.window_right = 30;
+        cfg.opt.deterministic = true;
+      }
+      if (variant == 3) {
+        cfg.seqused_k = {200, 10, 399, 0, 150};
+        cfg.opt.causal = true;
+      }
+      expect_sm90_backward_matches(cfg);
     }
   }
 }

@@ -18,24 +18,27 @@ namespace flashattn::cuda::sm90 {
 
 inline constexpr int kBwdPrepostThreads = 256;
 
-// Grid (⌈padded_rows / 64⌉, heads, batch): each of the 8 warps takes 8 rows; a lane holds 8
-// consecutive columns of dO and O per step (dv is a multiple of 8 and rows 16-byte aligned: the
-// layout checks of every family).
+// Grid (⌈rows.padded_rows / 64⌉, heads, batch): each of the 8 warps takes 8 rows of sequence
+// `batch` (its rows rounded up to rows.block_m: the padding gets lse +∞ and softmax_d 0); a lane
+// holds 8 consecutive columns of dO and O per step (dv is a multiple of 8 and rows 16-byte
+// aligned: the layout checks of every family).
 template <class Element>
 __global__ void __launch_bounds__(kBwdPrepostThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* lse_log2, float* dpsum,
-                          int padded_rows) {
+                          const BwdRows rows) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
   constexpr int kRowsPerWarp = 8;
   const int head = blockIdx.y, batch = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const auto* dout = static_cast<const Element*>(p.dout.data);
   const auto* out = static_cast<const Element*>(p.out.data);
-  const std::int64_t stats = (std::int64_t(batch) * p.heads + head) * padded_rows;
+  const int seqlen_q = p.seqlen_q(batch);
+  const int padded = (seqlen_q + rows.block_m - 1) / rows.block_m * rows.block_m;
+  const std::int64_t stats = std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch);
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int i = (blockIdx.x * (kBwdPrepostThreads / 32) + warp) * kRowsPerWarp + r;
-    if (i >= padded_rows) break;
-    if (i >= p.max_seqlen_q) {  // padding: P = 0 there
+    if (i >= padded) break;
+    if (i >= seqlen_q) {  // padding: P = 0 there
       if (lane == 0) {
         lse_log2[stats + i] = device::kInf;
         dpsum[stats + i] = 0.0f;
@@ -54,22 +57,24 @@ __global__ void __launch_bounds__(kBwdPrepostThreads)
   }
 }
 
-// Grid (padded_rows / block_m, heads, batch), the consumer warpgroups' threads: thread t reads
+// Grid (rows.padded_rows / block_m, heads, batch), the consumer warpgroups' threads: thread t reads
 // its dQ fragment of the row block from the accumulator (float4 v of the warpgroup's slice at
 // (v · 128 + lane) · 4, as BwdMainloop::compute staged it; coalesced), converts it and writes
 // the rows below sq and columns below d, two columns per 32-bit store.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads)
-    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, int padded_rows) {
+    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, const BwdRows rows) {
   if (p.index_check_failed()) return;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
   const int head = blockIdx.y, batch = blockIdx.z, thread = threadIdx.x;
   const int m_start = blockIdx.x * kBlockM;
+  const int seqlen_q = p.seqlen_q(batch);
+  if (m_start >= seqlen_q) return;
   const int wg = thread / Traits::kWarpgroupThreads, lane = thread % Traits::kWarpgroupThreads;
   const float4* const slice = reinterpret_cast<const float4*>(
-      dq_accum + ((std::int64_t(batch) * p.heads + head) * padded_rows + m_start) * kHeadDim +
+      dq_accum + (std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch) + m_start) * kHeadDim +
       wg * Traits::kDqFloatsPerWarpgroup);
   typename Traits::TiledMmadQ mma_dq;
   Tensor c_dq = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -81,7 +86,7 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int row = m_start + get<0>(c_dq(4 * v + 2 * h)), col = get<1>(c_dq(4 * v + 2 * h));
-      if (row >= p.max_seqlen_q || col >= p.head_dim) continue;
+      if (row >= seqlen_q || col >= p.head_dim) continue;
       const Element pair[2] = {Element(pair_values[h][0]), Element(pair_values[h][1])};
       std::uint32_t packed;
       std::memcpy(&packed, pair, sizeof packed);
@@ -119,7 +124,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   const Pipeline q_pipe{ss.q_full, ss.q_empty};
   const Pipeline do_pipe{ss.do_full, ss.do_empty};
-  const BwdTile t = BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p);
+  const BwdTile t = BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p, params.rows);
+  if (t.empty(Traits::kBlockN)) return;  // a varlen sequence with fewer keys: nothing here
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();

@@ -25,15 +25,15 @@ struct BwdParams {
   typename Traits::TmaRows tma_do;
   typename Traits::TmaKeys tma_k;
   typename Traits::TmaKeys tma_v;
-  typename Traits::ShapeRows shape_q;   // (sq, d, h, b)
+  typename Traits::ShapeRows shape_q;   // (sq, d, h, b); varlen (total_q, d, h, 1)
   typename Traits::ShapeRows shape_do;  // (sq, dv, h, b)
-  typename Traits::ShapeRows shape_k;   // (sk, d, hk, b)
+  typename Traits::ShapeRows shape_k;   // (sk, d, hk, b); varlen (total_k, d, hk, 1)
   typename Traits::ShapeRows shape_v;   // (sk, dv, hk, b)
-  float* dq_accum;                      // (b, h, padded_rows, kHeadDim) fp32
-  const float* lse_log2;                // (b, h, padded_rows)
-  const float* dpsum;                   // (b, h, padded_rows)
-  int* dq_semaphores;                   // deterministic: (b, h, padded_rows / kBlockM), else nullptr
-  int padded_rows;
+  float* dq_accum;                      // (h, rows.head_stride, kHeadDim) fp32 (sm90_bwd.h: BwdRows)
+  const float* lse_log2;                // (h, rows.head_stride)
+  const float* dpsum;                   // (h, rows.head_stride)
+  int* dq_semaphores;                   // deterministic: one per row block, else nullptr
+  BwdRows rows;
   float scale_log2;  // softmax_scale · log2 e
 };
 
@@ -42,6 +42,7 @@ enum class BwdBarrier : int {
   kDsWritten = 1,   // all consumers: both halves of a row block's dSᵀ are in shared memory
   kDqFullWg0 = 2,   // + warpgroup: its dQ slice is staged (the warpgroup and the dQ writer warp)
   kDqEmptyWg0 = 4,  // + warpgroup: the writer has read its dQ slice out
+  kTailZeroed = 6,  // all consumers (varlen): rows past a sequence zeroed in shared memory
 };
 inline constexpr int kDqWriterWarp = 1;  // of the producer warpgroup
 
@@ -58,33 +59,45 @@ __device__ __forceinline__ void release_increment(int* p) {
 
 // The work of one CTA: key tile n_block of (kv_head, batch), and the query row blocks
 // [m_block_min, m_block_max) whose rows see one of its keys (the same for every head of the group).
+// Varlen: the sequence's rows start at q_row0 / k_row0 of the packed tensors (cu_seqlens), its
+// keys are seqused_k's where given; a key tile past them has no work (empty()).
 struct BwdTile {
   int n_block;
   int kv_head;
   int batch;
   int seqlen_q;
   int seqlen_k;
+  int q_row0;
+  int k_row0;
+  std::int64_t stat_row0;  // the sequence's first row in the scratch (bwd_row_start)
   int m_block_min;
   int m_block_max;
   common::Mask mask;
 
   template <int kBlockM, int kBlockN>
-  __device__ static BwdTile of_block(const common::AttentionParams& p) {
+  __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows) {
     BwdTile t;
     t.n_block = int(blockIdx.x);
     t.kv_head = int(blockIdx.y);
     t.batch = int(blockIdx.z);
-    t.seqlen_q = p.max_seqlen_q;
-    t.seqlen_k = p.max_seqlen_k;
+    t.seqlen_q = p.seqlen_q(t.batch);
+    t.seqlen_k = p.seqlen_k(t.batch);  // seqused_k where given
+    t.q_row0 = int(p.q_row0(t.batch));
+    t.k_row0 = p.is_varlen() ? p.cu_seqlens_k[t.batch] : 0;
+    t.stat_row0 = bwd_row_start(p, rows, t.batch);
     t.mask = p.mask_for(t.seqlen_q, t.seqlen_k);
     const int col_b = t.n_block * kBlockN;
     const int col_e = min(col_b + kBlockN, t.seqlen_k);
+    t.m_block_min = t.m_block_max = 0;
+    if (col_b >= col_e || t.seqlen_q == 0) return t;
     const int row_b = t.mask.block_row_begin(col_b);
     const int row_e = t.mask.block_row_end(col_e);
     t.m_block_min = row_b / kBlockM;
     t.m_block_max = row_e > row_b ? (row_e + kBlockM - 1) / kBlockM : t.m_block_min;
     return t;
   }
+  // No key of the sequence in this tile: nothing to compute or store.
+  __device__ __forceinline__ bool empty(int kBlockN) const { return n_block * kBlockN >= seqlen_k; }
   __device__ __forceinline__ int steps(int group) const { return (m_block_max - m_block_min) * group; }
 };
 
@@ -99,8 +112,24 @@ struct BwdMainloop {
   using Pipeline = TmaPipeline<kStages>;
 
   // Row statistics of (batch, head, row block m) in the scratch.
-  __device__ static std::int64_t stat_offset(const BwdParams<Traits>& params, int batch, int head, int m) {
-    return (std::int64_t(batch) * params.p.heads + head) * params.padded_rows + std::int64_t(m) * kBlockM;
+  __device__ static std::int64_t stat_offset(const BwdParams<Traits>& params, const BwdTile& t, int head, int m) {
+    return std::int64_t(head) * params.rows.head_stride + t.stat_row0 + std::int64_t(m) * kBlockM;
+  }
+
+  // Rows [from, rows) of a shared-memory tile (rows, cols) set to zero by the consumer threads
+  // together. The caller fences and meets the other warpgroup (BwdBarrier::kTailZeroed) before the
+  // tensor cores read the tile.
+  template <class Tile>
+  __device__ static void zero_rows_from(Tile tile, int from, int thread) {
+    constexpr int kRowsOf = decltype(size<0>(tile))::value;
+    constexpr int kCols = decltype(size<1>(tile))::value;
+    for (int i = from * kCols + thread; i < kRowsOf * kCols; i += Traits::kConsumerThreads) {
+      tile(i / kCols, i % kCols) = Element(0);
+    }
+  }
+  __device__ static void tail_zeroed() {
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(int(BwdBarrier::kTailZeroed), Traits::kConsumerThreads);
   }
 
   // --- producer: one thread -------------------------------------------------------------------
@@ -122,8 +151,14 @@ struct BwdMainloop {
     auto tma_k = params.tma_k.get_slice(_0{});
     auto tma_v = params.tma_v.get_slice(_0{});
 
-    Tensor gK = local_tile(mK(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
-    Tensor gV = local_tile(mV(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
+    // Varlen: one packed batch, the sequence's tiles offset by its first row (the rows of the next
+    // sequence that a tile reaches are zeroed by the consumers; past the tensor TMA reads zeros).
+    const int batch = Traits::kVarlen ? 0 : t.batch;
+    const int q_row0 = Traits::kVarlen ? t.q_row0 : 0, k_row0 = Traits::kVarlen ? t.k_row0 : 0;
+    Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, batch)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
+    Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, batch)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Traits::kTmaBytesKeys);
     copy(params.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
     copy(params.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
@@ -135,9 +170,11 @@ struct BwdMainloop {
     for (int s = 0; s < t.steps(group); ++s) {
       const int head = t.kv_head * group + s / m_blocks;
       const int m = t.m_block_min + s % m_blocks;
-      Tensor gQ = local_tile(mQ(_, _, head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
-      const std::int64_t stats = stat_offset(params, t.batch, head, m);
+      Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, head, batch)),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+      Tensor gdO = local_tile(domain_offset(make_coord(q_row0, _0{}), mdO(_, _, head, batch)),
+                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+      const std::int64_t stats = stat_offset(params, t, head, m);
       {
         std::uint64_t& full = q_pipe.producer_acquire(st, Traits::kTmaBytesRows + Traits::kStatBytes);
         copy(params.tma_q.with(full, 0, kKeep), tma_q.partition_S(gQ), tma_q.partition_D(sQ(_, _, st.index)));
@@ -167,13 +204,13 @@ struct BwdMainloop {
     for (int s = 0; s < steps; ++s) {
       const int head = t.kv_head * group + s / m_blocks;
       const int m = t.m_block_min + s % m_blocks;
-      float* const rows = params.dq_accum + stat_offset(params, t.batch, head, m) * kHeadDim;
+      float* const rows = params.dq_accum + stat_offset(params, t, head, m) * kHeadDim;
       // Deterministic: the key tiles that reach row block m add their dQ in key-tile order,
       // [first_n_block(m), ...), each once its predecessors' additions have landed. The tiles
       // start in that order (blockIdx.x), so a waiting CTA's predecessors are running or done.
       int* const semaphore = params.dq_semaphores == nullptr
                                  ? nullptr
-                                 : params.dq_semaphores + stat_offset(params, t.batch, head, m) / kBlockM;
+                                 : params.dq_semaphores + stat_offset(params, t, head, m) / kBlockM;
       if (semaphore != nullptr && lane == 0) {
         const int turn = t.n_block - t.mask.block_col_begin(m * kBlockM) / kBlockN;
         while (load_acquire(semaphore) != turn) {
@@ -265,6 +302,16 @@ struct BwdMainloop {
     const int m_blocks = t.m_block_max - t.m_block_min;
 
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, 0);
+    // Varlen: K/V rows past the sequence's keys (the next sequence's, or seqused_k's unused ones)
+    // are zeroed, so that no Inf/NaN there reaches dP, dS or dQ through a masked score.
+    if constexpr (Traits::kVarlen) {
+      const int kv_valid = t.seqlen_k - key0;
+      if (kv_valid < kBlockN) {
+        zero_rows_from(sK, kv_valid, thread);
+        zero_rows_from(sV, kv_valid, thread);
+        tail_zeroed();
+      }
+    }
     PipelineState<kStages> st;
     // Softcap's derivative per score (kScoreMod kernels only), as fp16 pairs: it multiplies dSᵀ,
     // which is rounded to 16 bits itself, and 1 − tanh² ∈ [0, 1] keeps 11 bits there (fp32 took
@@ -282,8 +329,19 @@ struct BwdMainloop {
       const float exp_scale = Traits::kScoreMod ? mod.out_scale * device::kLog2e : params.scale_log2;
 
       q_pipe.consumer_wait(st);
+      if constexpr (Traits::kVarlen) {
+        // Q and dO rows past the sequence (the next one's) are zeroed: their lse is +∞ and
+        // softmax_d 0 (the padding), so they add nothing to dK, dV.
+        do_pipe.consumer_wait(st);
+        const int q_valid = t.seqlen_q - row0;
+        if (q_valid < kBlockM) {
+          zero_rows_from(sQ(_, _, st.index), q_valid, thread);
+          zero_rows_from(sdO(_, _, st.index), q_valid, thread);
+          tail_zeroed();
+        }
+      }
       wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
-      do_pipe.consumer_wait(st);
+      if constexpr (!Traits::kVarlen) do_pipe.consumer_wait(st);
       wgmma<true>(mma_sdp, tPrV, tPrdO(_, _, _, st.index), acc_dp);
       // The row statistics are read from shared memory where they are used (registers are short).
       const float* const lse_log2 = ss.lse_log2[st.index];
@@ -394,8 +452,8 @@ struct BwdMainloop {
     auto thr_dkv = mma_dkv.get_thread_slice(thread);
     Tensor c_kv = thr_dkv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedKV{})));
     const int key0 = t.n_block * kBlockN;
-    Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, 0, key0, t.kv_head);
-    Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, 0, key0, t.kv_head);
+    Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, t.k_row0, key0, t.kv_head);
+    Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, t.k_row0, key0, t.kv_head);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) {
       const int key = get<0>(c_kv(i)), col = get<1>(c_kv(i));

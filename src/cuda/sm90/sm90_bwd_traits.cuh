@@ -29,7 +29,9 @@ using namespace cute;
 
 // kScoreMod: softcap and ALiBi compiled in (device::TileScoreMod on each Sᵀ tile, softcap's
 // derivative 1 − tanh² in dSᵀ), each taken when the call asks for it.
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kScoreMod_>
+// kVarlen: varlen batches (seqused_k included): tiles offset by cu_seqlens, rows past a sequence
+// zeroed in shared memory.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kScoreMod_, bool kVarlen_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -37,6 +39,7 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;  // keys of the CTA
   static constexpr int kStages = kStages_;  // Q/dO ring
   static constexpr bool kScoreMod = kScoreMod_;
+  static constexpr bool kVarlen = kVarlen_;
 
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
   static constexpr int kConsumerWarpgroups = kBlockN / kKeysPerWarpgroup;
