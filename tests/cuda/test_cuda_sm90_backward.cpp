@@ -42,23 +42,23 @@ c::AttentionParams backward_params_of(const AttnProblem& p) {
 
 // --- host-side decisions (no GPU needed) --------------------------------------------------------
 
-TEST(CudaSm90BackwardHost, FeaturesItDoesNotServeYetAreNamed) {
+TEST(CudaSm90BackwardHost, ServedFeaturesAndTheReasonsForTheOthers) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 64, 64);
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
   cfg.opt.causal = true;
   cfg.opt.softcap = 30.0f;
   cfg.alibi = Alibi::per_head;
   cfg.opt.deterministic = true;
+  cfg.opt.dropout_p = 0.1f;
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
-  const std::pair<const char*, void (*)(AttnConfig&)> declined[] = {
-      {"dropout", [](AttnConfig& c) { c.opt.dropout_p = 0.1f; }},
-  };
-  for (const auto& [name, set] : declined) {
-    AttnConfig d = feature_config(DType::bf16, 128, 64, 64);
-    set(d);
-    const std::string why = fc::sm90::bwd_unsupported(backward_params_of(make_problem(d)), 128);
-    EXPECT_NE(why.find(name), std::string::npos) << name << ": " << why;
-  }
+  AttnConfig varlen = feature_config(DType::bf16, 64, 0, 0);
+  varlen.varlen_q = {40, 24};
+  varlen.varlen_k = {30, 34};
+  EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(varlen)), 64), "");
+  AttnConfig sinks = feature_config(DType::bf16, 128, 64, 64);
+  sinks.sinks = true;
+  const std::string why = fc::sm90::bwd_unsupported(backward_params_of(make_problem(sinks)), 128);
+  EXPECT_NE(why.find("sinks"), std::string::npos) << why;
   EXPECT_NE(fc::sm90::bwd_unsupported(backward_params_of(make_problem(feature_config(DType::bf16, 256, 64, 64))), 256)
                 .find("above 128"),
             std::string::npos);
@@ -102,15 +102,14 @@ TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
   const fc::FamilyChoice served = fc::choose_backward_family(plain);
   EXPECT_TRUE(served.served);
   EXPECT_EQ(served.family, fc::Family::sm90);
-  AttnConfig scored = feature_config(DType::bf16, 128, 100, 100);
-  scored.opt.dropout_p = 0.1f;
+  AttnConfig scored = feature_config(DType::bf16, 256, 100, 100);  // d 256: sm80's
   const fc::FamilyChoice other = fc::choose_backward_family(backward_params_of(make_problem(scored)));
   EXPECT_TRUE(other.served);
   EXPECT_EQ(other.family, fc::Family::sm80);
   const FamilyOverride family("sm90");
   const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(scored)));
   EXPECT_FALSE(refused.served);
-  EXPECT_NE(refused.why_not.find("dropout"), std::string::npos) << refused.why_not;
+  EXPECT_NE(refused.why_not.find("above 128"), std::string::npos) << refused.why_not;
 }
 
 // --- the shape grid -----------------------------------------------------------------------------
@@ -191,6 +190,26 @@ TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
         expect_sm90_backward_matches(cfg);
       }
     }
+  }
+}
+
+// Dropout: the forward's Philox mask drawn in the transposed layout of Sᵀ (two of the forward's
+// lanes per thread and block), dense and varlen (positions within each sequence), with softcap.
+TEST_P(CudaSm90BackwardFeatures, Dropout) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : dropout_configs(GetParam())) {
+    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+  }
+  for (int d : {64, 128}) {
+    AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+    cfg.varlen_q = {130, 0, 47};
+    cfg.varlen_k = {100, 30, 260};
+    cfg.opt.dropout_p = 0.25f;
+    cfg.opt.dropout_seed = 99;
+    cfg.opt.dropout_offset = 3;
+    cfg.opt.causal = true;
+    cfg.opt.softcap = 10.0f;
+    expect_sm90_backward_matches(cfg);
   }
 }
 

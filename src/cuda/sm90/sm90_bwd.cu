@@ -11,7 +11,6 @@ namespace flashattn::cuda::sm90 {
 
 std::string bwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (head_dim > 128) return "head dims above 128 are not in this family's backward yet";
-  if (p.dropout_p > 0.0f) return "dropout is not in this family's backward yet";
   if (p.max_seqlen_q == 0) return "no query rows: nothing for the TMA loads (dK and dV are zeros elsewhere)";
   // The forward's TMA rules hold for q, k and v; dO is read the same way as q.
   const std::string why = fwd_unsupported(p, head_dim);

@@ -12,7 +12,8 @@
 namespace flashattn::cuda::sm90 {
 
 template <class Traits>
-cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, cudaStream_t stream) {
+cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
+                       cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
   BwdParams<Traits> params;
@@ -43,6 +44,7 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.dq_semaphores = ws.dq_semaphores;
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
+  params.rng_state = rng_state;
 
   auto* kernel = &bwd_kernel<Traits>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
@@ -59,15 +61,15 @@ using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim).block_m, bwd
                               bwd_tile(kHeadDim).stages, kScoreMod, kVarlen>;
 
 template <class Element, int kHeadDim, bool kScoreMod>
-cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, cudaStream_t stream) {
-  return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, true>>(p, ws, stream)
-                       : launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, false>>(p, ws, stream);
+cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
+                               cudaStream_t stream) {
+  return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, true>>(p, ws, rng_state, stream)
+                       : launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, false>>(p, ws, rng_state, stream);
 }
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                     cudaStream_t stream) {
-  (void)rng_state;  // no dropout in this family yet (bwd_unsupported)
   using Element = typename device::ElementOf<kStorage>::type;
   constexpr int kRows = 64;
   cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
@@ -82,9 +84,9 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.max_seqlen_k > 0) {
-    const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr;
-    err = score_mod ? launch_bwd_variant<Element, kHeadDim, true>(p, ws, stream)
-                    : launch_bwd_variant<Element, kHeadDim, false>(p, ws, stream);
+    const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+    err = score_mod ? launch_bwd_variant<Element, kHeadDim, true>(p, ws, rng_state, stream)
+                    : launch_bwd_variant<Element, kHeadDim, false>(p, ws, rng_state, stream);
     if (err != cudaSuccess) return err;
   }
   if (row_blocks > 0) {

@@ -8,6 +8,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/philox.h"
 #include "cuda/device/math.cuh"
 #include "cuda/device/score_mod.cuh"
 #include "cuda/sm90/sm90_bwd_traits.cuh"
@@ -34,7 +35,8 @@ struct BwdParams {
   const float* dpsum;                   // (h, rows.head_stride)
   int* dq_semaphores;                   // deterministic: one per row block, else nullptr
   BwdRows rows;
-  float scale_log2;  // softmax_scale · log2 e
+  float scale_log2;                // softmax_scale · log2 e
+  const std::uint64_t* rng_state;  // dropout's (seed, offset) read at run time, or nullptr
 };
 
 // The named barrier ids of the backward kernel.
@@ -313,6 +315,20 @@ struct BwdMainloop {
       }
     }
     PipelineState<kStages> st;
+    // Dropout (kScoreMod kernels; SPEC §3, docs/dropout.md): the forward's mask, bit for bit. The
+    // Sᵀ fragment is the transpose of the forward's accumulator, so a thread's 8 scores of a
+    // 16 × 16 block belong to two of the forward's lanes: each thread draws its own lane's 8 bits
+    // (one Philox call per block) and takes the two it needs from their lanes by shuffles.
+    [[maybe_unused]] common::DropoutParams dropout = p.dropout;
+    [[maybe_unused]] const bool use_dropout = Traits::kScoreMod && p.dropout_p > 0.0f;
+    if constexpr (Traits::kScoreMod) {
+      if (use_dropout && params.rng_state != nullptr) {
+        dropout.seed = params.rng_state[0];
+        dropout.offset = params.rng_state[1];
+      }
+    }
+    static_assert(kKeys == 2 && kRows % 4 == 0, "a thread's keys are g and g + 8 of its warp's 16");
+    [[maybe_unused]] std::uint32_t keep[Traits::kScoreMod ? (2 * kRows + 31) / 32 : 1];  // bit 2·col + key
     // Softcap's derivative per score (kScoreMod kernels only), as fp16 pairs: it multiplies dSᵀ,
     // which is rounded to 16 bits itself, and 1 − tanh² ∈ [0, 1] keeps 11 bits there (fp32 took
     // 32 more registers, spilled).
@@ -391,14 +407,62 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
       }
-      convert_fragment<Element>(acc_s, p_flat);
+      if constexpr (Traits::kScoreMod) {
+        if (use_dropout) {
+          const int lane = thread % 32, g = lane / 4, t4 = lane % 4;
+          const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
+          const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + s / m_blocks);
+          CUTE_UNROLL
+          for (int w = 0; w < (2 * kRows + 31) / 32; ++w) keep[w] = 0;
+          CUTE_UNROLL
+          for (int q = 0; q < kRows / 4; ++q) {  // 16 query rows: columns 4q … 4q + 3 of s_rc
+            const std::uint32_t own = common::dropout_keep_bits(dropout, stream, (row0 >> 4) + q, key_block, lane);
+            const std::uint32_t lanes[2] = {__shfl_sync(0xffffffffu, own, 8 * t4 + g / 2),
+                                            __shfl_sync(0xffffffffu, own, 8 * t4 + 4 + g / 2)};
+            CUTE_UNROLL
+            for (int b = 0; b < 2; ++b) {      // row 2t + b (+ 8c) of the block
+              CUTE_UNROLL
+              for (int c = 0; c < 2; ++c) {
+                CUTE_UNROLL
+                for (int a = 0; a < 2; ++a) {  // key g + 8a
+                  const int col = 4 * q + 2 * c + b;  // s_rc's column: (pair b, 8-column group 2q + c)
+                  const std::uint32_t bit = (lanes[b] >> (4 * a + 2 * c + (g & 1))) & 1u;
+                  const int at = 2 * col + a;
+                  keep[at / 32] |= bit << (at % 32);
+                }
+              }
+            }
+          }
+        }
+      }
+      auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
+      if constexpr (Traits::kScoreMod) {
+        if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
+          Tensor p_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));
+          CUTE_UNROLL
+          for (int c = 0; c < kRows; ++c) {
+            CUTE_UNROLL
+            for (int r = 0; r < kKeys; ++r) p_rc(r, c) = Element(kept(r, c) ? s_rc(r, c) * dropout.keep_scale : 0.0f);
+          }
+        } else {
+          convert_fragment<Element>(acc_s, p_flat);
+        }
+      } else {
+        convert_fragment<Element>(acc_s, p_flat);
+      }
       wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);  // runs under dSᵀ
       cute::warpgroup_wait<1>();  // dPᵀ has landed
       CUTE_UNROLL
       for (int c = 0; c < kRows; ++c) {
         const float d = dpsum[get<1>(c_rc(0, c))];
         CUTE_UNROLL
-        for (int r = 0; r < kKeys; ++r) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d) * scale;
+        for (int r = 0; r < kKeys; ++r) {
+          float dp = dp_rc(r, c);
+          if constexpr (Traits::kScoreMod) {
+            if (use_dropout) dp = kept(r, c) ? dp * dropout.keep_scale : 0.0f;  // dP of the dropped P
+          }
+          dp_rc(r, c) = s_rc(r, c) * (dp - d) * scale;
+        }
       }
       if constexpr (Traits::kScoreMod) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)
         if (mod.softcap) {

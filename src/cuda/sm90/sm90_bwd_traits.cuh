@@ -27,8 +27,9 @@ namespace flashattn::cuda::sm90 {
 
 using namespace cute;
 
-// kScoreMod: softcap and ALiBi compiled in (device::TileScoreMod on each Sᵀ tile, softcap's
-// derivative 1 − tanh² in dSᵀ), each taken when the call asks for it.
+// kScoreMod: softcap, ALiBi and dropout compiled in (device::TileScoreMod on each Sᵀ tile,
+// softcap's derivative 1 − tanh² in dSᵀ, the forward's Philox mask), each taken when the call
+// asks for it.
 // kVarlen: varlen batches (seqused_k included): tiles offset by cu_seqlens, rows past a sequence
 // zeroed in shared memory.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kScoreMod_, bool kVarlen_>
