@@ -380,7 +380,7 @@ TEST_P(CudaForward, SmallSharedMemoryTiles) {
 }
 
 // Rows that see few keys take the short-sequence tile of their head dim where the build has it
-// (FLASHATTN_SM80_FWD<d>_SHORT_KEYS: on by default at d 256), the others the plain tile — both
+// (fwd_tuning's short_keys, sm80_tuning.h), the others the plain tile — both
 // against the reference, dense and causal, on either side of the threshold.
 TEST_P(CudaForward, ShortSequenceTile) {
   FA_SKIP_WITHOUT_GPU();

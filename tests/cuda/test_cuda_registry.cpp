@@ -147,7 +147,7 @@ TEST(CudaSharedMemory, ForwardTakesTheFullTileWhereThePlainOneDoesNotFit) {
 
 // The keys a row sees, which decide the forward's short-sequence tiles (fwd_runs_short):
 // the sequence, its average when causal, a window's width; the tile itself only where the
-// build enables it (FLASHATTN_SM80_FWD<d>_SHORT_KEYS), never paged.
+// tuning table gives it (fwd_tuning's short_keys, sm80_tuning.h), never paged.
 TEST(CudaSharedMemory, ShortSequenceTileFollowsTheKeysPerRow) {
   c::AttentionParams p = aligned_params(c::Storage::bf16, 256);
   p.max_seqlen_q = p.max_seqlen_k = 4001;
@@ -176,10 +176,8 @@ TEST(CudaSharedMemory, ShortSequenceTileFollowsTheKeysPerRow) {
     EXPECT_FALSE(sm80::fwd_runs_short(p, d)) << d;
     p.block_table = nullptr;
   }
-  // The d 256 tile is on by default; at d 64 and d 128 it follows the knobs (off by default).
-  EXPECT_EQ(sm80::fwd_has_short_tile(256), FLASHATTN_SM80_FWD256_SHORT_KEYS > 0);
-  EXPECT_EQ(sm80::fwd_has_short_tile(128), FLASHATTN_SM80_FWD128_SHORT_KEYS > 0);
-  EXPECT_EQ(sm80::fwd_has_short_tile(64), FLASHATTN_SM80_FWD64_SHORT_KEYS > 0);
+  // Each head dim has the tile where its tuning table gives it a threshold (sm80_tuning.h).
+  for (int d : {64, 128, 256}) EXPECT_EQ(sm80::fwd_has_short_tile(d), sm80::fwd_tuning(d).short_keys > 0) << d;
 }
 
 // Where no configuration fits, the call is refused with the reason; the others are served.

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "cuda/sm80/sm80_tuning.h"
 
 namespace flashattn::cuda::sm80 {
 
@@ -16,35 +17,17 @@ inline constexpr int kBwdRowBlock = 64;
 // Sequences start on a multiple of this many rows in the dQ accumulator (sm80_bwd_kernel.cuh).
 inline constexpr int kBwdTileRowsHost = 128;
 
-// Tile of one backward CTA: kBlockM query rows × kBlockN keys. The plain variant's are FA2's for
-// 8 warps; with softcap / ALiBi / dropout compiled in (full) they shrink, for the per-element
-// dscore and the Philox state: d 64 to 64 × 128, d 128 to 64 × 64, d 256 to 64 × 32.
-struct BwdTile {
-  int block_m;
-  int block_n;
-};
-// Tuning knobs (compile definitions; scripts/gpu-variants times them): the key tile of the full
-// variant at d 64 and at d 128 — 64, or 128 as FA2 keeps with dropout (64 × 128, more registers:
-// on sm_90a the d 64 one spills 4 bytes per thread, the d 128 one 264). H200, dropout 0.1,
-// s 4k/16k, paired dropout tiles: 128 at both. d 64: 97 KiB with two stages, within the 99 KiB of
-// sm86/sm89. d 128: 150–165 → 191–220 TFLOP/s (×1.33; ALiBi 168 → 227, softcap 157 → 204), but its
-// 128-key tile needs 128.5 KiB even with one stage, so a 64 × 64 one-stage tile is compiled beside
-// it and taken where nothing else fits, the 99 KiB GPUs (bwd_has_small, bwd_choice; run on the
-// H200 with its shared-memory limit capped by SmallSharedMemoryTiles).
-#ifndef FLASHATTN_SM80_BWD64_FULL_BLOCK_N
-#define FLASHATTN_SM80_BWD64_FULL_BLOCK_N 128
-#endif
-#ifndef FLASHATTN_SM80_BWD128_FULL_BLOCK_N
-#define FLASHATTN_SM80_BWD128_FULL_BLOCK_N 128
-#endif
-// small: the d 128 full variant's fallback for GPUs whose shared memory its 128-key tile exceeds
-// (64 × 64; only compiled when FLASHATTN_SM80_BWD128_FULL_BLOCK_N is 128, bwd_has_small).
+// Tiles per head dim: bwd_tuning (sm80_tuning.h). The plain variant's are FA2's for 8 warps; with
+// softcap / ALiBi / dropout compiled in (full) they shrink, for the per-element dscore and the
+// Philox state: d 64 to 64 × 128, d 128 stays 64 × 128, d 256 to 64 × 32. small: the d 128 full
+// variant's one-stage fallback (64 × 64) for GPUs whose shared memory its 128-key tile exceeds
+// (bwd_has_small, bwd_choice); elsewhere the full tile.
+constexpr bool bwd_has_small(int head_dim) { return bwd_tuning(head_dim).small_tile.block_n > 0; }
 constexpr BwdTile bwd_tile(int head_dim, bool full, bool small = false) {
-  return head_dim <= 64    ? (full ? BwdTile{64, FLASHATTN_SM80_BWD64_FULL_BLOCK_N} : BwdTile{128, 128})
-         : head_dim <= 128 ? (full ? BwdTile{64, small ? 64 : FLASHATTN_SM80_BWD128_FULL_BLOCK_N} : BwdTile{64, 128})
-                           : (full ? BwdTile{64, 32} : BwdTile{64, 64});
+  return !full                                 ? bwd_tuning(head_dim).plain_tile
+         : small && bwd_has_small(head_dim) ? bwd_tuning(head_dim).small_tile
+                                            : bwd_tuning(head_dim).full_tile;
 }
-constexpr bool bwd_has_small(int head_dim) { return head_dim > 64 && head_dim <= 128 && FLASHATTN_SM80_BWD128_FULL_BLOCK_N > 64; }
 
 // Shared memory of a backward tile, in bytes (BwdTraits::kSmemBytes, checked there): `stages`
 // buffers of the Q and dO tiles and their row statistics (lse, softmax_d), the K and V tiles, and
@@ -61,9 +44,10 @@ constexpr int bwd_smem_bytes(int head_dim, BwdTile t, int stages) {
 // 97 KiB (plain / full, 2 stages); d 128 161 / 161 / 128.5 (full 1 stage) / 80.5 (the small tile);
 // d 256 209 / 144.5 (plain 1 stage) / 169 / 104.5 — so an H100 runs every plain tile, an A100
 // (163 KiB) all but d 256's second stage, and the 99 KiB GPUs (sm86/sm89) d 64, d 128 through the
-// small tile and no d 256 backward. FLASHATTN_SM80_BWD128_FULL_BLOCK_N = 64 makes the d 128 full
-// tiles 64 × 64 (113 / 80.5 KiB) and drops the small one.
-constexpr bool bwd_has_one_stage(int head_dim, bool full) { return head_dim > 128 || (full && head_dim > 64); }
+// small tile and no d 256 backward.
+constexpr bool bwd_has_one_stage(int head_dim, bool full) {
+  return full ? bwd_tuning(head_dim).full_one_stage : bwd_tuning(head_dim).plain_one_stage;
+}
 constexpr int bwd_min_smem_bytes(int head_dim) {
   return bwd_smem_bytes(head_dim, bwd_tile(head_dim, true, bwd_has_small(head_dim)),
                         bwd_has_one_stage(head_dim, true) ? 1 : 2);

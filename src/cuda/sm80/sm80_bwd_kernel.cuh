@@ -45,41 +45,9 @@
 
 #include "cuda/device/row_dot.cuh"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
+#include "cuda/sm80/sm80_tuning.h"
 
 namespace flashattn::cuda::sm80 {
-
-// Tuning knob (a compile definition; scripts/gpu-variants times it): 1 computes P right after the
-// S product and writes it to shared memory before the dP product, whose ldmatrix and MMA
-// instructions then interleave with those stores, instead of computing P and dS together after both
-// products and storing them in one burst of shared stores (Nsight Compute: the d 64 backward's warps
-// stalled on a full shared-memory instruction queue, mio_throttle 1.45 per instruction). 2 also
-// stores dS in slices between the k-steps of the dV product (one more barrier; dQ after dV, its
-// atomics spread over dK's k-steps); 3 also P between those of the dP product. (Compiled at d 64:
-// 1 and 2 without spills; 3 spills 28 bytes, the compiler moving the P stores after the product.)
-#ifndef FLASHATTN_SM80_BWD_EARLY_P
-#define FLASHATTN_SM80_BWD_EARLY_P 0
-#endif
-
-// Tuning knob: floats per dQ reduction on sm_90 and newer at d ≤ 128 (4: red.global.add.v4.f32,
-// a quarter of the instructions; 1: one per float, as on sm_80, which has no vector reduction).
-// At d 256 the vector runs made the plain kernel spill (sm_90a: 32 bytes stored, 108 loaded), so
-// it stays 1 there.
-#ifndef FLASHATTN_SM80_BWD_DQ_VEC
-#define FLASHATTN_SM80_BWD_DQ_VEC 4
-#endif
-// Tuning knob, for A/B timing: 1 restores atomicAdd for dQ and __threadfence around the
-// deterministic turns (ATOMG in SASS, see the top of the file).
-#ifndef FLASHATTN_SM80_BWD_ATOMIC_DQ
-#define FLASHATTN_SM80_BWD_ATOMIC_DQ 0
-#endif
-
-// Tuning knob: 1 gives the full variant's S/dP product paired MMA tiles (BwdTraits::kPairedN), one
-// Philox call per 16 × 16 dropout block instead of two. H200, dropout 0.1, s 4k/16k: the backward
-// ×1.22 at d 64 (124 → 152 TFLOP/s), ×1.11 at d 128 with 64 keys; masks bit for bit in the CUDA
-// tests. 0 restores the interleaved tiles.
-#ifndef FLASHATTN_SM80_BWD_PAIRED_DROPOUT
-#define FLASHATTN_SM80_BWD_PAIRED_DROPOUT 1
-#endif
 
 // Rows per block of the pre- and postprocess kernels and the unit of the deterministic counters'
 // layout; the main kernel's kBlockM is a multiple of it.
@@ -95,7 +63,7 @@ constexpr int kBwdThreads = 256;
 // products instead of before them. Both move global-memory traffic out of the S/dP phase, whose
 // ldmatrix reads keep the shared-memory pipe busy, into the tensor-bound dK/dV phase (the
 // atomics and ldmatrix share the load/store unit's queue; the cp.async writes share the shared-memory
-// bandwidth). See BwdConfig for where they are on.
+// bandwidth). bwd_tuning (sm80_tuning.h) says where they are on.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarpsMSdP, int kWarpsNdKV, int kWarpsMdQ,
           int kStages_, bool kSpreadDq_ = false, bool kLateLoad_ = false, bool kPairedN_ = false>
 struct BwdTraits {
@@ -186,19 +154,14 @@ struct BwdTraits {
 // element and leaves the swizzled bits (which come from the row within an atom) unchanged. So
 // only one address per column pair is computed, the row steps being constant offsets — instead of
 // one address per element, which the compiler would keep in registers across the loop.
-// [pair_begin, pair_end): only those pairs, numbered column pair after column pair (pair
-// (ni / 2) · rows + mi) — a slice per k-step of a product that runs meanwhile.
 template <class Element, class AccRC, class CoordRC, class SmemTensor>
-__device__ __forceinline__ void store_pairs(const AccRC& acc_rc, const CoordRC& coord_rc, SmemTensor& s,
-                                            int pair_begin = 0, int pair_end = 1 << 30) {
+__device__ __forceinline__ void store_pairs(const AccRC& acc_rc, const CoordRC& coord_rc, SmemTensor& s) {
   const int row0 = get<0>(coord_rc(0, 0));
   CUTE_UNROLL
   for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
     Element* col_base = &s(row0, get<1>(coord_rc(0, ni)));
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
-      const int index = ni / 2 * int(size<0>(acc_rc)) + mi;
-      if (index < pair_begin || index >= pair_end) continue;
       const int row_step = get<0>(coord_rc(mi, ni)) - row0;  // a multiple of 8, known at compile time
       const Element pair[2] = {static_cast<Element>(acc_rc(mi, ni)), static_cast<Element>(acc_rc(mi, ni + 1))};
       std::uint32_t packed;
@@ -206,16 +169,6 @@ __device__ __forceinline__ void store_pairs(const AccRC& acc_rc, const CoordRC& 
       *reinterpret_cast<std::uint32_t*>(col_base + int(s.layout()(row_step, 0))) = packed;
     }
   }
-}
-
-// A k-step hook for gemm_ss_steps: after step k of kSteps, the k-th slice of the tile's pairs
-// (store_pairs), so that the stores interleave with the product's ldmatrix and MMA instructions.
-template <class Element, int kSteps, class TileRC, class CoordRC, class SmemTensor>
-__device__ __forceinline__ auto store_slice_hook(const TileRC& tile_rc, const CoordRC& coord_rc, SmemTensor& s) {
-  constexpr int kPerStep = (decltype(size(tile_rc))::value / 2 + kSteps - 1) / kSteps;
-  return [&](int k) __attribute__((always_inline)) {
-    store_pairs<Element>(tile_rc, coord_rc, s, k * kPerStep, (k + 1) * kPerStep);
-  };
 }
 
 // Writes the rows [0, valid_rows) and columns [0, valid_cols) of a shared (kRows, D) tile to global
@@ -266,8 +219,8 @@ __device__ __forceinline__ float* dq_tile(const common::AttentionParams& p, floa
 // and the postprocess are compiled for the same architecture, so they agree on the layout.
 template <int kHeadDim>
 __device__ constexpr int dq_vec() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !FLASHATTN_SM80_BWD_ATOMIC_DQ
-  return kHeadDim <= 128 ? FLASHATTN_SM80_BWD_DQ_VEC : 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return bwd_tuning(kHeadDim).dq_vec_sm90;
 #else
   return 1;
 #endif
@@ -282,10 +235,6 @@ __device__ __forceinline__ int dq_index(int e, int tid) {
 // dst[0, kVec) += v[0, kVec), relaxed, no value returned (REDG).
 template <int kVec>
 __device__ __forceinline__ void dq_reduce(float* dst, const float* v) {
-#if FLASHATTN_SM80_BWD_ATOMIC_DQ
-  static_assert(kVec == 1);
-  atomicAdd(dst, v[0]);
-#else
   if constexpr (kVec == 4) {
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v[0]), "f"(v[1]), "f"(v[2]),
                  "f"(v[3]));
@@ -293,7 +242,6 @@ __device__ __forceinline__ void dq_reduce(float* dst, const float* v) {
     static_assert(kVec == 1);
     asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(v[0]));
   }
-#endif
 }
 
 // The deterministic turns (see the top of the file): an acquire load and a release increment at
@@ -376,7 +324,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 // Grid (⌈max_seqlen_k / kBlockN⌉, heads_k, batch), key block fastest (deterministic ordering, see
 // the top of the file). counters: nullptr unless deterministic. rng_state: optional device
 // {seed, offset}. kScoreModAndDropout as in the forward; kScoreMod: softcap and ALiBi compiled into
-// the plain variant (FLASHATTN_SM80_BWD_PLAIN_SCOREMOD).
+// the plain variant (bwd_tuning's plain_scoremod).
 template <class Traits, bool kScoreModAndDropout, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum, int* counters, int m_blocks,
@@ -386,13 +334,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   if (p.index_check_failed()) return;
-  // P before the dP product (FLASHATTN_SM80_BWD_EARLY_P): only where no score modifier or dropout
-  // is compiled in.
-  constexpr bool kEarlyP = FLASHATTN_SM80_BWD_EARLY_P != 0 && !kScoreModAndDropout && !kScoreMod;
-  // ... and (2) dS to shared memory in slices between the k-steps of the dV product, dQ after it.
-  constexpr bool kSpreadDs = FLASHATTN_SM80_BWD_EARLY_P >= 2 && kEarlyP && Traits::kSpreadDq;
-  // ... and (3) P in slices between the k-steps of the dP product.
-  constexpr bool kSpreadP = FLASHATTN_SM80_BWD_EARLY_P >= 3 && kSpreadDs;
+  static_assert(Traits::kPairedN || !kScoreModAndDropout, "dropout runs on paired S/dP tiles");
 
   const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -597,111 +539,73 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     Tensor s = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));    // (rows, cols): scores, then Z
     Tensor dp = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));  // (rows, cols): dP, then dS
-    if constexpr (kEarlyP) {
-      // P = exp2(S · scale · log2 e − lse · log2 e) (masked to 0), written to shared memory before
-      // the dP product, so that its stores interleave with that product's ldmatrix and MMA
-      // instructions; then dS = P ∘ (dP − softmax_d) · scale.
+    gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO_s, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
+    after_sdp();
+    constexpr int kMmaM = decltype(size<1>(acc_s))::value;
+    constexpr int kMmaN = decltype(size<2>(acc_s))::value;
+    // Softcap (TileScoreMod): s becomes t = tanh(k · dot), a uniform branch around the whole tile;
+    // ALiBi is added per element below, and dscore/ddot = scale · (1 − t²).
+    if (mod.softcap) {
       CUTE_UNROLL
-      for (int mi = 0; mi < size<0>(s); ++mi) {
-        const int row = get<0>(cS_rc(mi, 0));
-        const float lse2 = __fmul_rn(lse_rows[row], kLog2e);  // not contracted into the FFMA below
-        const int lo = mask.col_begin(m_start + row) - n_start, hi = mask.col_end(m_start + row) - n_start;
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) {
-          float prob = exp2_ftz(s(mi, ni) * score_to_log2 - lse2);
-          if constexpr (decltype(kMasked)::value) {
-            const int col = get<1>(cS_rc(mi, ni));
-            if (col < lo || col >= hi) prob = 0.0f;
-          }
-          s(mi, ni) = prob;
+      for (int e = 0; e < size(s); ++e) s(e) = TileScoreMod::tanh(s(e) * mod.k);
+    }
+    // Element (mi, ni) of the row/column view is (2·m + a, 2·n + c) for MMA tile (m, n), row half
+    // a and column c: the four elements of one m16n8 tile share a dropout lane.
+    CUTE_UNROLL
+    for (int m = 0; m < kMmaM; ++m) {
+      float lse2[2], dsum[2], alibi_base[2];
+      int lo[2], hi[2];
+      CUTE_UNROLL
+      for (int a = 0; a < 2; ++a) {
+        const int row = get<0>(cS_rc(2 * m + a, 0));
+        alibi_base[a] = mod.alibi_base(m_start + row, n_start + get<1>(cS_rc(0, 0)));
+        lse2[a] = __fmul_rn(lse_rows[row], kLog2e);  // not contracted into the FFMA below
+        dsum[a] = d_rows[row];
+        lo[a] = mask.col_begin(m_start + row) - n_start;
+        hi[a] = mask.col_end(m_start + row) - n_start;
+      }
+      static_assert(!Traits::kPairedN || kMmaN % 2 == 0, "paired MMA tiles come in pairs");
+      std::uint32_t keep_bits = 0xffu;
+      CUTE_UNROLL
+      for (int n = 0; n < kMmaN; ++n) {
+        // Paired (Traits::kPairedN): MMA tiles 2k and 2k + 1 are the two halves of one 16 × 16
+        // block, the same Philox call.
+        if (use_dropout && (!Traits::kPairedN || n % 2 == 0)) {
+          const int i0 = m_start + get<0>(cS_rc(2 * m, 2 * n));
+          const int j0 = n_start + get<1>(cS_rc(2 * m, 2 * n));
+          keep_bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
+                                                common::dropout_lane(i0, j0));
         }
-      }
-      if constexpr (kSpreadP) {  // P's stores in slices between the k-steps of the dP product
-        gemm_ss_steps(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO_s, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a,
-                      thr_copy_sdp_b,
-                      store_slice_hook<Element, decltype(size<2>(tdPrdO))::value>(s, cS_rc, sP));
-      } else {
-        store_pairs<Element>(s, cS_rc, sP);
-        gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO_s, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
-      }
-      after_sdp();
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<0>(s); ++mi) {
-        const float dsum = d_rows[get<0>(cS_rc(mi, 0))];
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(s); ++ni) dp(mi, ni) = s(mi, ni) * (dp(mi, ni) - dsum) * p.softmax_scale;
-      }
-      if constexpr (!kSpreadDs) store_pairs<Element>(dp, cS_rc, sdS);
-    } else {
-      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO_s, tdPsV, copy_sdp_a, copy_sdp_b, thr_copy_sdp_a, thr_copy_sdp_b);
-      after_sdp();
-      constexpr int kMmaM = decltype(size<1>(acc_s))::value;
-      constexpr int kMmaN = decltype(size<2>(acc_s))::value;
-      // Softcap (TileScoreMod): s becomes t = tanh(k · dot), a uniform branch around the whole tile;
-      // ALiBi is added per element below, and dscore/ddot = scale · (1 − t²).
-      if (mod.softcap) {
-        CUTE_UNROLL
-        for (int e = 0; e < size(s); ++e) s(e) = TileScoreMod::tanh(s(e) * mod.k);
-      }
-      // Element (mi, ni) of the row/column view is (2·m + a, 2·n + c) for MMA tile (m, n), row half
-      // a and column c: the four elements of one m16n8 tile share a dropout lane.
-      CUTE_UNROLL
-      for (int m = 0; m < kMmaM; ++m) {
-        float lse2[2], dsum[2], alibi_base[2];
-        int lo[2], hi[2];
         CUTE_UNROLL
         for (int a = 0; a < 2; ++a) {
-          const int row = get<0>(cS_rc(2 * m + a, 0));
-          alibi_base[a] = mod.alibi_base(m_start + row, n_start + get<1>(cS_rc(0, 0)));
-          lse2[a] = __fmul_rn(lse_rows[row], kLog2e);  // not contracted into the FFMA below
-          dsum[a] = d_rows[row];
-          lo[a] = mask.col_begin(m_start + row) - n_start;
-          hi[a] = mask.col_end(m_start + row) - n_start;
-        }
-        static_assert(!Traits::kPairedN || kMmaN % 2 == 0, "paired MMA tiles come in pairs");
-        std::uint32_t keep_bits = 0xffu;
-        CUTE_UNROLL
-        for (int n = 0; n < kMmaN; ++n) {
-          // Paired (Traits::kPairedN): MMA tiles 2k and 2k + 1 are the two halves of one 16 × 16
-          // block, the same Philox call.
-          if (use_dropout && (!Traits::kPairedN || n % 2 == 0)) {
-            const int i0 = m_start + get<0>(cS_rc(2 * m, 2 * n));
-            const int j0 = n_start + get<1>(cS_rc(2 * m, 2 * n));
-            keep_bits = common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4,
-                                                  common::dropout_lane(i0, j0));
-          }
           CUTE_UNROLL
-          for (int a = 0; a < 2; ++a) {
-            CUTE_UNROLL
-            for (int c = 0; c < 2; ++c) {
-              const int mi = 2 * m + a, ni = 2 * n + c;
-              const int row = get<0>(cS_rc(mi, ni)), col = get<1>(cS_rc(mi, ni));
-              float x = s(mi, ni);
-              const float dscore = mod.softcap ? p.softmax_scale * (1.0f - x * x) : p.softmax_scale;
-              if (mod.alibi) x = mod.add_alibi(x, alibi_base[a], col - get<1>(cS_rc(0, 0)));
-              float prob = exp2_ftz(x * score_to_log2 - lse2[a]);
-              if constexpr (decltype(kMasked)::value) {
-                if (col < lo[a] || col >= hi[a]) prob = 0.0f;
-              }
-              float dprob = dp(mi, ni);
-              float z = prob;
-              if (use_dropout) {
-                // (By coordinates: interleaved, a tile may be a block's second half. Paired, the
-                // offsets to the lane's first element would do, as in the forward, but compiled
-                // to 40 more instructions here on sm_90a.)
-                const bool keep = (keep_bits >> common::dropout_element(m_start + row, n_start + col)) & 1u;
-                z = keep ? prob * dropout.keep_scale : 0.0f;
-                dprob = keep ? dprob * dropout.keep_scale : 0.0f;
-              }
-              s(mi, ni) = z;
-              dp(mi, ni) = prob * (dprob - dsum[a]) * dscore;
+          for (int c = 0; c < 2; ++c) {
+            const int mi = 2 * m + a, ni = 2 * n + c;
+            const int row = get<0>(cS_rc(mi, ni)), col = get<1>(cS_rc(mi, ni));
+            float x = s(mi, ni);
+            const float dscore = mod.softcap ? p.softmax_scale * (1.0f - x * x) : p.softmax_scale;
+            if (mod.alibi) x = mod.add_alibi(x, alibi_base[a], col - get<1>(cS_rc(0, 0)));
+            float prob = exp2_ftz(x * score_to_log2 - lse2[a]);
+            if constexpr (decltype(kMasked)::value) {
+              if (col < lo[a] || col >= hi[a]) prob = 0.0f;
             }
+            float dprob = dp(mi, ni);
+            float z = prob;
+            if (use_dropout) {
+              // (By coordinates: the offsets to the lane's first element would do, as in the
+              // forward, but compiled to 40 more instructions here on sm_90a.)
+              const bool keep = (keep_bits >> common::dropout_element(m_start + row, n_start + col)) & 1u;
+              z = keep ? prob * dropout.keep_scale : 0.0f;
+              dprob = keep ? dprob * dropout.keep_scale : 0.0f;
+            }
+            s(mi, ni) = z;
+            dp(mi, ni) = prob * (dprob - dsum[a]) * dscore;
           }
         }
       }
-      store_pairs<Element>(s, cS_rc, sP);
-      store_pairs<Element>(dp, cS_rc, sdS);
     }
+    store_pairs<Element>(s, cS_rc, sP);
+    store_pairs<Element>(dp, cS_rc, sdS);
     __syncthreads();
 
     Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
@@ -712,29 +616,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (counters == nullptr) return;
       counter = counters + (std::int64_t(batch) * p.heads + head) * m_blocks + m_block;
       const int rank = n_block - mask.block_col_begin(m_start) / kBlockN;
-#if FLASHATTN_SM80_BWD_ATOMIC_DQ
-      if (tid == 0) {
-        while (atomicAdd(counter, 0) != rank) __nanosleep(64);
-      }
-      __syncthreads();
-      __threadfence();
-#else
       if (tid == 0) {
         while (load_acquire(counter) != rank) __nanosleep(64);
       }
       __syncthreads();
-#endif
     };
     auto pass_turn = [&]() {
       if (counter == nullptr) return;
-#if FLASHATTN_SM80_BWD_ATOMIC_DQ
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) atomicAdd(counter, 1);
-#else
       __syncthreads();
       if (tid == 0) increment_release(counter);
-#endif
     };
     // Rows past the sequence and columns past d hold zeros (zero dS rows, zero-filled K columns):
     // the whole fragment is added, a warp's reduction instruction covering whole 128-byte lines.
@@ -754,30 +644,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Elements per slice when the additions are spread over kSlices k-steps: whole runs.
     auto per_slice = [](int slices) { return (kDqElems / kDqVec + slices - 1) / slices * kDqVec; };
 
-    if constexpr (kSpreadDs) {
-      // dS, rounded to Element (half the registers of the fp32 tile), goes to shared memory in
-      // slices after the k-steps of the dV product, which reads P only; a barrier publishes it,
-      // then dQ, whose atomics go out in slices after the k-steps of the dK product.
-      Tensor ds = make_tensor<Element>(acc_dp.layout());
-      CUTE_UNROLL
-      for (int e = 0; e < size(ds); ++e) ds(e) = static_cast<Element>(acc_dp(e));
-      Tensor ds_rc = make_tensor(ds.data(), rowcol_layout(ds.layout()));
-      gemm_ss_steps(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
-                    thr_copy_dkv_b, store_slice_hook<Element, decltype(size<2>(tdVrPt))::value>(ds_rc, cS_rc, sdS));
-      __syncthreads();
-      clear(acc_dq);
-      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_copy_dq_a, thr_copy_dq_b);
-      wait_turn();
-      float* tile = dq_tile<kBlockM, kHeadDim>(p, dq_accum, dq_row0, head, m_start);
-      constexpr int kStepsK = decltype(size<2>(tdKrdSt))::value;
-      constexpr int kPerStep = per_slice(kStepsK);
-      gemm_ss_steps(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt_s, copy_dkv_a, copy_dkv_b, thr_copy_dkv_a,
-                    thr_copy_dkv_b, [&](int k) __attribute__((always_inline)) {
-                      __syncwarp();
-                      add_dq(tile, min(k * kPerStep, kDqElems), min((k + 1) * kPerStep, kDqElems));
-                    });
-      pass_turn();
-    } else if constexpr (Traits::kSpreadDq) {
+    if constexpr (Traits::kSpreadDq) {
       // dQ first; its atomics go out a slice after each k-step of the dV and dK products. The
       // __syncwarp before a slice keeps it there: without it the atomics (global) and the
       // ldmatrix reads (shared) do not alias, and all of them are scheduled in one burst right

@@ -11,83 +11,38 @@ namespace flashattn::cuda::sm80 {
 
 static_assert(kBwdRowBlock == kBwdBlockM && kBwdTileRowsHost == kBwdTileRows, "host and device agree on the layout");
 
-// Tiles per head dim (bwd_tile in sm80_bwd.h; 8 warps; warps of S/dP along rows × keys, of dK/dV
-// along keys × D, of dQ along rows × D) and their shared memory with two Q/dO stages:
-//   d 64:  128 × 128, S/dP 2×4, dK/dV 4×2, dQ 4×2 — 162 KiB
-//   d 128:  64 × 128, S/dP 2×4, dK/dV 4×2, dQ 2×4 — 161 KiB (dK and dV: 64 + 64 fp32 registers)
-//   d 256:  64 × 64,  S/dP 4×2, dK/dV 2×4, dQ 2×4 — 209 KiB
-// Where a device has less shared memory per block, launch_bwd_variant takes one stage or the full
-// variant's smaller tiles (sm80_bwd.h lists the order and the sizes).
+// Tiles, warp arrangements and schedules per head dim: bwd_tuning (sm80_tuning.h; warps of S/dP
+// along rows × keys, of dK/dV along keys × D, of dQ along rows × D). Where a device has less shared
+// memory per block, launch_bwd_variant takes one stage or the full variant's smaller tiles
+// (sm80_bwd.h lists the order and the sizes).
 // The arrangements keep each warp's ldmatrix traffic low for its MMAs: at d 256, dK/dV warps split
 // the keys in two and D in four, as the D-wide operands (Qᵀ, dOᵀ) dominate the shared reads.
 // At d 256 dQ (64 × 256 fp32, 64 atomics per thread and row block) is computed first and its
-// atomics are spread over the k-steps of dV and dK (kSpreadDq), and the next row block's copies are
-// issued after S/dP (kLateLoad): the S/dP phase is bound by ldmatrix traffic, dV/dK by the tensor
+// atomics are spread over the k-steps of dV and dK (spread_dq), and the next row block's copies are
+// issued after S/dP (late_load): the S/dP phase is bound by ldmatrix traffic, dV/dK by the tensor
 // cores, so the global traffic goes where the shared-memory pipe has room. d 128 (plain variant)
 // spreads its dQ atomics too: in the plain order its main loop reloaded 12 spilled values per
-// iteration (6 spread; 5 with kLateLoad as well, but a 9% longer loop), and Nsight Compute showed
+// iteration (6 spread; 5 with late_load as well, but a 9% longer loop), and Nsight Compute showed
 // its warps stalled on the load/store queue (lg_throttle 0.34 per instruction against FA2's 0.01)
 // behind the burst of 32 atomics per thread. d 64 spreads them as well, with its S/dP warps as
 // 2 × 4 (4 bytes of spills instead of 100): +4.7% on the H200 over the plain order with 4 × 2.
 // With softcap / ALiBi / dropout compiled in (kFull) the tiles shrink (the per-element dscore/ddot
-// and the Philox state need registers): d 64 to 64 × 128, d 128 to 64 × 64, d 256 to 64 × 32.
-//
-// Tuning knobs of the plain variant's schedule (kSpreadDq, kLateLoad per head dim), compile
-// definitions with the defaults below, so that scripts/gpu-variants can time alternatives side by
-// side in one GPU session; the defaults are what was measured best.
-#ifndef FLASHATTN_SM80_BWD64_SPREAD_DQ
-#define FLASHATTN_SM80_BWD64_SPREAD_DQ 1
-#endif
-#ifndef FLASHATTN_SM80_BWD64_LATE_LOAD
-#define FLASHATTN_SM80_BWD64_LATE_LOAD 0
-#endif
-#ifndef FLASHATTN_SM80_BWD64_SDP_WARPS_M  // warps of the S/dP products along rows (4 × 2 or 2 × 4)
-#define FLASHATTN_SM80_BWD64_SDP_WARPS_M 2
-#endif
-#ifndef FLASHATTN_SM80_BWD128_DKV_WARPS_N  // warps of the dK/dV products along keys (4 × 2 or 2 × 4)
-#define FLASHATTN_SM80_BWD128_DKV_WARPS_N 4
-#endif
-#ifndef FLASHATTN_SM80_BWD128_DQ_WARPS_M  // warps of the dQ product along rows (2 × 4 or 4 × 2)
-#define FLASHATTN_SM80_BWD128_DQ_WARPS_M 2
-#endif
-#ifndef FLASHATTN_SM80_BWD128_SPREAD_DQ
-#define FLASHATTN_SM80_BWD128_SPREAD_DQ 1
-#endif
-#ifndef FLASHATTN_SM80_BWD128_LATE_LOAD
-#define FLASHATTN_SM80_BWD128_LATE_LOAD 0
-#endif
-#ifndef FLASHATTN_SM80_BWD_PLAIN_SCOREMOD  // softcap and ALiBi in the plain variant; dropout alone takes the full one
-#define FLASHATTN_SM80_BWD_PLAIN_SCOREMOD 0
-#endif
+// and the Philox state need registers), and the S/dP product's MMA tiles are paired (kPairedN: one
+// Philox call per 16 × 16 dropout block).
 template <class Element, int kHeadDim, bool kFull, int kStages, bool kSmall = false>
-struct BwdConfig;
-template <class Element, bool kFull, int kStages, bool kSmall>
-struct BwdConfig<Element, 64, kFull, kStages, kSmall> {
-  static constexpr BwdTile kTile = bwd_tile(64, kFull);
-  using Traits = BwdTraits<Element, 64, kTile.block_m, kTile.block_n, kFull ? 2 : FLASHATTN_SM80_BWD64_SDP_WARPS_M, 4, 4,
-                           kStages, !kFull && FLASHATTN_SM80_BWD64_SPREAD_DQ != 0,
-                           !kFull && FLASHATTN_SM80_BWD64_LATE_LOAD != 0, kFull && FLASHATTN_SM80_BWD_PAIRED_DROPOUT != 0>;
-};
-template <class Element, bool kFull, int kStages, bool kSmall>
-struct BwdConfig<Element, 128, kFull, kStages, kSmall> {
-  static constexpr BwdTile kTile = bwd_tile(128, kFull, kSmall);
-  using Traits = BwdTraits<Element, 128, kTile.block_m, kTile.block_n, 2, kFull ? 4 : FLASHATTN_SM80_BWD128_DKV_WARPS_N,
-                           kFull ? 2 : FLASHATTN_SM80_BWD128_DQ_WARPS_M, kStages,
-                           !kFull && FLASHATTN_SM80_BWD128_SPREAD_DQ != 0, !kFull && FLASHATTN_SM80_BWD128_LATE_LOAD != 0,
-                           kFull && FLASHATTN_SM80_BWD_PAIRED_DROPOUT != 0>;
-};
-template <class Element, bool kFull, int kStages, bool kSmall>
-struct BwdConfig<Element, 256, kFull, kStages, kSmall> {
-  static constexpr BwdTile kTile = bwd_tile(256, kFull);
-  using Traits = BwdTraits<Element, 256, kTile.block_m, kTile.block_n, 4, 2, 2, kStages, true, true,
-                           kFull && FLASHATTN_SM80_BWD_PAIRED_DROPOUT != 0>;
+struct BwdConfig {
+  static constexpr BwdTile kTile = bwd_tile(kHeadDim, kFull, kSmall);
+  static constexpr BwdSchedule kSchedule = kFull ? bwd_tuning(kHeadDim).full : bwd_tuning(kHeadDim).plain;
+  using Traits = BwdTraits<Element, kHeadDim, kTile.block_m, kTile.block_n, kSchedule.sdp_warps_m,
+                           kSchedule.dkv_warps_n, kSchedule.dq_warps_m, kStages, kSchedule.spread_dq,
+                           kSchedule.late_load, kFull>;
 };
 
 template <class Traits, bool kFull>
 cudaError_t launch_bwd_main(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                             cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;
-  auto* kernel = &bwd_kernel<Traits, kFull, !kFull && FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0>;
+  auto* kernel = &bwd_kernel<Traits, kFull, !kFull && bwd_tuning(Traits::kHeadDim).plain_scoremod>;
   if constexpr (Traits::kSmemBytes > kDefaultSmemLimit) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
@@ -115,9 +70,9 @@ constexpr bool kBwdSmemAgrees =
 template <class Element, int kHeadDim>
 cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                                cudaStream_t stream) {
-  const bool needs_full = FLASHATTN_SM80_BWD_PLAIN_SCOREMOD != 0 ? p.dropout_p > 0.0f
-                                                                 : p.softcap > 0.0f || p.alibi_slopes != nullptr ||
-                                                                       p.dropout_p > 0.0f;
+  const bool needs_full = bwd_tuning(kHeadDim).plain_scoremod
+                              ? p.dropout_p > 0.0f
+                              : p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
   const BwdChoice choice = bwd_choice(kHeadDim, needs_full, smem_per_block_limit());
   using Plain2 = BwdTraitsOf<Element, kHeadDim, false, 2>;
   using Full2 = BwdTraitsOf<Element, kHeadDim, true, 2>;

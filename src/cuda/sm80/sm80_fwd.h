@@ -8,113 +8,36 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "cuda/sm80/sm80_tuning.h"
 
 namespace flashattn::cuda::sm80 {
 
-// Tile of one forward CTA: kBlockM query rows × kBlockN keys per step, kNWarps warps. The host
-// needs it to count CTAs and key tiles (split-KV heuristic); sm80_fwd_launch.cuh builds the
-// kernels from it. full: softcap / ALiBi / dropout compiled in (half the key tile, for registers).
-struct FwdTile {
-  int block_m;
-  int block_n;
-  int warps;
-};
-// Tuning knobs of the d 64 tile (compile definitions; scripts/gpu-variants times them): the key
-// tile and the warps of the plain variant.
-#ifndef FLASHATTN_SM80_FWD64_BLOCK_N
-#define FLASHATTN_SM80_FWD64_BLOCK_N 128
-#endif
-#ifndef FLASHATTN_SM80_FWD64_WARPS
-#define FLASHATTN_SM80_FWD64_WARPS 4
-#endif
-// The d 256 plain tile's rows: 128 (8 warps, 128 KiB: one CTA per SM) or 64 (4 warps, 96 KiB: two
-// CTAs per SM on an H100/H200, twice the row blocks for short sequences; FA2's choice there).
-#ifndef FLASHATTN_SM80_FWD256_BLOCK_M
-#define FLASHATTN_SM80_FWD256_BLOCK_M 128
-#endif
+// Tiles and flags per head dim: fwd_tuning (sm80_tuning.h). The host needs the tiles to count
+// CTAs and key tiles (split-KV heuristic); sm80_fwd_launch.cuh builds the kernels from them.
+// full: softcap / ALiBi / dropout compiled in (half the key tile, for registers).
 constexpr FwdTile fwd_tile(int head_dim, bool full) {
-  // d 64:  128 × 128, 4 warps —  48 KB shared (Q 16 + K 16 + V 16)
-  // d 128: 128 × 64,  4 warps —  64 KB: 32 rows per warp keeps the 128 fp32 of O in registers
-  // d 256: 128 × 64,  8 warps — 128 KB: 16 rows per warp, as the O accumulator doubles
-  // All fit the 163 KB of an A100 and the 227 KB of an H100/H200; where a plain tile does not fit
-  // (d 256 on 99 KB GPUs), fwd_runs_full takes the full variant's.
-  return head_dim <= 64    ? (full ? FwdTile{128, 64, 4}
-                                   : FwdTile{128, FLASHATTN_SM80_FWD64_BLOCK_N, FLASHATTN_SM80_FWD64_WARPS})
-         : head_dim <= 128 ? FwdTile{128, full ? 32 : 64, 4}
-                           : (full ? FwdTile{128, 32, 8}
-                                   : FwdTile{FLASHATTN_SM80_FWD256_BLOCK_M, 64, FLASHATTN_SM80_FWD256_BLOCK_M / 16});
+  return full ? fwd_tuning(head_dim).full : fwd_tuning(head_dim).plain;
 }
 
-// The forward's tiles for short sequences (compile definitions; scripts/gpu-variants times them):
-// 64 rows with 4 warps where each row sees at most FLASHATTN_SM80_FWD<d>_SHORT_KEYS keys
-// (fwd_keys_per_row), the plain tile above beyond; 0: never (one tile for all lengths). With few
-// key tiles per CTA its prologue and epilogue weigh more, and more CTAs per SM hide them; with
-// many, the bigger tile reads K/V half as often. Unpacked, unpaged, not split-KV only.
-//   d 256: 64 × 64 (96 KiB, two CTAs per SM on an H100/H200). H200, bf16, L2 flushed: ×1.08 at
-//   s ≤ 2048; at s 4096 ×1.02 (4096 keys) and ×1.06 (causal, 2049 keys on average).
-//   d 64, d 128: 64 × FLASHATTN_SM80_FWD64_SHORT_BLOCK_N and 64 × 64 (24 and 48 KiB), their
-//   registers capped for FLASHATTN_SM80_FWD<d>_SHORT_MIN_BLOCKS CTAs per SM (__launch_bounds__;
-//   1: no cap). Uncapped on sm_90a they take 162 (d 64) and 200 registers (d 128) — three and
-//   two CTAs per SM; capped without spills at 4 (d 64, 64 keys: 128 registers) and 3 (d 128, 168;
-//   d 64 with 128 keys: 168). H200, bf16: causal s 512 (257 keys per row on average) ×1.15 at
-//   d 64 and ×1.08 at d 128; but 512 keys without a mask ×0.92 / ×0.94 (the plain tile's causal
-//   blocks are what is uneven there, not the count of key tiles), causal s 1024 (513) ×1.01, and
-//   from 2048 keys ×0.89–0.97 — hence 384.
-#ifndef FLASHATTN_SM80_FWD256_SHORT_KEYS
-#define FLASHATTN_SM80_FWD256_SHORT_KEYS 4096
-#endif
-#ifndef FLASHATTN_SM80_FWD128_SHORT_KEYS
-#define FLASHATTN_SM80_FWD128_SHORT_KEYS 384
-#endif
-#ifndef FLASHATTN_SM80_FWD64_SHORT_KEYS
-#define FLASHATTN_SM80_FWD64_SHORT_KEYS 384
-#endif
-#ifndef FLASHATTN_SM80_FWD64_SHORT_BLOCK_N
-#define FLASHATTN_SM80_FWD64_SHORT_BLOCK_N 64
-#endif
-#ifndef FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS
-#define FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS 4
-#endif
-#ifndef FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS
-#define FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS 3
-#endif
-constexpr int fwd_short_keys(int head_dim) {
-  return head_dim <= 64    ? FLASHATTN_SM80_FWD64_SHORT_KEYS
-         : head_dim <= 128 ? FLASHATTN_SM80_FWD128_SHORT_KEYS
-                           : FLASHATTN_SM80_FWD256_SHORT_KEYS;
-}
-constexpr FwdTile fwd_short_tile(int head_dim) {
-  return FwdTile{64, head_dim <= 64 ? FLASHATTN_SM80_FWD64_SHORT_BLOCK_N : 64, 4};
-}
+// The forward's tiles for short sequences (fwd_tuning's short_tile): 64 rows with 4 warps where
+// each row sees at most fwd_short_keys(head_dim) keys (fwd_keys_per_row), the plain tile beyond;
+// 0: never (one tile for all lengths). With few key tiles per CTA its prologue and epilogue weigh
+// more, and more CTAs per SM hide them; with many, the bigger tile reads K/V half as often.
+// Unpacked, unpaged, not split-KV only. Measurements: src/cuda/README.md, "Tuning knobs".
+constexpr int fwd_short_keys(int head_dim) { return fwd_tuning(head_dim).short_keys; }
+constexpr FwdTile fwd_short_tile(int head_dim) { return fwd_tuning(head_dim).short_tile; }
 // CTAs per SM that the short tile's registers are capped for (the d 256 one is held to two by its
 // shared memory anyway).
-constexpr int fwd_short_min_blocks(int head_dim) {
-  return head_dim <= 64    ? FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS
-         : head_dim <= 128 ? FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS
-                           : 1;
-}
+constexpr int fwd_short_min_blocks(int head_dim) { return fwd_tuning(head_dim).short_min_blocks; }
 constexpr bool fwd_has_short_tile(int head_dim) { return fwd_short_keys(head_dim) > 0; }
 
-// The tile of the GQA-packed kernel (decoding: a few packed rows against a long cache). Knob
-// FLASHATTN_SM80_FWD_PACKED_TILE (scripts/gpu-variants times it): 0 takes the plain tile; 1 a
-// decoding tile — 64 packed rows (sq · g is small) and 128-key tiles at d ≤ 128, so that each CTA
-// has twice the K/V bytes in flight per step and computes half the idle query rows.
-#ifndef FLASHATTN_SM80_FWD_PACKED_TILE
-#define FLASHATTN_SM80_FWD_PACKED_TILE 1
-#endif
-constexpr FwdTile fwd_tile_packed(int head_dim) {
-  return FLASHATTN_SM80_FWD_PACKED_TILE == 0 ? fwd_tile(head_dim, false)
-         : head_dim <= 128                   ? FwdTile{64, 128, 4}
-                                             : FwdTile{64, 64, 4};
-}
+// The tile of the GQA-packed kernel (decoding: a few packed rows against a long cache).
+constexpr FwdTile fwd_tile_packed(int head_dim) { return fwd_tuning(head_dim).packed; }
 
-// Tuning knob (a compile definition; scripts/gpu-variants times it): 1 compiles softcap and ALiBi
-// into the plain (unpacked) forward kernel, so that only dropout takes the full variant and its
-// halved key tile; 0 sends all three to the full variant.
-#ifndef FLASHATTN_SM80_FWD_PLAIN_SCOREMOD
-#define FLASHATTN_SM80_FWD_PLAIN_SCOREMOD 0
-#endif
-constexpr bool kPlainScoreMod = FLASHATTN_SM80_FWD_PLAIN_SCOREMOD != 0;
+// Softcap and ALiBi compiled into the plain (unpacked) forward kernel, so that only dropout takes
+// the full variant and its halved key tile; false sends all three to the full variant.
+// (Family-wide; fwd_tuning has the same value at every head dim.)
+constexpr bool kPlainScoreMod = fwd_tuning(128).plain_scoremod;
 
 // Whether p uses softcap, ALiBi or dropout (each depends on the head of every element).
 inline bool has_score_mod_or_dropout(const common::AttentionParams& p) {

@@ -95,53 +95,29 @@ struct FwdTraits {
 
 // --- small device helpers -----------------------------------------------------------------------
 
-// Tuning knob (a compile definition; scripts/gpu-variants times alternatives): the number of
-// interleaved partial chains of the forward's per-row max and sum over a key tile. 1 is the plain
-// left-to-right order; 0 (the default) picks by head dim what the H200 measured best: 4 at d 128
-// (+1–3% forward TFLOP/s over 1), 1 elsewhere (4 cost d 64 1%).
-#ifndef FLASHATTN_SM80_FWD_ROW_CHAINS
-#define FLASHATTN_SM80_FWD_ROW_CHAINS 0
-#endif
-
-
-// Tuning knob (a compile definition; scripts/gpu-variants times it): 1 issues the V load of a
-// block's first key tile in the prologue, beside Q and K, instead of after the first barrier —
-// its latency then overlaps theirs rather than following them, which matters where a block has
-// few key tiles (short sequences, the low row blocks of a causal mask). H200, bf16, with the
-// short tiles: ×1.003 over d 64/128/256 × s 512…4096 × causal or not (within noise, never a
-// loss beyond it); on by default.
-#ifndef FLASHATTN_SM80_FWD_EARLY_V
-#define FLASHATTN_SM80_FWD_EARLY_V 1
-#endif
-constexpr bool kEarlyFirstV = FLASHATTN_SM80_FWD_EARLY_V != 0;
-
-// Tuning knob: 1 rescales O after a key tile only where the tile raised the max of some row of
-// the warp (a vote; the branch is warp-uniform). A row whose max stayed put has correction
+// Schedule flags of the forward per head dim (fwd_tuning, sm80_tuning.h):
+// kEarlyFirstV: the V load of a block's first key tile issued in the prologue, beside Q and K,
+// instead of after the first barrier — its latency then overlaps theirs rather than following
+// them, which matters where a block has few key tiles (short sequences, the low row blocks of a
+// causal mask).
+template <int kHeadDim>
+constexpr bool kEarlyFirstV = fwd_tuning(kHeadDim).early_v;
+// kLazyRescale: O rescaled after a key tile only where the tile raised the max of some row of the
+// warp (a vote; the branch is warp-uniform). A row whose max stayed put has correction
 // exp2(0) = 1, which this takes exactly instead of from the MUFU, so the result is the same
 // algorithm; on long sequences the max of most rows settles within a few tiles, and the
-// kRows × dv / 4 multiplies per thread and tile (128 at d 128 and d 256, 64 at d 64), which stand
-// between the softmax and the P·V product, are then skipped. H200, bf16, beside the first-tile
-// branch of FLASHATTN_SM80_FWD_FIRST_RESCALE=1: d 64 ×0.98–0.99, d 256 ×1.01–1.02; off.
-#ifndef FLASHATTN_SM80_FWD_LAZY_RESCALE
-#define FLASHATTN_SM80_FWD_LAZY_RESCALE 0
-#endif
-constexpr bool kLazyRescale = FLASHATTN_SM80_FWD_LAZY_RESCALE != 0;
-
-// Tuning knob: where O is rescaled after a key tile in the plain variant. 1 skips it after a
-// block's first key tile (O is still zero there) by a uniform branch after the row loop; 0
+// kRows × dv / 4 multiplies per thread and tile, which stand between the softmax and the P·V
+// product, are then skipped.
+template <int kHeadDim>
+constexpr bool kLazyRescale = fwd_tuning(kHeadDim).lazy_rescale;
+// kBranchRescale: where O is rescaled after a key tile in the plain variant. true skips it after a
+// block's first key tile (O is still zero there) by a uniform branch after the row loop; false
 // rescales row by row inside the loop on every tile (after the first tile the correction is
 // exp2(−∞) = 0 and O stays zero), where ptxas interleaves the multiplies with the row's MUFU
-// exponentials; −1 (default) by head dim: 1 at d 128, 0 elsewhere. H200, bf16, d 64, L2 flushed:
-// the branch costs ×0.97–0.98 at s 4096 / 16384 (336.0 → 327.1 TFLOP/s without a mask, in one
-// call); d 128 did not lose by it, and in the loop its short tile spills (12 bytes, sm_90a).
-// FLASHATTN_SM80_FWD_LAZY_RESCALE implies the branch, and the full variant (dropout, softcap,
-// ALiBi) always takes it: in the loop its paged d 64 kernel spilled 492 bytes instead of 88.
-#ifndef FLASHATTN_SM80_FWD_FIRST_RESCALE
-#define FLASHATTN_SM80_FWD_FIRST_RESCALE -1
-#endif
+// exponentials. kLazyRescale implies the branch, and the full variant (dropout, softcap, ALiBi)
+// always takes it: in the loop its paged d 64 kernel spilled 492 bytes instead of 88.
 template <int kHeadDim>
-constexpr bool kBranchRescale = kLazyRescale || FLASHATTN_SM80_FWD_FIRST_RESCALE == 1 ||
-                                (FLASHATTN_SM80_FWD_FIRST_RESCALE < 0 && kHeadDim == 128);
+constexpr bool kBranchRescale = fwd_tuning(kHeadDim).first_tile_branch;
 
 // x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
 // built on it stay "base + constant" inside the key loop instead of being hoisted out as one
@@ -545,7 +521,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     cp_async_fence();
     // kEarlyFirstV: the first tile's V in flight with Q and K (sV is free until then), in a group
     // of its own with the next tile's page entries; the first key tile then waits for all but it.
-    if constexpr (kEarlyFirstV) {
+    if constexpr (kEarlyFirstV<kHeadDim>) {
       load_kv(v_base, p.v, v_row0_offset, p.head_dim_v, sV, n_block_max - 1, std::true_type{});
       if (n_block_max - 1 > n_block_min) prefetch_pages(n_block_max - 2);
       cp_async_fence();
@@ -561,7 +537,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2,2), MMA_M, MMA_N)
       clear(acc_s);
 
-      if (kEarlyFirstV && first) {
+      if (kEarlyFirstV<kHeadDim> && first) {
         cp_async_wait<1>();  // Q and K(n) have landed; V(n) (the prologue's last group) may not have
         __syncthreads();
       } else {
@@ -643,8 +619,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       // Online softmax: new row max, rescale what was accumulated, exponentiate this tile. The
       // row's max and sum run as kRowChains interleaved partial chains (a shorter dependency
       // chain; the max is exact in any order, the sum differs in its last bits).
-      constexpr int kRowChains = FLASHATTN_SM80_FWD_ROW_CHAINS > 0 ? FLASHATTN_SM80_FWD_ROW_CHAINS
-                                 : (Traits::kHeadDim == 128 ? 4 : 1);
+      constexpr int kRowChains = fwd_tuning(Traits::kHeadDim).row_chains;
       static_assert(kRowChains >= 1 && decltype(size<1>(s))::value % kRowChains == 0, "chains divide the row");
       float correction[kRows];  // exp2(old max − new max) of each row, for O
       // O rescaled after the row loop, skipping the block's first tile; otherwise inside it
@@ -666,7 +641,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         const float max_scaled = tile_max == -kInf ? 0.0f : tile_max * score_to_log2;
         const float old_scaled = row_max[mi] == -kInf ? -kInf : row_max[mi] * score_to_log2;
         correction[mi] = exp2_ftz(old_scaled - max_scaled);
-        if constexpr (kLazyRescale) {
+        if constexpr (kLazyRescale<kHeadDim>) {
           // (−∞ staying −∞: O and the sum are still zero, and 1 keeps them so)
           const bool grew = tile_max > row_max[mi];
           any_max_grew |= grew;
@@ -696,7 +671,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       // too): a uniform branch around kRows × dv / 4 multiplies per thread, which weigh most
       // where a block has few key tiles.
       bool rescale = kRescaleAfterLoop && !first;
-      if constexpr (kLazyRescale) rescale = rescale && __any_sync(0xffffffffu, any_max_grew);
+      if constexpr (kLazyRescale<kHeadDim>) rescale = rescale && __any_sync(0xffffffffu, any_max_grew);
       if (rescale) {
         CUTE_UNROLL
         for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {

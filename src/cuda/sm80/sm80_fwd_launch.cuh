@@ -1,5 +1,5 @@
 // src/cuda/sm80/sm80_fwd_launch.cuh — the kernel configuration per head dim (tiles from
-// sm80_fwd.h) and the launchers of the sm80 forward kernel, plain and split-KV. Included by the
+// sm80_tuning.h) and the launchers of the sm80 forward kernel, plain and split-KV. Included by the
 // instantiation files in inst/, one (dtype, head dim, plain or split) each.
 #pragma once
 
@@ -12,10 +12,10 @@ namespace flashattn::cuda::sm80 {
 
 using device::ElementOf;
 
-// The kernel of one (dtype, head dim, variant), its tile from fwd_tile (sm80_fwd.h). With softcap
-// / ALiBi / dropout compiled in (kFull), the key tile is halved: the Philox state and per-element
-// coordinates need the registers that half of the score tile gave back.
-// The packed kernel's tile is fwd_tile_packed (PackedTraits).
+// The kernel of one (dtype, head dim, variant), its tiles from the head dim's tuning table
+// (fwd_tuning, sm80_tuning.h, through fwd_tile, fwd_tile_packed and fwd_short_* of sm80_fwd.h).
+// With softcap / ALiBi / dropout compiled in (kFull), the key tile is halved: the Philox state and
+// per-element coordinates need the registers that half of the score tile gave back.
 template <class Element, int kHeadDim, bool kFull>
 struct FwdConfig {
   static constexpr FwdTile kTile = fwd_tile(kHeadDim, kFull);
