@@ -409,7 +409,7 @@ struct BwdMainloop {
       }
       if constexpr (Traits::kScoreMod) {
         if (use_dropout) {
-          const int lane = thread % 32, g = lane / 4, t4 = lane % 4;
+          const int lane = thread % 32;
           const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
           const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + s / m_blocks);
           CUTE_UNROLL
@@ -417,8 +417,9 @@ struct BwdMainloop {
           CUTE_UNROLL
           for (int q = 0; q < kRows / 4; ++q) {  // 16 query rows: columns 4q … 4q + 3 of s_rc
             const std::uint32_t own = common::dropout_keep_bits(dropout, stream, (row0 >> 4) + q, key_block, lane);
-            const std::uint32_t lanes[2] = {__shfl_sync(0xffffffffu, own, 8 * t4 + g / 2),
-                                            __shfl_sync(0xffffffffu, own, 8 * t4 + 4 + g / 2)};
+            const std::uint32_t lanes[2] = {
+                __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 0, 0).lane),
+                __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 1, 0).lane)};
             CUTE_UNROLL
             for (int b = 0; b < 2; ++b) {      // row 2t + b (+ 8c) of the block
               CUTE_UNROLL
@@ -426,7 +427,7 @@ struct BwdMainloop {
                 CUTE_UNROLL
                 for (int a = 0; a < 2; ++a) {  // key g + 8a
                   const int col = 4 * q + 2 * c + b;  // s_rc's column: (pair b, 8-column group 2q + c)
-                  const std::uint32_t bit = (lanes[b] >> (4 * a + 2 * c + (g & 1))) & 1u;
+                  const std::uint32_t bit = (lanes[b] >> common::dropout_transposed_source(lane, a, b, c).element) & 1u;
                   const int at = 2 * col + a;
                   keep[at / 32] |= bit << (at % 32);
                 }
