@@ -39,6 +39,11 @@ struct Options {
   // Optional {seed, offset} pair in memory on the tensors' device, read at run time instead of
   // dropout_seed / dropout_offset (this lets a captured CUDA graph replay with new randomness).
   const std::uint64_t* dropout_rng_state = nullptr;
+  // Where this call's query rows and keys sit in a longer sequence whose mask to draw: query row
+  // i and key j take the mask of (dropout_row_offset + i, dropout_col_offset + j) (context
+  // parallelism computes one attention in blocks). Multiples of 16 (the mask's block size), ≥ 0.
+  std::int64_t dropout_row_offset = 0;
+  std::int64_t dropout_col_offset = 0;
   // Backward: bitwise identical results from run to run (and across thread counts on the CPU).
   bool deterministic = false;
   // Forward: write lse (when false, the lse view may be left undefined).

@@ -392,6 +392,8 @@ NB_MODULE(_C, m) {
       .def_rw("dropout_p", &flashattn::Options::dropout_p)
       .def_rw("dropout_seed", &flashattn::Options::dropout_seed)
       .def_rw("dropout_offset", &flashattn::Options::dropout_offset)
+      .def_rw("dropout_row_offset", &flashattn::Options::dropout_row_offset)
+      .def_rw("dropout_col_offset", &flashattn::Options::dropout_col_offset)
       .def_rw("deterministic", &flashattn::Options::deterministic)
       .def_rw("backend", &flashattn::Options::backend)
       .def_rw("num_threads", &flashattn::Options::num_threads)

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace flashattn::detail {
@@ -222,6 +223,11 @@ void check_head_dim(const Checker& c, const std::string& name, std::int64_t d) {
   }
 }
 
+// Dropout position offsets: whole mask blocks, and small enough that a block index plus the
+// sequence's blocks stays within the Philox counter's 32-bit words (block_j · 32 + lane).
+constexpr std::int64_t kDropoutBlock = 16;
+constexpr std::int64_t kMaxDropoutOffset = std::int64_t(1) << 30;
+
 void check_options(const Checker& c, const Options& opt) {
   if (!(opt.dropout_p >= 0.0f && opt.dropout_p < 1.0f)) {
     c.fail("options.dropout_p", "dropout probability must be in [0, 1)", "0 ≤ p < 1", std::to_string(opt.dropout_p));
@@ -232,6 +238,13 @@ void check_options(const Checker& c, const Options& opt) {
   if (!std::isfinite(opt.softmax_scale) || opt.softmax_scale < 0.0f) {
     c.fail("options.softmax_scale", "softmax_scale must be finite and ≥ 0 (0 means 1/sqrt(d))", "≥ 0",
            std::to_string(opt.softmax_scale));
+  }
+  for (const auto& [name, value] : {std::pair{"options.dropout_row_offset", opt.dropout_row_offset},
+                                    std::pair{"options.dropout_col_offset", opt.dropout_col_offset}}) {
+    if (value < 0 || value % kDropoutBlock != 0 || value > kMaxDropoutOffset) {
+      c.fail(name, "dropout position offsets are whole 16×16 mask blocks", "0, 16, 32, ... below 2^30",
+             std::to_string(value));
+    }
   }
   if (opt.window_left < -1) c.fail("options.window_left", "window sizes must be ≥ −1 (−1: unbounded)", "≥ −1", std::to_string(opt.window_left));
   if (opt.window_right < -1) c.fail("options.window_right", "window sizes must be ≥ −1 (−1: unbounded)", "≥ −1", std::to_string(opt.window_right));
@@ -302,6 +315,8 @@ void set_semantics(const Checker& c, const Options& opt, Device device, common::
       p.dropout.seed = opt.dropout_rng_state[0];
       p.dropout.offset = opt.dropout_rng_state[1];
     }
+    p.dropout.block_row_offset = std::uint32_t(opt.dropout_row_offset / kDropoutBlock);
+    p.dropout.block_col_offset = std::uint32_t(opt.dropout_col_offset / kDropoutBlock);
     p.dropout.keep_threshold = common::dropout_keep_threshold(opt.dropout_p);
     p.dropout.keep_scale = 1.0f / (1.0f - opt.dropout_p);
   }

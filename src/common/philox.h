@@ -50,6 +50,9 @@ FA_HOST_DEVICE Philox4 philox4x32_10(Philox4 ctr, std::uint32_t k0, std::uint32_
 struct DropoutParams {
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
+  // Options::dropout_row_offset / dropout_col_offset in 16×16 blocks, added to every block index.
+  std::uint32_t block_row_offset = 0;
+  std::uint32_t block_col_offset = 0;
   std::uint32_t keep_threshold = 65536;  // of 65536: keep probability in units of 2^-16
   float keep_scale = 1.0f;               // 1 / (1 − p)
 };
@@ -64,6 +67,8 @@ FA_HOST_DEVICE std::uint32_t dropout_keep_threshold(float p) {
 FA_HOST_DEVICE std::uint32_t dropout_keep_bits(const DropoutParams& dp, std::uint64_t stream,
                                                int block_i, int block_j, int lane) {
   const std::uint64_t sub = dp.offset + stream;
+  block_i += int(dp.block_row_offset);
+  block_j += int(dp.block_col_offset);
   const Philox4 r = philox4x32_10(
       Philox4{std::uint32_t(block_j) * 32u + std::uint32_t(lane), std::uint32_t(block_i),
               std::uint32_t(sub), std::uint32_t(sub >> 32)},

@@ -9,6 +9,7 @@
 // dropout cases): the oracle's gradient is the gradient of the masked function.
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "common/philox.h"
@@ -205,6 +206,7 @@ struct MaskCall {
   bool causal = false;
   Backend backend = Backend::cpu;
   int num_threads = 2;
+  std::int64_t row_offset = 0, col_offset = 0;  // Options::dropout_row_offset / dropout_col_offset
 };
 
 std::vector<std::uint8_t> recover_mask(const MaskCall& m, ForwardResult* result = nullptr) {
@@ -219,6 +221,8 @@ std::vector<std::uint8_t> recover_mask(const MaskCall& m, ForwardResult* result 
   cfg.qk_amplitude = 0.25f;  // |s| < 1: every p_ij is far from underflow
   cfg.opt.dropout_p = m.p;
   cfg.opt.causal = m.causal;
+  cfg.opt.dropout_row_offset = m.row_offset;
+  cfg.opt.dropout_col_offset = m.col_offset;
   std::uint64_t rng_state[2] = {m.seed, m.offset};
   if (m.use_rng_state) {
     cfg.opt.dropout_seed = ~m.seed;  // must be ignored
@@ -269,6 +273,54 @@ std::int64_t count_diff(const std::vector<std::uint8_t>& a, const std::vector<st
 }
 
 class DropoutApi : public testing::TestWithParam<Backend> {};
+
+// Position offsets: a call over rows [16, 40) and keys [32, 64) of a sequence, told where it sits,
+// draws exactly that part of the whole call's mask (and without the offsets, another one).
+TEST_P(DropoutApi, PositionOffsetsDrawThatPartOfTheLongerSequencesMask) {
+  MaskCall whole;
+  whole.backend = GetParam();
+  whole.seqlen_q = 40;
+  whole.seqlen_k = 64;
+  whole.p = 0.4f;
+  whole.seed = 31;
+  whole.offset = 6;
+  const std::vector<std::uint8_t> full = recover_mask(whole);
+  MaskCall part = whole;
+  part.seqlen_q = 24;
+  part.seqlen_k = 32;
+  part.row_offset = 16;
+  part.col_offset = 32;
+  const std::vector<std::uint8_t> got = recover_mask(part);
+  std::int64_t diff = 0;
+  for (int b = 0; b < part.batch; ++b)
+    for (int hh = 0; hh < part.heads; ++hh)
+      for (int i = 0; i < part.seqlen_q; ++i)
+        for (int j = 0; j < part.seqlen_k; ++j) {
+          const std::size_t at = ((std::size_t(b) * part.heads + hh) * part.seqlen_q + i) * part.seqlen_k + j;
+          const std::size_t whole_at =
+              ((std::size_t(b) * whole.heads + hh) * whole.seqlen_q + 16 + i) * whole.seqlen_k + 32 + j;
+          diff += got[at] != full[whole_at];
+        }
+  EXPECT_EQ(diff, 0);
+  part.row_offset = part.col_offset = 0;
+  EXPECT_GT(count_diff(recover_mask(part), got), 0);  // the offsets did something
+}
+
+TEST(DropoutApiErrors, PositionOffsetsAreWholeBlocks) {
+  using Case = std::tuple<std::int64_t, std::int64_t, const char*>;
+  for (auto [row, col, name] : {Case{8, 0, "dropout_row_offset"}, Case{0, -16, "dropout_col_offset"},
+                                Case{std::int64_t(1) << 31, 0, "dropout_row_offset"}}) {
+    MaskCall m;
+    m.row_offset = row;
+    m.col_offset = col;
+    try {
+      (void)recover_mask(m);
+      ADD_FAILURE() << name << " " << row << "," << col << " was accepted";
+    } catch (const flashattn::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
+}
 
 // The API's mask is the documented element function, bit for bit (both backends), including
 // across 16×16 block edges (sq, sk not multiples of 16) and with a causal mask.
