@@ -278,7 +278,6 @@ struct BwdMainloop {
     Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
     Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, MMA_M, MMA_K, buffer)
     Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
-    Tensor tSsdS = thr_sdp.partition_C(sdS);            // this thread's dSᵀ elements, (MMA, 1, 1, buffer)
 
     constexpr auto kShapeSdP = select<0, 1>(typename Traits::TileShapeSdP{});
     Tensor acc_s = partition_fragment_C(mma_sdp, kShapeSdP);
@@ -290,6 +289,10 @@ struct BwdMainloop {
     Tensor p_flat = make_tensor(p_frag.data(), acc_s.layout());
     Tensor ds_flat = make_tensor(ds_frag.data(), acc_s.layout());
     Tensor acc_dq = partition_fragment_C(mma_dq, select<0, 1>(typename Traits::TileShapedQ{}));
+    auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(thread);
+    Tensor r2s_ds_src = thr_r2s_ds.retile_S(ds_flat);  // dSᵀ in 16 bits, the accumulator layout
+    Tensor r2s_ds_dst = thr_r2s_ds.partition_D(sdS);   // (CPY, CPY_M, CPY_N, buffer)
 
     Tensor c_s = thr_sdp.partition_C(make_identity_tensor(kShapeSdP));
     Tensor c_rc = make_tensor(c_s.data(), rowcol_layout(c_s.layout()));  // (key, row) of each element
@@ -477,10 +480,9 @@ struct BwdMainloop {
       }
       convert_fragment<Element>(acc_dp, ds_flat);
 
-      // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys.
-      Tensor tSsdS_b = tSsdS(_, _, _, buffer);
-      CUTE_UNROLL
-      for (int i = 0; i < size(ds_flat); ++i) tSsdS_b(i) = ds_flat(i);
+      // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
+      // stmatrix, 8 × 8 blocks of 16-bit values per instruction, conflict-free in the swizzle.
+      copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();
 
       wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
