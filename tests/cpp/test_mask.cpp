@@ -86,9 +86,10 @@ TEST(Mask, RowBoundsHoldEveryRowThatSeesTheBlock) {
 }
 
 // The deterministic sm90 backward adds a key tile's dQ to row block m at turn
-// n − ⌊block_col_begin(m's first row) / block_n⌋ (BwdMainloop::write_dq): that holds when the key
-// tiles whose backward walk (block_row_*) reaches m are exactly consecutive tiles from there on.
-TEST(Mask, KeyTilesReachingARowBlockAreConsecutiveFromItsFirstColumn) {
+// ⌊(block_col_end(m's row end) − 1) / block_n⌋ − n (BwdMainloop::write_dq, descending): that holds
+// when the key tiles whose backward walk (block_row_*) reaches m are exactly the consecutive tiles
+// from that of its first visible key to that of its last.
+TEST(Mask, KeyTilesReachingARowBlockAreConsecutiveFromItsFirstToItsLastColumn) {
   int checked = 0;
   for (const MaskCase& mc : kMasks) {
     for (int sq = 1; sq <= 40; sq += 3) {
@@ -107,6 +108,9 @@ TEST(Mask, KeyTilesReachingARowBlockAreConsecutiveFromItsFirstColumn) {
               }
               if (tiles.empty()) continue;
               const int first = m.block_col_begin(r0) / bn;
+              // ... and end at the tile of its last visible key (the descending turn's origin).
+              ASSERT_EQ(tiles.back(), (m.block_col_end(r1) - 1) / bn)
+                  << "sq " << sq << " sk " << sk << " rows [" << r0 << "," << r1 << ") tiles of " << bn;
               for (std::size_t k = 0; k < tiles.size(); ++k) {
                 ASSERT_EQ(tiles[k] - first, int(k)) << "sq " << sq << " sk " << sk << " rows [" << r0 << "," << r1
                                                     << ") tiles of " << bn << " causal " << mc.causal << " window "

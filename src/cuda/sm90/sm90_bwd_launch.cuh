@@ -49,7 +49,8 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   auto* kernel = &bwd_kernel<Traits>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  // Key tiles fastest: under a causal mask the first (the longest: every row sees them) go first.
+  // Key tiles fastest: under a causal mask the first (the longest: every row sees them) go first,
+  // except in the deterministic order, last first (BwdTile::of_block).
   const dim3 grid((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_k, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();

@@ -76,10 +76,12 @@ struct BwdTile {
   int m_block_max;
   common::Mask mask;
 
+  // reversed: the key tiles of a (kv head, batch) launch last first (the deterministic order,
+  // see BwdMainloop::write_dq), else first first (under a causal mask the longest go first).
   template <int kBlockM, int kBlockN>
-  __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows) {
+  __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows, bool reversed) {
     BwdTile t;
-    t.n_block = int(blockIdx.x);
+    t.n_block = reversed ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
     t.kv_head = int(blockIdx.y);
     t.batch = int(blockIdx.z);
     t.seqlen_q = p.seqlen_q(t.batch);
@@ -100,6 +102,12 @@ struct BwdTile {
   }
   // No key of the sequence in this tile: nothing to compute or store.
   __device__ __forceinline__ bool empty(int kBlockN) const { return n_block * kBlockN >= seqlen_k; }
+  // The last key tile whose walk reaches row block m: the tile of the block's last visible key
+  // (the tiles that reach m are consecutive and end there; tests/cpp/test_mask.cpp).
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ int last_tile_of(int m) const {
+    return (mask.block_col_end(min((m + 1) * kBlockM, seqlen_q)) - 1) / kBlockN;
+  }
   __device__ __forceinline__ int steps(int group) const { return (m_block_max - m_block_min) * group; }
 };
 
@@ -207,14 +215,18 @@ struct BwdMainloop {
       const int head = t.kv_head * group + s / m_blocks;
       const int m = t.m_block_min + s % m_blocks;
       float* const rows = params.dq_accum + stat_offset(params, t, head, m) * kHeadDim;
-      // Deterministic: the key tiles that reach row block m add their dQ in key-tile order,
-      // [first_n_block(m), ...), each once its predecessors' additions have landed. The tiles
-      // start in that order (blockIdx.x), so a waiting CTA's predecessors are running or done.
+      // Deterministic: the key tiles that reach row block m add their dQ in descending key-tile
+      // order, from the last tile that reaches m down, each once its predecessors' additions have
+      // landed. The tiles launch in that order (BwdTile::of_block, reversed), so a waiting CTA's
+      // predecessors are running or done. Descending, a CTA's turn at its j-th row block follows
+      // its successor's (j − 1)-th or earlier under causal and sliding-window masks (whose walks
+      // start later for later tiles): the CTAs run side by side instead of each a step behind
+      // the previous one, as an ascending order makes them (a wavefront over the key tiles).
       int* const semaphore = params.dq_semaphores == nullptr
                                  ? nullptr
                                  : params.dq_semaphores + stat_offset(params, t, head, m) / kBlockM;
       if (semaphore != nullptr && lane == 0) {
-        const int turn = t.n_block - t.mask.block_col_begin(m * kBlockM) / kBlockN;
+        const int turn = t.template last_tile_of<kBlockM, kBlockN>(m) - t.n_block;
         while (load_acquire(semaphore) != turn) {
         }
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk additions come after
