@@ -247,7 +247,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CudaBackward, testing::Values(DType::f16, DType
 // --- through the public API ---------------------------------------------------------------------
 
 // flashattn::backward with CUDA tensors reaches the CUDA backend with the caller's workspace; a
-// workspace smaller than backward_workspace_size is refused before anything is written.
+// workspace smaller than the serving family's need is refused before anything is written.
 TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   FA_SKIP_WITHOUT_GPU();
   const auto backends = flashattn::compiled_backends();
@@ -277,9 +277,14 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   in.lse = dev.mirror_view(fwd.lse);
   const flashattn::BackwardOutputs out{dev.mirror_view(r.dq), dev.mirror_view(r.dk), dev.mirror_view(r.dv),
                                        dev.mirror_view(r.softmax_d)};
-  const std::size_t need = flashattn::backward_workspace_size(in, p.opt);
+  // The public size covers every family that might serve the call; the one the call takes needs
+  // `need` bytes exactly, and one byte fewer is refused before anything is written.
+  const std::size_t bound = flashattn::backward_workspace_size(in, p.opt);
+  const flashattn::detail::Problem pr = flashattn::detail::validate_backward(in, out, p.opt);
+  const std::size_t need = flashattn::cuda::backward_workspace_size(pr.params, std::int64_t(cfg.batch) * p.total_q);
   ASSERT_GT(need, 0u);
-  void* ws = dev.alloc(need);
+  ASSERT_GE(bound, need);
+  void* ws = dev.alloc(bound);
 
   try {
     flashattn::backward(in, out, p.opt, {ws, need - 1});
@@ -295,7 +300,7 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
 
   flashattn::Options opt = p.opt;
   opt.backend = Backend::cuda;
-  flashattn::backward(in, out, opt, {ws, need});
+  flashattn::backward(in, out, opt, {ws, bound});
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceArena::download(r.dq, out.dq.data);
   DeviceArena::download(r.dk, out.dk.data);
@@ -304,10 +309,12 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   EXPECT_TRUE(check_backward(p, fwd, r));
 }
 
-// Host only: the public size (shapes, dtype and options of CUDA views) equals what the backend
-// asks of the validated call, for both dtypes, dense and varlen, with and without deterministic
-// counters — so a caller who allocates backward_workspace_size bytes is never refused.
-TEST(CudaBackwardWorkspace, PublicSizeMatchesTheBackend) {
+// Host only: the public size (shapes, dtype and options of CUDA views) covers what the backend
+// asks of the validated call — the largest need of the families with a kernel for it, since
+// which one serves depends on layouts the size query does not see — for both dtypes, dense and
+// varlen, with and without deterministic counters: a caller who allocates
+// backward_workspace_size bytes is never refused.
+TEST(CudaBackwardWorkspace, PublicSizeCoversTheBackend) {
   for (DType dtype : {DType::f16, DType::bf16}) {
     for (bool varlen : {false, true}) {
       for (bool deterministic : {false, true}) {
@@ -329,7 +336,9 @@ TEST(CudaBackwardWorkspace, PublicSizeMatchesTheBackend) {
         const std::size_t expected = flashattn::cuda::backward_workspace_size(pr.params, rows);
         flashattn::BackwardInputs in = p.backward_inputs(fwd);
         in.q.device = {flashattn::DeviceType::cuda, 0};
-        EXPECT_EQ(flashattn::backward_workspace_size(in, p.opt), expected);
+        const std::size_t bound = flashattn::backward_workspace_size(in, p.opt);
+        EXPECT_GE(bound, expected);
+        EXPECT_EQ(bound, flashattn::cuda::backward_workspace_bound(pr.params, rows));
         // (A build that compiles no backward kernel for the dtype refuses the call anyway.)
         if (flashattn::cuda::sm80::compiled_head_dim(flashattn::cuda::sm80::Family::bwd, pr.params.storage, 64) != 0) {
           EXPECT_GT(expected, 0u);

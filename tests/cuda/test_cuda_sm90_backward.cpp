@@ -109,7 +109,7 @@ TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
   const FamilyOverride family("sm90");
   const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(scored)));
   EXPECT_FALSE(refused.served);
-  EXPECT_NE(refused.why_not.find("above 128"), std::string::npos) << refused.why_not;
+  EXPECT_NE(refused.why_not.find("head dim 256"), std::string::npos) << refused.why_not;
 }
 
 // --- the shape grid -----------------------------------------------------------------------------
