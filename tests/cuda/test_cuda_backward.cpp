@@ -178,12 +178,25 @@ TEST_P(CudaBackward, SpecialCases) {
   }
 }
 
-// deterministic: two runs give bitwise identical gradients (dQ added in key-block order), and
-// they match the reference; also with GQA, where several query heads add to the same dK/dV. The
+// deterministic: runs give bitwise identical gradients (dQ added in key-block order) — again on
+// the default stream, on another stream, and two at once on two streams (the CTAs of both
+// kernels interleaved) — and they match the reference; also with GQA, where several query heads
+// add to the same dK/dV. The
 // dense cases in every family this GPU runs (sm90 and sm80 on Hopper), the varlen one in the
 // ordered choice. (500 × 700: the fp64 reference of each family's check is most of the time.)
 TEST_P(CudaBackward, DeterministicIsBitwiseReproducible) {
   FA_SKIP_WITHOUT_GPU();
+  struct Streams {  // non-blocking: the default stream's copies do not wait for them
+    cudaStream_t a = nullptr, b = nullptr;
+    Streams() {
+      FA_CUDA_CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+      FA_CUDA_CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+    }
+    ~Streams() {
+      cudaStreamDestroy(a);
+      cudaStreamDestroy(b);
+    }
+  } streams;
   for (const char* family : families_here()) {
     const FamilyOverride forced(family);
     for (bool causal : {false, true}) {
@@ -199,8 +212,13 @@ TEST_P(CudaBackward, DeterministicIsBitwiseReproducible) {
         const BackwardResult a = run_cuda_backward(p, fwd);
         EXPECT_TRUE(check_backward(p, fwd, a));
         if (a.not_run) continue;  // a restricted build (skip recorded)
-        for (int run = 0; run < 3; ++run) {
-          const BackwardResult b = run_cuda_backward(p, fwd);
+        BackwardResult beside;
+        const BackwardResult runs[] = {
+            run_cuda_backward(p, fwd), run_cuda_backward(p, fwd, nullptr, streams.a),
+            run_cuda_backward(p, fwd, nullptr, streams.a, [&] { beside = run_cuda_backward(p, fwd, nullptr, streams.b); }),
+            beside};
+        for (int run = 0; run < 4; ++run) {
+          const BackwardResult& b = runs[run];
           ASSERT_TRUE(bitwise_equal(a.dq, b.dq)) << "run " << run;
           ASSERT_TRUE(bitwise_equal(a.dk, b.dk)) << "run " << run;
           ASSERT_TRUE(bitwise_equal(a.dv, b.dv)) << "run " << run;
