@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     clear(acc_dk);
     clear(acc_dv);
     Mainloop::compute(params, ss, q_pipe, do_pipe, t, thread, acc_dk, acc_dv);
-    Mainloop::store(params, t, thread, acc_dk, acc_dv);
+    Mainloop::store(params, ss, t, thread, acc_dk, acc_dv);
   }
 #endif
 }

@@ -45,6 +45,7 @@ enum class BwdBarrier : int {
   kDqFullWg0 = 2,   // + warpgroup: its dQ slice is staged (the warpgroup and the dQ writer warp)
   kDqEmptyWg0 = 4,  // + warpgroup: the writer has read its dQ slice out
   kTailZeroed = 6,  // all consumers (varlen): rows past a sequence zeroed in shared memory
+  kEpilogue = 7,    // all consumers: K and V read for the last time / dK and dV staged there
 };
 inline constexpr int kDqWriterWarp = 1;  // of the producer warpgroup
 
@@ -522,23 +523,49 @@ struct BwdMainloop {
   }
 
   // dK and dV of the tile's keys below seqlen_k (zeros where no row sees a key), in the outputs'
-  // element type, columns below d and dv.
+  // element type, columns below d and dv: staged by stmatrix in K's and V's shared-memory tiles
+  // (free once both warpgroups' last products are done: each dQ product reads every key of K),
+  // then 16-byte row pieces to global memory.
   template <class AccKV>
-  __device__ static void store(const BwdParams<Traits>& params, const BwdTile& t, int thread, const AccKV& acc_dk,
-                               const AccKV& acc_dv) {
+  __device__ static void store(const BwdParams<Traits>& params, SharedStorage& ss, const BwdTile& t, int thread,
+                               const AccKV& acc_dk, const AccKV& acc_dv) {
     const common::AttentionParams& p = params.p;
+    Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
     typename Traits::TiledMmadKV mma_dkv;
-    auto thr_dkv = mma_dkv.get_thread_slice(thread);
-    Tensor c_kv = thr_dkv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedKV{})));
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+    auto thr_r2s = r2s.get_thread_slice(thread);
+    Tensor dk16 = make_tensor<Element>(acc_dk.layout());
+    Tensor dv16 = make_tensor<Element>(acc_dv.layout());
+    convert_fragment<Element>(acc_dk, dk16);
+    convert_fragment<Element>(acc_dv, dv16);
+    named_barrier_sync(int(BwdBarrier::kEpilogue), Traits::kConsumerThreads);
+    copy(r2s, thr_r2s.retile_S(dk16), thr_r2s.partition_D(sdK));
+    copy(r2s, thr_r2s.retile_S(dv16), thr_r2s.partition_D(sdV));
+    named_barrier_sync(int(BwdBarrier::kEpilogue), Traits::kConsumerThreads);
+
+    constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16-byte access
+    constexpr int kChunks = kHeadDim / kChunk;          // threads per key row
+    constexpr int kRowsPerPass = Traits::kConsumerThreads / kChunks;
+    static_assert(Traits::kConsumerThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0,
+                  "the consumer threads tile the key rows evenly");
+    const int col = (thread % kChunks) * kChunk;
     const int key0 = t.n_block * kBlockN;
     Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, t.k_row0, key0, t.kv_head);
     Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, t.k_row0, key0, t.kv_head);
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) {
-      const int key = get<0>(c_kv(i)), col = get<1>(c_kv(i));
-      if (key0 + key >= t.seqlen_k) continue;
-      if (col < p.head_dim) dk[key * p.dk.row_stride + col] = Element(acc_dk(i));
-      if (col < p.head_dim_v) dv[key * p.dv.row_stride + col] = Element(acc_dv(i));
+    for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+      const int key = pass * kRowsPerPass + thread / kChunks;
+      if (key0 + key < t.seqlen_k) {
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint4*>(dk + std::int64_t(key) * p.dk.row_stride + col) =
+              *reinterpret_cast<const uint4*>(&sdK(key, col));
+        }
+        if (col < p.head_dim_v) {
+          *reinterpret_cast<uint4*>(dv + std::int64_t(key) * p.dv.row_stride + col) =
+              *reinterpret_cast<const uint4*>(&sdV(key, col));
+        }
+      }
     }
   }
 };
