@@ -122,7 +122,9 @@ void combine(const CombineInputs& in, const ForwardOutputs& out, Workspace works
 // Bytes of workspace a call needs (0 when none). Only shapes, dtypes and devices are read.
 // On CUDA tensors the forward's workspace holds split-KV partials (decoding: few query rows, long
 // contexts); it is optional — without it, or with less, the forward runs unsplit. In
-// forward_kvcache's workspace that part follows the required KV-cache region.
+// forward_kvcache's workspace that part follows the required KV-cache region. The backward's is
+// the largest need among the CUDA kernel families with a kernel for the call's dtype and head dims
+// (which one serves also depends on the outputs' layouts): enough whichever runs it.
 std::size_t forward_workspace_size(const ForwardInputs& in, const Options& opt = {});
 std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt = {});
 std::size_t forward_kvcache_workspace_size(const KVCacheInputs& in, const Options& opt = {});

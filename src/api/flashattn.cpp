@@ -424,7 +424,9 @@ std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt
     p.batch = int(in.q.shape[0]);
     p.max_seqlen_q = int(in.q.shape[1]);
   }
-  return cuda::backward_workspace_size(p, total_q_rows(in.q, in.varlen));
+  // The kernel family that serves the call also depends on the outputs' layouts, unknown here:
+  // the largest need among those that could.
+  return cuda::backward_workspace_bound(p, total_q_rows(in.q, in.varlen));
 #else
   (void)in;
   (void)opt;

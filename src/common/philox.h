@@ -94,6 +94,20 @@ FA_HOST_DEVICE constexpr int dropout_element(int i, int j) {
 // from each element's coordinates.
 FA_HOST_DEVICE constexpr int dropout_element_at(int di, int dj) { return dropout_element(di, dj); }
 
+// The transposed fragment (the backward's Sᵀ, keys × query rows, in the same MMA layout): the
+// thread in lane L = 4g + t holds, of block (bi, bj), the elements
+//     (i, j) = (16·bi + 2t + b + 8c, 16·bj + g + 8a),  a, b, c ∈ {0, 1}
+// — the forward layout's roles of i and j swapped. Each comes from forward lane 4·(2t + b) + g/2,
+// element 4a + 2c + (g mod 2): two lanes per thread (b = 0, 1), whose bits a kernel fetches from
+// the threads that drew them (each thread draws its own lane's).
+struct DropoutSource {
+  int lane;
+  int element;
+};
+FA_HOST_DEVICE constexpr DropoutSource dropout_transposed_source(int lane, int a, int b, int c) {
+  return DropoutSource{8 * (lane % 4) + 4 * b + (lane / 4) / 2, 4 * a + 2 * c + ((lane / 4) & 1)};
+}
+
 // keep_ij for one element (the reference's way: one Philox call per element, 7 of 8 bits unused).
 FA_HOST_DEVICE bool dropout_keep(const DropoutParams& dp, std::uint64_t stream, int i, int j) {
   const std::uint32_t bits = dropout_keep_bits(dp, stream, i >> 4, j >> 4, dropout_lane(i, j));

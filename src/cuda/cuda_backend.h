@@ -81,6 +81,10 @@ bool can_serve_backward(const common::AttentionParams& p, std::string* why_not);
 // head_dim (rounded up to 8) and, when p.deterministic, one int32 counter per (batch, head, row
 // block). total_q_rows: b · sq, or total_q for varlen batches.
 std::size_t backward_workspace_size(const common::AttentionParams& p, std::int64_t total_q_rows);
+// Before the call's tensors are known (the public size query reads shapes and options only): the
+// largest workspace among the kernel families with a kernel for p's dtype and head dims, so that
+// whichever family the call's layouts lead to finds enough (backward_workspace_size ≤ this).
+std::size_t backward_workspace_bound(const common::AttentionParams& p, std::int64_t total_q_rows);
 
 // Launches preprocess, main and postprocess kernels on `stream`. workspace: device memory of at
 // least backward_workspace_size bytes, 256-byte aligned (the API layer checks both). rng_state as

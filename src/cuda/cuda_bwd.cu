@@ -23,6 +23,10 @@ std::size_t backward_workspace_size(const common::AttentionParams& p, std::int64
   return choice.served ? family_backward_workspace_size(choice, p, total_q_rows) : 0;
 }
 
+std::size_t backward_workspace_bound(const common::AttentionParams& p, std::int64_t total_q_rows) {
+  return family_backward_workspace_bound(p, total_q_rows);
+}
+
 void backward(const common::AttentionParams& p, std::int64_t total_q_rows, void* workspace, void* stream,
               const std::uint64_t* rng_state) {
   const FamilyChoice choice = choose_backward_family(p);

@@ -10,6 +10,7 @@
 #include "cuda/cuda_common.h"
 #include "cuda/device_query.h"
 #include "cuda/sm80/sm80_family.h"
+#include "cuda/sm80/sm80_registry.h"
 #include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_registry.h"
@@ -145,6 +146,22 @@ std::size_t family_backward_workspace_size(const FamilyChoice& choice, const com
   return sm90::bwd_workspace(p, choice.head_dim).total_bytes();
 }
 
+std::size_t family_backward_workspace_bound(const common::AttentionParams& p, std::int64_t total_q_rows) {
+  Family forced;
+  const bool only_one = forced_family(&forced);
+  const int need = std::max(p.head_dim, p.head_dim_v);
+  std::size_t bound = 0;
+  for (Family f : kPreference) {
+    if (only_one && f != forced) continue;
+    FamilyChoice choice;
+    choice.family = f;
+    choice.head_dim = f == Family::sm90 ? sm90::compiled_head_dim(sm90::Family::bwd, p.storage, need)
+                                        : sm80::compiled_head_dim(sm80::Family::bwd, p.storage, need);
+    if (choice.head_dim != 0) bound = std::max(bound, family_backward_workspace_size(choice, p, total_q_rows));
+  }
+  return bound;
+}
+
 void family_backward(const FamilyChoice& choice, const common::AttentionParams& p, std::int64_t total_q_rows,
                      void* workspace, cudaStream_t stream, const std::uint64_t* rng_state) {
   if (choice.family == Family::sm80) {
@@ -157,7 +174,11 @@ void family_backward(const FamilyChoice& choice, const common::AttentionParams& 
   ws.dq_accum = reinterpret_cast<float*>(base);
   ws.lse_log2 = reinterpret_cast<float*>(base + w.dq_accum_bytes);
   ws.dpsum = reinterpret_cast<float*>(base + w.dq_accum_bytes + w.row_stat_bytes);
-  ws.padded_rows = w.padded_rows;
+  if (p.deterministic) {
+    ws.dq_semaphores = reinterpret_cast<int*>(base + w.dq_accum_bytes + 2 * w.row_stat_bytes);
+    ws.semaphore_bytes = w.semaphore_bytes;
+  }
+  ws.rows = w.rows;
   ws.dq_accum_bytes = w.dq_accum_bytes;
   const cudaError_t err = sm90::dispatch_bwd(p.storage, choice.head_dim, p, ws, rng_state, stream);
   if (err != cudaSuccess) {

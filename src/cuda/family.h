@@ -56,6 +56,8 @@ void family_forward(const FamilyChoice& choice, const common::AttentionParams& p
 FamilyChoice choose_backward_family(const common::AttentionParams& p);
 std::size_t family_backward_workspace_size(const FamilyChoice& choice, const common::AttentionParams& p,
                                            std::int64_t total_q_rows);
+// cuda::backward_workspace_bound: over the families the choice may take (a forced one only).
+std::size_t family_backward_workspace_bound(const common::AttentionParams& p, std::int64_t total_q_rows);
 void family_backward(const FamilyChoice& choice, const common::AttentionParams& p, std::int64_t total_q_rows,
                      void* workspace, cudaStream_t stream, const std::uint64_t* rng_state);
 

@@ -143,6 +143,39 @@ TEST(DropoutMask, ElementAndLaneViewsAgree) {
   for (int s : seen) EXPECT_EQ(s, 1);  // the lanes partition each block
 }
 
+// The backward's transposed fragment (Sᵀ: keys × rows) takes each element's bit from the forward
+// lane dropout_transposed_source names: simulated for a warp's 32 lanes, each drawing its own
+// lane's bits, every element of the block gets the reference's keep, and each exactly once.
+TEST(DropoutMask, TransposedFragmentTakesTheForwardLanesBits) {
+  c::DropoutParams dp;
+  dp.seed = test_seed();
+  dp.offset = 3;
+  dp.keep_threshold = c::dropout_keep_threshold(0.4f);
+  for (int bi : {0, 5})
+    for (int bj : {0, 2, 77}) {
+      std::uint32_t own[32];
+      for (int lane = 0; lane < 32; ++lane) own[lane] = c::dropout_keep_bits(dp, 11, bi, bj, lane);
+      std::vector<int> seen(16 * 16, 0);
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        for (int a = 0; a < 2; ++a)
+          for (int b = 0; b < 2; ++b)
+            for (int cc = 0; cc < 2; ++cc) {
+              const int i = 16 * bi + 2 * t + b + 8 * cc, j = 16 * bj + g + 8 * a;
+              const c::DropoutSource src = c::dropout_transposed_source(lane, a, b, cc);
+              // Two source lanes per thread: the element's a and c only pick the bit.
+              EXPECT_EQ(src.lane, c::dropout_transposed_source(lane, 0, b, 0).lane);
+              EXPECT_EQ(src.lane, c::dropout_lane(i, j));
+              EXPECT_EQ(src.element, c::dropout_element(i, j));
+              EXPECT_EQ(bool((own[src.lane] >> src.element) & 1u), c::dropout_keep(dp, 11, i, j))
+                  << "block (" << bi << ", " << bj << ") lane " << lane << " (" << i << ", " << j << ")";
+              ++seen[std::size_t(i % 16) * 16 + j % 16];
+            }
+      }
+      for (int n : seen) EXPECT_EQ(n, 1);
+    }
+}
+
 // The kernels take an element's number from its offset to its lane's first element
 // (dropout_element_at), a constant where the offsets are: the same number as its coordinates give,
 // for every lane of blocks anywhere in the matrix.

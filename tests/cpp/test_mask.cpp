@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "common/mask.h"
 
@@ -82,6 +83,47 @@ TEST(Mask, RowBoundsHoldEveryRowThatSeesTheBlock) {
       }
     }
   }
+}
+
+// The deterministic sm90 backward adds a key tile's dQ to row block m at turn
+// ⌊(block_col_end(m's row end) − 1) / block_n⌋ − n (BwdMainloop::write_dq, descending): that holds
+// when the key tiles whose backward walk (block_row_*) reaches m are exactly the consecutive tiles
+// from that of its first visible key to that of its last.
+TEST(Mask, KeyTilesReachingARowBlockAreConsecutiveFromItsFirstToItsLastColumn) {
+  int checked = 0;
+  for (const MaskCase& mc : kMasks) {
+    for (int sq = 1; sq <= 40; sq += 3) {
+      for (int sk = 1; sk <= 40; sk += 4) {
+        const Mask m = make_mask(mc.causal, mc.left, mc.right, sk, sq, sk);
+        for (int bm : {2, 4, 8}) {
+          for (int bn : {3, 4, 8}) {
+            for (int r0 = 0; r0 < sq; r0 += bm) {
+              const int r1 = std::min(r0 + bm, sq);
+              std::vector<int> tiles;  // the key tiles whose walk takes row block [r0, r1)
+              for (int c0 = 0; c0 < sk; c0 += bn) {
+                const int c1 = std::min(c0 + bn, sk);
+                const int row_b = m.block_row_begin(c0), row_e = m.block_row_end(c1);
+                const int mb0 = row_b / bm, mb1 = row_e > row_b ? (row_e + bm - 1) / bm : mb0;
+                if (r0 / bm >= mb0 && r0 / bm < mb1) tiles.push_back(c0 / bn);
+              }
+              if (tiles.empty()) continue;
+              const int first = m.block_col_begin(r0) / bn;
+              // ... and end at the tile of its last visible key (the descending turn's origin).
+              ASSERT_EQ(tiles.back(), (m.block_col_end(r1) - 1) / bn)
+                  << "sq " << sq << " sk " << sk << " rows [" << r0 << "," << r1 << ") tiles of " << bn;
+              for (std::size_t k = 0; k < tiles.size(); ++k) {
+                ASSERT_EQ(tiles[k] - first, int(k)) << "sq " << sq << " sk " << sk << " rows [" << r0 << "," << r1
+                                                    << ") tiles of " << bn << " causal " << mc.causal << " window "
+                                                    << mc.left << "," << mc.right;
+              }
+              ++checked;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
 }
 
 }  // namespace

@@ -274,8 +274,11 @@ inline ForwardResult run_cuda_forward(const AttnProblem& p, const ParamsHook& ho
 // The backward on the device: inputs (fwd: out and lse of a forward of p) and poisoned outputs
 // mirrored as above, a workspace of the reported size filled with NaN bytes (the kernels must
 // initialise what they read), flashattn::cuda::backward, gradients copied back.
+// stream: where the kernels run; alongside: called after they are launched and before the device
+// is synchronised (to run other work concurrently with them).
 inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResult& fwd,
-                                        const std::uint64_t* host_rng_state = nullptr) {
+                                        const std::uint64_t* host_rng_state = nullptr, cudaStream_t stream = nullptr,
+                                        const std::function<void()>& alongside = {}) {
   BackwardResult r = make_backward_outputs(p);
   flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
   if (r.dsinks.defined()) outs.dsinks = r.dsinks.tv();
@@ -309,7 +312,8 @@ inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResul
   const std::vector<std::uint8_t> poison(flashattn::cuda::backward_workspace_size(dp, rows), 0xff);
   void* workspace = dev.upload(poison.data(), poison.size());
 
-  flashattn::cuda::backward(dp, rows, workspace, nullptr, d_rng);
+  flashattn::cuda::backward(dp, rows, workspace, stream, d_rng);
+  if (alongside) alongside();
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceArena::download(r.dq, d_dq);
   DeviceArena::download(r.dk, d_dk);

@@ -90,7 +90,14 @@ TEST_P(CudaBackward, SoftcapAndAlibi) {
 
 TEST_P(CudaBackward, Dropout) {
   FA_SKIP_WITHOUT_GPU();
-  for (const AttnConfig& cfg : dropout_configs(GetParam())) expect_matches(cfg);
+  for (const char* family : families_here()) {  // each family's mask against the reference's
+    const FamilyOverride forced(family);
+    for (AttnConfig cfg : dropout_configs(GetParam())) {
+      // A forced family computes only what it serves: the sm90 backward has d ≤ 128.
+      if (std::string(family) == "sm90" && cfg.head_dim > 128) continue;
+      expect_matches(cfg);
+    }
+  }
   // Seed and offset read from device memory (CUDA-graph capture): bit-identical gradients. The
   // comparison is bitwise, so dQ is accumulated in key-block order (deterministic); otherwise the
   // fp32 atomics may add in a different order from run to run.
@@ -171,28 +178,51 @@ TEST_P(CudaBackward, SpecialCases) {
   }
 }
 
-// deterministic: two runs give bitwise identical gradients (dQ added in key-block order), and
-// they match the reference; also with GQA, where several query heads add to the same dK/dV.
+// deterministic: runs give bitwise identical gradients (dQ added in key-block order) — again on
+// the default stream, on another stream, and two at once on two streams (the CTAs of both
+// kernels interleaved) — and they match the reference; also with GQA, where several query heads
+// add to the same dK/dV. The
+// dense cases in every family this GPU runs (sm90 and sm80 on Hopper), the varlen one in the
+// ordered choice. (500 × 700: the fp64 reference of each family's check is most of the time.)
 TEST_P(CudaBackward, DeterministicIsBitwiseReproducible) {
   FA_SKIP_WITHOUT_GPU();
-  for (bool causal : {false, true}) {
-    for (int d : {64, 128}) {
-      AttnConfig cfg = base(d, 700, 900);
-      cfg.heads = 8;
-      cfg.heads_k = 2;
-      cfg.opt.causal = causal;
-      cfg.opt.deterministic = true;
-      const AttnProblem p = make_problem(cfg);
-      SCOPED_TRACE(describe(p.cfg));
-      const ForwardResult fwd = run_forward(p, Backend::cpu);
-      const BackwardResult a = run_cuda_backward(p, fwd);
-      EXPECT_TRUE(check_backward(p, fwd, a));
-      if (a.not_run) continue;  // a restricted build (skip recorded)
-      for (int run = 0; run < 3; ++run) {
-        const BackwardResult b = run_cuda_backward(p, fwd);
-        ASSERT_TRUE(bitwise_equal(a.dq, b.dq)) << "run " << run;
-        ASSERT_TRUE(bitwise_equal(a.dk, b.dk)) << "run " << run;
-        ASSERT_TRUE(bitwise_equal(a.dv, b.dv)) << "run " << run;
+  struct Streams {  // non-blocking: the default stream's copies do not wait for them
+    cudaStream_t a = nullptr, b = nullptr;
+    Streams() {
+      FA_CUDA_CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+      FA_CUDA_CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+    }
+    ~Streams() {
+      cudaStreamDestroy(a);
+      cudaStreamDestroy(b);
+    }
+  } streams;
+  for (const char* family : families_here()) {
+    const FamilyOverride forced(family);
+    for (bool causal : {false, true}) {
+      for (int d : {64, 128}) {
+        AttnConfig cfg = base(d, 500, 700);
+        cfg.heads = 8;
+        cfg.heads_k = 2;
+        cfg.opt.causal = causal;
+        cfg.opt.deterministic = true;
+        const AttnProblem p = make_problem(cfg);
+        SCOPED_TRACE(describe(p.cfg) + ", FLASHATTN_CUDA_FAMILY=" + family);
+        const ForwardResult fwd = run_forward(p, Backend::cpu);
+        const BackwardResult a = run_cuda_backward(p, fwd);
+        EXPECT_TRUE(check_backward(p, fwd, a));
+        if (a.not_run) continue;  // a restricted build (skip recorded)
+        BackwardResult beside;
+        const BackwardResult runs[] = {
+            run_cuda_backward(p, fwd), run_cuda_backward(p, fwd, nullptr, streams.a),
+            run_cuda_backward(p, fwd, nullptr, streams.a, [&] { beside = run_cuda_backward(p, fwd, nullptr, streams.b); }),
+            beside};
+        for (int run = 0; run < 4; ++run) {
+          const BackwardResult& b = runs[run];
+          ASSERT_TRUE(bitwise_equal(a.dq, b.dq)) << "run " << run;
+          ASSERT_TRUE(bitwise_equal(a.dk, b.dk)) << "run " << run;
+          ASSERT_TRUE(bitwise_equal(a.dv, b.dv)) << "run " << run;
+        }
       }
     }
   }
@@ -235,7 +265,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CudaBackward, testing::Values(DType::f16, DType
 // --- through the public API ---------------------------------------------------------------------
 
 // flashattn::backward with CUDA tensors reaches the CUDA backend with the caller's workspace; a
-// workspace smaller than backward_workspace_size is refused before anything is written.
+// workspace smaller than the serving family's need is refused before anything is written.
 TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   FA_SKIP_WITHOUT_GPU();
   const auto backends = flashattn::compiled_backends();
@@ -265,9 +295,14 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   in.lse = dev.mirror_view(fwd.lse);
   const flashattn::BackwardOutputs out{dev.mirror_view(r.dq), dev.mirror_view(r.dk), dev.mirror_view(r.dv),
                                        dev.mirror_view(r.softmax_d)};
-  const std::size_t need = flashattn::backward_workspace_size(in, p.opt);
+  // The public size covers every family that might serve the call; the one the call takes needs
+  // `need` bytes exactly, and one byte fewer is refused before anything is written.
+  const std::size_t bound = flashattn::backward_workspace_size(in, p.opt);
+  const flashattn::detail::Problem pr = flashattn::detail::validate_backward(in, out, p.opt);
+  const std::size_t need = flashattn::cuda::backward_workspace_size(pr.params, std::int64_t(cfg.batch) * p.total_q);
   ASSERT_GT(need, 0u);
-  void* ws = dev.alloc(need);
+  ASSERT_GE(bound, need);
+  void* ws = dev.alloc(bound);
 
   try {
     flashattn::backward(in, out, p.opt, {ws, need - 1});
@@ -283,7 +318,7 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
 
   flashattn::Options opt = p.opt;
   opt.backend = Backend::cuda;
-  flashattn::backward(in, out, opt, {ws, need});
+  flashattn::backward(in, out, opt, {ws, bound});
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceArena::download(r.dq, out.dq.data);
   DeviceArena::download(r.dk, out.dk.data);
@@ -292,10 +327,12 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   EXPECT_TRUE(check_backward(p, fwd, r));
 }
 
-// Host only: the public size (shapes, dtype and options of CUDA views) equals what the backend
-// asks of the validated call, for both dtypes, dense and varlen, with and without deterministic
-// counters — so a caller who allocates backward_workspace_size bytes is never refused.
-TEST(CudaBackwardWorkspace, PublicSizeMatchesTheBackend) {
+// Host only: the public size (shapes, dtype and options of CUDA views) covers what the backend
+// asks of the validated call — the largest need of the families with a kernel for it, since
+// which one serves depends on layouts the size query does not see — for both dtypes, dense and
+// varlen, with and without deterministic counters: a caller who allocates
+// backward_workspace_size bytes is never refused.
+TEST(CudaBackwardWorkspace, PublicSizeCoversTheBackend) {
   for (DType dtype : {DType::f16, DType::bf16}) {
     for (bool varlen : {false, true}) {
       for (bool deterministic : {false, true}) {
@@ -317,7 +354,9 @@ TEST(CudaBackwardWorkspace, PublicSizeMatchesTheBackend) {
         const std::size_t expected = flashattn::cuda::backward_workspace_size(pr.params, rows);
         flashattn::BackwardInputs in = p.backward_inputs(fwd);
         in.q.device = {flashattn::DeviceType::cuda, 0};
-        EXPECT_EQ(flashattn::backward_workspace_size(in, p.opt), expected);
+        const std::size_t bound = flashattn::backward_workspace_size(in, p.opt);
+        EXPECT_GE(bound, expected);
+        EXPECT_EQ(bound, flashattn::cuda::backward_workspace_bound(pr.params, rows));
         // (A build that compiles no backward kernel for the dtype refuses the call anyway.)
         if (flashattn::cuda::sm80::compiled_head_dim(flashattn::cuda::sm80::Family::bwd, pr.params.storage, 64) != 0) {
           EXPECT_GT(expected, 0u);

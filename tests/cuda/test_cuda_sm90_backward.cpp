@@ -42,24 +42,23 @@ c::AttentionParams backward_params_of(const AttnProblem& p) {
 
 // --- host-side decisions (no GPU needed) --------------------------------------------------------
 
-TEST(CudaSm90BackwardHost, FeaturesItDoesNotServeYetAreNamed) {
+TEST(CudaSm90BackwardHost, ServedFeaturesAndTheReasonsForTheOthers) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 64, 64);
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
   cfg.opt.causal = true;
+  cfg.opt.softcap = 30.0f;
+  cfg.alibi = Alibi::per_head;
+  cfg.opt.deterministic = true;
+  cfg.opt.dropout_p = 0.1f;
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(cfg)), 128), "");
-  const std::pair<const char*, void (*)(AttnConfig&)> declined[] = {
-      {"softcap", [](AttnConfig& c) { c.opt.softcap = 30.0f; }},
-      {"ALiBi", [](AttnConfig& c) { c.alibi = Alibi::per_head; }},
-      {"dropout", [](AttnConfig& c) { c.opt.dropout_p = 0.1f; }},
-      {"deterministic", [](AttnConfig& c) { c.opt.deterministic = true; }},
-      {"varlen", [](AttnConfig& c) { c.varlen_q = {40, 24}; c.varlen_k = {30, 34}; }},
-  };
-  for (const auto& [name, set] : declined) {
-    AttnConfig d = feature_config(DType::bf16, 128, 64, 64);
-    set(d);
-    const std::string why = fc::sm90::bwd_unsupported(backward_params_of(make_problem(d)), 128);
-    EXPECT_NE(why.find(name), std::string::npos) << name << ": " << why;
-  }
+  AttnConfig varlen = feature_config(DType::bf16, 64, 0, 0);
+  varlen.varlen_q = {40, 24};
+  varlen.varlen_k = {30, 34};
+  EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(varlen)), 64), "");
+  AttnConfig sinks = feature_config(DType::bf16, 128, 64, 64);
+  sinks.sinks = true;
+  const std::string why = fc::sm90::bwd_unsupported(backward_params_of(make_problem(sinks)), 128);
+  EXPECT_NE(why.find("sinks"), std::string::npos) << why;
   EXPECT_NE(fc::sm90::bwd_unsupported(backward_params_of(make_problem(feature_config(DType::bf16, 256, 64, 64))), 256)
                 .find("above 128"),
             std::string::npos);
@@ -69,10 +68,29 @@ TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 65, 10);  // 65 rows: two row blocks of 64
   const c::AttentionParams p = backward_params_of(make_problem(cfg));
   const fc::sm90::BwdWorkspace w = fc::sm90::bwd_workspace(p, 128);
-  EXPECT_EQ(w.padded_rows, 128);
+  EXPECT_EQ(w.rows.padded_rows, 128);
+  EXPECT_EQ(w.rows.head_stride, 2 * 128);  // b · padded rows
   EXPECT_GE(w.dq_accum_bytes, std::size_t(2 * 4 * 128 * 128 * 4));  // b · h · rows · d fp32
   EXPECT_GE(w.row_stat_bytes, std::size_t(2 * 4 * 128 * 4));
-  EXPECT_EQ(fc::sm90::bwd_workspace(p, 64).padded_rows, 128);  // d 64: row blocks of 128
+  EXPECT_EQ(fc::sm90::bwd_workspace(p, 64).rows.padded_rows, 128);  // d 64: row blocks of 128
+  // Varlen: each sequence starts on a row block and keeps its rounded-up rows, within
+  // total + (b + 1) · block_m rows per head.
+  AttnConfig v = feature_config(DType::bf16, 128, 0, 0);
+  v.varlen_q = {65, 0, 1, 130};
+  v.varlen_k = {10, 20, 30, 40};
+  const c::AttentionParams vp = backward_params_of(make_problem(v));
+  const fc::sm90::BwdRows r = fc::sm90::bwd_rows(vp, 128);
+  const std::vector<int> cu = {0, 65, 65, 66, 196};
+  c::AttentionParams hp = vp;
+  hp.cu_seqlens_q = cu.data();  // bwd_row_start reads cu_seqlens_q (host copy)
+  std::int64_t end = 0;
+  for (int b = 0; b < 4; ++b) {
+    const std::int64_t start = fc::sm90::bwd_row_start(hp, r, b);
+    EXPECT_EQ(start % 64, 0) << b;
+    EXPECT_GE(start, end) << b;
+    end = start + (cu[b + 1] - cu[b] + 63) / 64 * 64;
+  }
+  EXPECT_LE(end, r.head_stride);
   static_assert(fc::sm90::bwd_tile(64).block_m == 128 && fc::sm90::bwd_tile(128).block_m == 64);
 }
 
@@ -84,15 +102,14 @@ TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
   const fc::FamilyChoice served = fc::choose_backward_family(plain);
   EXPECT_TRUE(served.served);
   EXPECT_EQ(served.family, fc::Family::sm90);
-  AttnConfig scored = feature_config(DType::bf16, 128, 100, 100);
-  scored.opt.softcap = 30.0f;
+  AttnConfig scored = feature_config(DType::bf16, 256, 100, 100);  // d 256: sm80's
   const fc::FamilyChoice other = fc::choose_backward_family(backward_params_of(make_problem(scored)));
   EXPECT_TRUE(other.served);
   EXPECT_EQ(other.family, fc::Family::sm80);
   const FamilyOverride family("sm90");
   const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(scored)));
   EXPECT_FALSE(refused.served);
-  EXPECT_NE(refused.why_not.find("softcap"), std::string::npos) << refused.why_not;
+  EXPECT_NE(refused.why_not.find("head dim 256"), std::string::npos) << refused.why_not;
 }
 
 // --- the shape grid -----------------------------------------------------------------------------
@@ -152,6 +169,72 @@ TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
     cfg.opt.window_left = 0;
     cfg.opt.window_right = 0;  // rows 0…199 see no key
     expect_sm90_backward_matches(cfg);
+  }
+}
+
+// Softcap 1.5 with scores well past it (the derivative 1 − tanh² far from 1), ALiBi per head and
+// per (batch, head), both together, causal or not, GQA (the slope is the query head's).
+TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : softcap_configs(GetParam())) {
+    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+  }
+  for (int d : {64, 128}) {
+    for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
+      for (bool causal : {false, true}) {
+        AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
+        cfg.alibi = a;
+        cfg.opt.causal = causal;
+        expect_sm90_backward_matches(cfg);
+        cfg.opt.softcap = 5.0f;
+        expect_sm90_backward_matches(cfg);
+      }
+    }
+  }
+}
+
+// Dropout: the forward's Philox mask drawn in the transposed layout of Sᵀ (two of the forward's
+// lanes per thread and block), dense and varlen (positions within each sequence), with softcap.
+TEST_P(CudaSm90BackwardFeatures, Dropout) {
+  FA_SKIP_WITHOUT_SM90();
+  for (const AttnConfig& cfg : dropout_configs(GetParam())) {
+    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+  }
+  for (int d : {64, 128}) {
+    AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+    cfg.varlen_q = {130, 0, 47};
+    cfg.varlen_k = {100, 30, 260};
+    cfg.opt.dropout_p = 0.25f;
+    cfg.opt.dropout_seed = 99;
+    cfg.opt.dropout_offset = 3;
+    cfg.opt.causal = true;
+    cfg.opt.softcap = 10.0f;
+    expect_sm90_backward_matches(cfg);
+  }
+}
+
+// Varlen batches: empty sequences (no rows, no keys), lengths that end inside row blocks and key
+// tiles (the next sequence's rows zeroed in shared memory), causal and windows, GQA, seqused_k
+// (the unused keys' dK/dV zero), deterministic.
+TEST_P(CudaSm90BackwardFeatures, Varlen) {
+  FA_SKIP_WITHOUT_SM90();
+  for (int d : {64, 128}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+      cfg.varlen_q = {300, 0, 129, 1, 77};
+      cfg.varlen_k = {257, 64, 400, 0, 200};
+      if (variant == 1) cfg.opt.causal = true;
+      if (variant == 2) {
+        cfg.opt.window_left = 70;
+        cfg.opt.window_right = 30;
+        cfg.opt.deterministic = true;
+      }
+      if (variant == 3) {
+        cfg.seqused_k = {200, 10, 399, 0, 150};
+        cfg.opt.causal = true;
+      }
+      expect_sm90_backward_matches(cfg);
+    }
   }
 }
 

@@ -738,7 +738,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     // No visible key: out = 0, lse = the sink, +∞ without one (SPEC §2.5). A NaN sum (a NaN score
     // the row sees) is not empty: it stays NaN in out and lse.
     const bool empty = sum == 0.0f;
-    float max_log2 = row_max[mi] * score_to_log2;
+    // Rounded on its own (no FMA with the log2 below), so that every variant — the split-KV one
+    // compiles the sink fold out — rounds lse alike: one share's partial is the unsplit lse.
+    float max_log2 = __fmul_rn(row_max[mi], score_to_log2);
     float rescale = 1.0f;
     // (The row's query head: the CTA's, or per row when GQA-packed.)
     const float sink = fold_sinks ? p.sinks[row_head(m_start + get<0>(cO_rc(mi, 0)))] : -kInf;

@@ -11,25 +11,32 @@ namespace flashattn::cuda::sm90 {
 
 std::string bwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (head_dim > 128) return "head dims above 128 are not in this family's backward yet";
-  if (p.is_varlen() || p.seqused_k != nullptr) return "varlen batches are not in this family's backward yet";
-  if (p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f) {
-    return "softcap, ALiBi and dropout are not in this family's backward yet";
-  }
-  if (p.deterministic) return "the deterministic backward is not in this family yet";
+  if (p.seqused_k != nullptr && !p.is_varlen()) return "seqused_k without cu_seqlens is not in this family's backward";
   if (p.max_seqlen_q == 0) return "no query rows: nothing for the TMA loads (dK and dV are zeros elsewhere)";
   // The forward's TMA rules hold for q, k and v; dO is read the same way as q.
   const std::string why = fwd_unsupported(p, head_dim);
   if (!why.empty()) return why;
-  return tma_layout_problem("dout", p.dout, p.max_seqlen_q, p.heads, p.batch, 2);
+  const bool varlen = p.is_varlen();
+  return tma_layout_problem("dout", p.dout, varlen ? p.total_q : p.max_seqlen_q, p.heads, varlen ? 1 : p.batch, 2);
+}
+
+BwdRows bwd_rows(const common::AttentionParams& p, int head_dim) {
+  BwdRows r;
+  r.block_m = bwd_tile(head_dim).block_m;
+  r.padded_rows = (p.max_seqlen_q + r.block_m - 1) / r.block_m * r.block_m;
+  const std::int64_t rows = p.is_varlen() ? p.total_q + std::int64_t(p.batch + 1) * r.block_m
+                                          : std::int64_t(p.batch) * r.padded_rows;
+  r.head_stride = (rows + r.block_m - 1) / r.block_m * r.block_m;
+  return r;
 }
 
 BwdWorkspace bwd_workspace(const common::AttentionParams& p, int head_dim) {
-  const int block_m = bwd_tile(head_dim).block_m;
   BwdWorkspace w;
-  w.padded_rows = (p.max_seqlen_q + block_m - 1) / block_m * block_m;
-  const std::size_t rows = std::size_t(p.batch) * std::size_t(p.heads) * std::size_t(w.padded_rows);
+  w.rows = bwd_rows(p, head_dim);
+  const std::size_t rows = std::size_t(p.heads) * std::size_t(w.rows.head_stride);
   w.dq_accum_bytes = detail::workspace_align_up(rows * std::size_t(head_dim) * sizeof(float));
   w.row_stat_bytes = detail::workspace_align_up(rows * sizeof(float));
+  if (p.deterministic) w.semaphore_bytes = detail::workspace_align_up(rows / w.rows.block_m * sizeof(int));
   return w;
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/macros.h"
 #include "common/params.h"
 
 namespace flashattn::cuda::sm90 {
@@ -28,15 +29,33 @@ constexpr BwdTileShape bwd_tile(int head_dim) {
   return head_dim <= 64 ? BwdTileShape{128, 128, 2} : BwdTileShape{64, 128, 2};
 }
 
-// The backward's scratch in the caller's workspace, per (batch, head) `padded_rows` rows (the
-// query rows rounded up to a row block): the fp32 dQ accumulator (rows × the instantiated head
-// dim), lse · log2 e and softmax_d (one float per row; +∞ and 0 on the padding rows, so that a
-// row block is read whole).
+// The rows of the backward's scratch: per query head `head_stride` rows, in which sequence b's
+// rows start at bwd_row_start (a multiple of block_m) and take its query rows rounded up to a
+// row block. Dense: b · padded_rows (padded_rows: max_seqlen_q rounded up). Varlen: sequence b
+// starts at ⌊(cu_seqlens_q[b] + b · block_m) / block_m⌋ · block_m, which leaves each sequence its
+// rounded-up rows, all within total_q + (batch + 1) · block_m.
+struct BwdRows {
+  int block_m = 0;
+  int padded_rows = 0;          // dense: max_seqlen_q rounded up to block_m
+  std::int64_t head_stride = 0;  // rows per query head
+};
+FA_HOST_DEVICE std::int64_t bwd_row_start(const common::AttentionParams& p, const BwdRows& r, int b) {
+  if (p.is_varlen()) return (std::int64_t(p.cu_seqlens_q[b]) + std::int64_t(b) * r.block_m) / r.block_m * r.block_m;
+  return std::int64_t(b) * r.padded_rows;
+}
+BwdRows bwd_rows(const common::AttentionParams& p, int head_dim);
+
+// The scratch in the caller's workspace, over heads · head_stride rows: the fp32 dQ accumulator
+// (rows × the instantiated head dim), lse · log2 e and softmax_d (one float per row; +∞ and 0 on
+// the padding rows, so that a row block is read whole); deterministic calls add one int32 per row
+// block: how many key tiles have added their dQ to it, so that they add it in key-tile order
+// (BwdMainloop::write_dq).
 struct BwdWorkspace {
-  int padded_rows = 0;
+  BwdRows rows;
   std::size_t dq_accum_bytes = 0;
-  std::size_t row_stat_bytes = 0;  // each of lse_log2 and dpsum
-  std::size_t total_bytes() const { return dq_accum_bytes + 2 * row_stat_bytes; }
+  std::size_t row_stat_bytes = 0;   // each of lse_log2 and dpsum
+  std::size_t semaphore_bytes = 0;  // deterministic only
+  std::size_t total_bytes() const { return dq_accum_bytes + 2 * row_stat_bytes + semaphore_bytes; }
 };
 BwdWorkspace bwd_workspace(const common::AttentionParams& p, int head_dim);
 
@@ -45,8 +64,10 @@ struct BwdScratch {
   float* dq_accum = nullptr;
   float* lse_log2 = nullptr;
   float* dpsum = nullptr;
-  int padded_rows = 0;
+  int* dq_semaphores = nullptr;  // one per row block, or nullptr
+  BwdRows rows;
   std::size_t dq_accum_bytes = 0;
+  std::size_t semaphore_bytes = 0;
 };
 
 // Why the sm90 backward does not serve p in the instantiated head dim `head_dim`, or "" when it

@@ -3,10 +3,13 @@
 //                          padded copies of lse · log2 e and softmax_d that the main kernel bulk-loads
 //   bwd_kernel             warp-specialised: one producer warpgroup (one thread issues the TMA
 //                          loads) and two consumer warpgroups (sm90_bwd_mainloop.cuh)
-//   bwd_postprocess_kernel dQ: the fp32 accumulator in the caller's element type
+//   bwd_postprocess_kernel dQ: the fp32 accumulator (in the consumers' fragment order) in the
+//                          caller's element type
 #pragma once
 
 #include <cute/tensor.hpp>
+
+#include <cstring>
 
 #include "cuda/device/row_dot.cuh"
 #include "cuda/sm90/sm90_bwd_mainloop.cuh"
@@ -15,24 +18,27 @@ namespace flashattn::cuda::sm90 {
 
 inline constexpr int kBwdPrepostThreads = 256;
 
-// Grid (⌈padded_rows / 64⌉, heads, batch): each of the 8 warps takes 8 rows; a lane holds 8
-// consecutive columns of dO and O per step (dv is a multiple of 8 and rows 16-byte aligned: the
-// layout checks of every family).
+// Grid (⌈rows.padded_rows / 64⌉, heads, batch): each of the 8 warps takes 8 rows of sequence
+// `batch` (its rows rounded up to rows.block_m: the padding gets lse +∞ and softmax_d 0); a lane
+// holds 8 consecutive columns of dO and O per step (dv is a multiple of 8 and rows 16-byte
+// aligned: the layout checks of every family).
 template <class Element>
 __global__ void __launch_bounds__(kBwdPrepostThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* lse_log2, float* dpsum,
-                          int padded_rows) {
+                          const BwdRows rows) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
   constexpr int kRowsPerWarp = 8;
   const int head = blockIdx.y, batch = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const auto* dout = static_cast<const Element*>(p.dout.data);
   const auto* out = static_cast<const Element*>(p.out.data);
-  const std::int64_t stats = (std::int64_t(batch) * p.heads + head) * padded_rows;
+  const int seqlen_q = p.seqlen_q(batch);
+  const int padded = (seqlen_q + rows.block_m - 1) / rows.block_m * rows.block_m;
+  const std::int64_t stats = std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch);
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int i = (blockIdx.x * (kBwdPrepostThreads / 32) + warp) * kRowsPerWarp + r;
-    if (i >= padded_rows) break;
-    if (i >= p.max_seqlen_q) {  // padding: P = 0 there
+    if (i >= padded) break;
+    if (i >= seqlen_q) {  // padding: P = 0 there
       if (lane == 0) {
         lse_log2[stats + i] = device::kInf;
         dpsum[stats + i] = 0.0f;
@@ -51,26 +57,41 @@ __global__ void __launch_bounds__(kBwdPrepostThreads)
   }
 }
 
-// Grid (⌈sq / 64⌉, heads, batch): thread t converts 4 consecutive columns per step (the
-// instantiated head dim is a multiple of 64), skipping columns ≥ d.
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(kBwdPrepostThreads)
-    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, int padded_rows) {
+// Grid (rows.padded_rows / block_m, heads, batch), the consumer warpgroups' threads: thread t reads
+// its dQ fragment of the row block from the accumulator (float4 v of the warpgroup's slice at
+// (v · 128 + lane) · 4, as BwdMainloop::compute staged it; coalesced), converts it and writes
+// the rows below sq and columns below d, two columns per 32-bit store.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kConsumerThreads)
+    bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, const BwdRows rows) {
   if (p.index_check_failed()) return;
-  constexpr int kRows = 64;
-  constexpr int kVec = 4;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const float* const tile = dq_accum + ((std::int64_t(batch) * p.heads + head) * padded_rows + blockIdx.x * kRows) * kHeadDim;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int head = blockIdx.y, batch = blockIdx.z, thread = threadIdx.x;
+  const int m_start = blockIdx.x * kBlockM;
+  const int seqlen_q = p.seqlen_q(batch);
+  if (m_start >= seqlen_q) return;
+  const int wg = thread / Traits::kWarpgroupThreads, lane = thread % Traits::kWarpgroupThreads;
+  const float4* const slice = reinterpret_cast<const float4*>(
+      dq_accum + (std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch) + m_start) * kHeadDim +
+      wg * Traits::kDqFloatsPerWarpgroup);
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor c_dq = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   auto* dq = static_cast<Element*>(p.dq.data);
-  for (int e = threadIdx.x * kVec; e < kRows * kHeadDim; e += kBwdPrepostThreads * kVec) {
-    const int row = e / kHeadDim, col = e % kHeadDim;
-    const int i = blockIdx.x * kRows + row;
-    if (i >= p.max_seqlen_q || col >= p.head_dim) continue;
-    const float4 v = *reinterpret_cast<const float4*>(tile + e);
-    Element out[kVec] = {Element(v.x), Element(v.y), Element(v.z), Element(v.w)};
-    Element* const dst = dq + p.q_offset(p.dq, batch, i, head) + col;
-    // d is a multiple of 8 (layout checks): 4 columns never straddle it.
-    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(out);
+  CUTE_UNROLL
+  for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
+    const float4 x = slice[v * Traits::kWarpgroupThreads + lane];
+    const float pair_values[2][2] = {{x.x, x.y}, {x.z, x.w}};
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int row = m_start + get<0>(c_dq(4 * v + 2 * h)), col = get<1>(c_dq(4 * v + 2 * h));
+      if (row >= seqlen_q || col >= p.head_dim) continue;
+      const Element pair[2] = {Element(pair_values[h][0]), Element(pair_values[h][1])};
+      std::uint32_t packed;
+      std::memcpy(&packed, pair, sizeof packed);
+      *reinterpret_cast<std::uint32_t*>(dq + p.q_offset(p.dq, batch, row, head) + col) = packed;
+    }
   }
 }
 
@@ -103,11 +124,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 
   const Pipeline q_pipe{ss.q_full, ss.q_empty};
   const Pipeline do_pipe{ss.do_full, ss.do_empty};
-  const BwdTile t = BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p);
+  const BwdTile t =
+      BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p, params.rows, params.dq_semaphores != nullptr);
+  if (t.empty(Traits::kBlockN)) return;  // a varlen sequence with fewer keys: nothing here
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && cute::elect_one_sync()) Mainloop::load(params, ss, q_pipe, do_pipe, t);
+    if (warp == 0 && cute::elect_one_sync()) {
+      Mainloop::load(params, ss, q_pipe, do_pipe, t);
+    } else if (warp == kDqWriterWarp) {
+      Mainloop::write_dq(params, ss, t, int(threadIdx.x) % 32);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread = int(threadIdx.x) - Traits::kWarpgroupThreads;
@@ -117,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     clear(acc_dk);
     clear(acc_dv);
     Mainloop::compute(params, ss, q_pipe, do_pipe, t, thread, acc_dk, acc_dv);
-    Mainloop::store(params, t, thread, acc_dk, acc_dv);
+    Mainloop::store(params, ss, t, thread, acc_dk, acc_dv);
   }
 #endif
 }

@@ -12,68 +12,88 @@
 namespace flashattn::cuda::sm90 {
 
 template <class Traits>
-cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, cudaStream_t stream) {
+cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
+                       cudaStream_t stream) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim;
   BwdParams<Traits> params;
   params.p = p;
-  params.shape_q = make_shape(p.max_seqlen_q, p.head_dim, p.heads, p.batch);
-  params.shape_do = make_shape(p.max_seqlen_q, p.head_dim_v, p.heads, p.batch);
-  params.shape_k = make_shape(p.max_seqlen_k, p.head_dim, p.heads_k, p.batch);
-  params.shape_v = make_shape(p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch);
+  // Dense: (seqlen, d, heads, batch). Varlen: the packed rows as one batch (BwdTile::q_row0).
+  const bool varlen = p.is_varlen();
+  const int rows_q = varlen ? int(p.total_q) : p.max_seqlen_q;
+  const int rows_k = varlen ? int(p.total_k) : p.max_seqlen_k;
+  const int batch = varlen ? 1 : p.batch;
+  params.shape_q = make_shape(rows_q, p.head_dim, p.heads, batch);
+  params.shape_do = make_shape(rows_q, p.head_dim_v, p.heads, batch);
+  params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch);
+  params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch);
   const auto rows_box = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   const auto keys_box = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   const auto rows_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
-  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, p.max_seqlen_q, p.head_dim, p.heads, p.batch),
-                               rows_smem, rows_box, _1{});
-  params.tma_do = make_tma_copy(SM90_TMA_LOAD{},
-                                gmem_rows<Element>(p.dout, p.max_seqlen_q, p.head_dim_v, p.heads, p.batch), rows_smem,
-                                rows_box, _1{});
-  params.tma_k = make_tma_copy(SM90_TMA_LOAD{},
-                               gmem_rows<Element>(p.k, p.max_seqlen_k, p.head_dim, p.heads_k, p.batch),
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch), rows_smem,
+                               rows_box, _1{});
+  params.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.dout, rows_q, p.head_dim_v, p.heads, batch),
+                                rows_smem, rows_box, _1{});
+  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.k, rows_k, p.head_dim, p.heads_k, batch),
                                typename Traits::SmemLayoutK{}, keys_box, _1{});
-  params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                               gmem_rows<Element>(p.v, p.max_seqlen_k, p.head_dim_v, p.heads_k, p.batch),
+  params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.v, rows_k, p.head_dim_v, p.heads_k, batch),
                                typename Traits::SmemLayoutV{}, keys_box, _1{});
   params.dq_accum = ws.dq_accum;
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;
-  params.padded_rows = ws.padded_rows;
+  params.dq_semaphores = ws.dq_semaphores;
+  params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
+  params.rng_state = rng_state;
 
   auto* kernel = &bwd_kernel<Traits>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  // Key tiles fastest: under a causal mask the first (the longest: every row sees them) go first.
+  // Key tiles fastest: under a causal mask the first (the longest: every row sees them) go first,
+  // except in the deterministic order, last first (BwdTile::of_block).
   const dim3 grid((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_k, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
-template <class Element, int kHeadDim>
+// The variants of one (dtype, head dim): softcap and ALiBi compiled in or not, dense or varlen.
+template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen>
 using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
-                              bwd_tile(kHeadDim).stages>;
+                              bwd_tile(kHeadDim).stages, kScoreMod, kVarlen>;
+
+template <class Element, int kHeadDim, bool kScoreMod>
+cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
+                               cudaStream_t stream) {
+  return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, true>>(p, ws, rng_state, stream)
+                       : launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, false>>(p, ws, rng_state, stream);
+}
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                     cudaStream_t stream) {
-  (void)rng_state;  // no dropout in this family yet (bwd_unsupported)
   using Element = typename device::ElementOf<kStorage>::type;
   constexpr int kRows = 64;
   cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
+  if (err == cudaSuccess && ws.dq_semaphores != nullptr) {
+    err = cudaMemsetAsync(ws.dq_semaphores, 0, ws.semaphore_bytes, stream);
+  }
   if (err != cudaSuccess) return err;
-  const int row_blocks = ws.padded_rows / kRows;
+  const int row_blocks = ws.rows.padded_rows / kRows;
   if (row_blocks > 0) {
     bwd_preprocess_kernel<Element><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
-        p, ws.lse_log2, ws.dpsum, ws.padded_rows);
+        p, ws.lse_log2, ws.dpsum, ws.rows);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.max_seqlen_k > 0) {
-    if ((err = launch_bwd<BwdTraitsOf<Element, kHeadDim>>(p, ws, stream)) != cudaSuccess) return err;
+    const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+    err = score_mod ? launch_bwd_variant<Element, kHeadDim, true>(p, ws, rng_state, stream)
+                    : launch_bwd_variant<Element, kHeadDim, false>(p, ws, rng_state, stream);
+    if (err != cudaSuccess) return err;
   }
   if (row_blocks > 0) {
-    bwd_postprocess_kernel<Element, kHeadDim><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
-        p, ws.dq_accum, ws.padded_rows);
+    using Traits = BwdTraitsOf<Element, kHeadDim, false, false>;  // the variants share the dQ layout
+    bwd_postprocess_kernel<Traits><<<dim3(ws.rows.padded_rows / Traits::kBlockM, p.heads, p.batch),
+                                     Traits::kConsumerThreads, 0, stream>>>(p, ws.dq_accum, ws.rows);
     err = cudaGetLastError();
   }
   return err;

@@ -4,9 +4,13 @@
 // dQ accumulation and the dK/dV epilogue. The product schedule is in sm90_bwd_traits.cuh.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cute/tensor.hpp>
 
+#include "common/philox.h"
 #include "cuda/device/math.cuh"
+#include "cuda/device/score_mod.cuh"
 #include "cuda/sm90/sm90_bwd_traits.cuh"
 #include "cuda/sm90/sm90_pipeline.cuh"
 #include "cuda/sm90/sm90_softmax.cuh"
@@ -22,50 +26,88 @@ struct BwdParams {
   typename Traits::TmaRows tma_do;
   typename Traits::TmaKeys tma_k;
   typename Traits::TmaKeys tma_v;
-  typename Traits::ShapeRows shape_q;   // (sq, d, h, b)
+  typename Traits::ShapeRows shape_q;   // (sq, d, h, b); varlen (total_q, d, h, 1)
   typename Traits::ShapeRows shape_do;  // (sq, dv, h, b)
-  typename Traits::ShapeRows shape_k;   // (sk, d, hk, b)
+  typename Traits::ShapeRows shape_k;   // (sk, d, hk, b); varlen (total_k, d, hk, 1)
   typename Traits::ShapeRows shape_v;   // (sk, dv, hk, b)
-  float* dq_accum;                      // (b, h, padded_rows, kHeadDim) fp32
-  const float* lse_log2;                // (b, h, padded_rows)
-  const float* dpsum;                   // (b, h, padded_rows)
-  int padded_rows;
-  float scale_log2;  // softmax_scale · log2 e
+  float* dq_accum;                      // (h, rows.head_stride, kHeadDim) fp32 (sm90_bwd.h: BwdRows)
+  const float* lse_log2;                // (h, rows.head_stride)
+  const float* dpsum;                   // (h, rows.head_stride)
+  int* dq_semaphores;                   // deterministic: one per row block, else nullptr
+  BwdRows rows;
+  float scale_log2;                // softmax_scale · log2 e
+  const std::uint64_t* rng_state;  // dropout's (seed, offset) read at run time, or nullptr
 };
 
 // The named barrier ids of the backward kernel.
 enum class BwdBarrier : int {
-  kDsWritten = 1,  // all consumers: both halves of a row block's dSᵀ are in shared memory
+  kDsWritten = 1,   // all consumers: both halves of a row block's dSᵀ are in shared memory
+  kDqFullWg0 = 2,   // + warpgroup: its dQ slice is staged (the warpgroup and the dQ writer warp)
+  kDqEmptyWg0 = 4,  // + warpgroup: the writer has read its dQ slice out
+  kTailZeroed = 6,  // all consumers (varlen): rows past a sequence zeroed in shared memory
+  kEpilogue = 7,    // all consumers: K and V read for the last time / dK and dV staged there
 };
+inline constexpr int kDqWriterWarp = 1;  // of the producer warpgroup
+
+// Deterministic dQ turns (BwdMainloop::write_dq): an acquiring load and a releasing increment at
+// GPU scope.
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(p) : "memory");
+  return value;
+}
+__device__ __forceinline__ void release_increment(int* p) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
+}
 
 // The work of one CTA: key tile n_block of (kv_head, batch), and the query row blocks
 // [m_block_min, m_block_max) whose rows see one of its keys (the same for every head of the group).
+// Varlen: the sequence's rows start at q_row0 / k_row0 of the packed tensors (cu_seqlens), its
+// keys are seqused_k's where given; a key tile past them has no work (empty()).
 struct BwdTile {
   int n_block;
   int kv_head;
   int batch;
   int seqlen_q;
   int seqlen_k;
+  int q_row0;
+  int k_row0;
+  std::int64_t stat_row0;  // the sequence's first row in the scratch (bwd_row_start)
   int m_block_min;
   int m_block_max;
   common::Mask mask;
 
+  // reversed: the key tiles of a (kv head, batch) launch last first (the deterministic order,
+  // see BwdMainloop::write_dq), else first first (under a causal mask the longest go first).
   template <int kBlockM, int kBlockN>
-  __device__ static BwdTile of_block(const common::AttentionParams& p) {
+  __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows, bool reversed) {
     BwdTile t;
-    t.n_block = int(blockIdx.x);
+    t.n_block = reversed ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
     t.kv_head = int(blockIdx.y);
     t.batch = int(blockIdx.z);
-    t.seqlen_q = p.max_seqlen_q;
-    t.seqlen_k = p.max_seqlen_k;
+    t.seqlen_q = p.seqlen_q(t.batch);
+    t.seqlen_k = p.seqlen_k(t.batch);  // seqused_k where given
+    t.q_row0 = int(p.q_row0(t.batch));
+    t.k_row0 = p.is_varlen() ? p.cu_seqlens_k[t.batch] : 0;
+    t.stat_row0 = bwd_row_start(p, rows, t.batch);
     t.mask = p.mask_for(t.seqlen_q, t.seqlen_k);
     const int col_b = t.n_block * kBlockN;
     const int col_e = min(col_b + kBlockN, t.seqlen_k);
+    t.m_block_min = t.m_block_max = 0;
+    if (col_b >= col_e || t.seqlen_q == 0) return t;
     const int row_b = t.mask.block_row_begin(col_b);
     const int row_e = t.mask.block_row_end(col_e);
     t.m_block_min = row_b / kBlockM;
     t.m_block_max = row_e > row_b ? (row_e + kBlockM - 1) / kBlockM : t.m_block_min;
     return t;
+  }
+  // No key of the sequence in this tile: nothing to compute or store.
+  __device__ __forceinline__ bool empty(int kBlockN) const { return n_block * kBlockN >= seqlen_k; }
+  // The last key tile whose walk reaches row block m: the tile of the block's last visible key
+  // (the tiles that reach m are consecutive and end there; tests/cpp/test_mask.cpp).
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ int last_tile_of(int m) const {
+    return (mask.block_col_end(min((m + 1) * kBlockM, seqlen_q)) - 1) / kBlockN;
   }
   __device__ __forceinline__ int steps(int group) const { return (m_block_max - m_block_min) * group; }
 };
@@ -81,8 +123,24 @@ struct BwdMainloop {
   using Pipeline = TmaPipeline<kStages>;
 
   // Row statistics of (batch, head, row block m) in the scratch.
-  __device__ static std::int64_t stat_offset(const BwdParams<Traits>& params, int batch, int head, int m) {
-    return (std::int64_t(batch) * params.p.heads + head) * params.padded_rows + std::int64_t(m) * kBlockM;
+  __device__ static std::int64_t stat_offset(const BwdParams<Traits>& params, const BwdTile& t, int head, int m) {
+    return std::int64_t(head) * params.rows.head_stride + t.stat_row0 + std::int64_t(m) * kBlockM;
+  }
+
+  // Rows [from, rows) of a shared-memory tile (rows, cols) set to zero by the consumer threads
+  // together. The caller fences and meets the other warpgroup (BwdBarrier::kTailZeroed) before the
+  // tensor cores read the tile.
+  template <class Tile>
+  __device__ static void zero_rows_from(Tile tile, int from, int thread) {
+    constexpr int kRowsOf = decltype(size<0>(tile))::value;
+    constexpr int kCols = decltype(size<1>(tile))::value;
+    for (int i = from * kCols + thread; i < kRowsOf * kCols; i += Traits::kConsumerThreads) {
+      tile(i / kCols, i % kCols) = Element(0);
+    }
+  }
+  __device__ static void tail_zeroed() {
+    cutlass::arch::fence_view_async_shared();
+    named_barrier_sync(int(BwdBarrier::kTailZeroed), Traits::kConsumerThreads);
   }
 
   // --- producer: one thread -------------------------------------------------------------------
@@ -104,8 +162,14 @@ struct BwdMainloop {
     auto tma_k = params.tma_k.get_slice(_0{});
     auto tma_v = params.tma_v.get_slice(_0{});
 
-    Tensor gK = local_tile(mK(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
-    Tensor gV = local_tile(mV(_, _, t.kv_head, t.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
+    // Varlen: one packed batch, the sequence's tiles offset by its first row (the rows of the next
+    // sequence that a tile reaches are zeroed by the consumers; past the tensor TMA reads zeros).
+    const int batch = Traits::kVarlen ? 0 : t.batch;
+    const int q_row0 = Traits::kVarlen ? t.q_row0 : 0, k_row0 = Traits::kVarlen ? t.k_row0 : 0;
+    Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, batch)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
+    Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, batch)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Traits::kTmaBytesKeys);
     copy(params.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
     copy(params.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
@@ -117,9 +181,11 @@ struct BwdMainloop {
     for (int s = 0; s < t.steps(group); ++s) {
       const int head = t.kv_head * group + s / m_blocks;
       const int m = t.m_block_min + s % m_blocks;
-      Tensor gQ = local_tile(mQ(_, _, head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
-      const std::int64_t stats = stat_offset(params, t.batch, head, m);
+      Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, head, batch)),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+      Tensor gdO = local_tile(domain_offset(make_coord(q_row0, _0{}), mdO(_, _, head, batch)),
+                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+      const std::int64_t stats = stat_offset(params, t, head, m);
       {
         std::uint64_t& full = q_pipe.producer_acquire(st, Traits::kTmaBytesRows + Traits::kStatBytes);
         copy(params.tma_q.with(full, 0, kKeep), tma_q.partition_S(gQ), tma_q.partition_D(sQ(_, _, st.index)));
@@ -132,6 +198,63 @@ struct BwdMainloop {
       }
       st.advance();
     }
+  }
+
+  // --- the dQ writer: warp kDqWriterWarp of the producer warpgroup ----------------------------
+  // Per step, each consumer warpgroup's staged slice is added to the accumulator's row block by
+  // one bulk reduce-add (fp32, the fragment order of both sides); once both have been read out of
+  // shared memory the warpgroups may stage the next step's (not after the last step: every
+  // arrival on a named barrier is matched).
+  __device__ static void write_dq(const BwdParams<Traits>& params, SharedStorage& ss, const BwdTile& t, int lane) {
+    constexpr int kWgs = Traits::kConsumerWarpgroups;
+    constexpr int kThreads = Traits::kWarpgroupThreads + 32;
+    constexpr std::uint32_t kBytes = Traits::kDqFloatsPerWarpgroup * sizeof(float);
+    const int group = params.p.group_size();
+    const int m_blocks = t.m_block_max - t.m_block_min;
+    const int steps = t.steps(group);
+    for (int s = 0; s < steps; ++s) {
+      const int head = t.kv_head * group + s / m_blocks;
+      const int m = t.m_block_min + s % m_blocks;
+      float* const rows = params.dq_accum + stat_offset(params, t, head, m) * kHeadDim;
+      // Deterministic: the key tiles that reach row block m add their dQ in descending key-tile
+      // order, from the last tile that reaches m down, each once its predecessors' additions have
+      // landed. The tiles launch in that order (BwdTile::of_block, reversed), so a waiting CTA's
+      // predecessors are running or done. Descending, a CTA's turn at its j-th row block follows
+      // its successor's (j − 1)-th or earlier under causal and sliding-window masks (whose walks
+      // start later for later tiles): the CTAs run side by side instead of each a step behind
+      // the previous one, as an ascending order makes them (a wavefront over the key tiles).
+      int* const semaphore = params.dq_semaphores == nullptr
+                                 ? nullptr
+                                 : params.dq_semaphores + stat_offset(params, t, head, m) / kBlockM;
+      if (semaphore != nullptr && lane == 0) {
+        const int turn = t.template last_tile_of<kBlockM, kBlockN>(m) - t.n_block;
+        while (load_acquire(semaphore) != turn) {
+        }
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk additions come after
+      }
+      for (int wg = 0; wg < kWgs; ++wg) {
+        named_barrier_sync(int(BwdBarrier::kDqFullWg0) + wg, kThreads);
+        if (lane == 0) {
+          const std::uint32_t src = cute::cast_smem_ptr_to_uint(ss.dq[wg]);
+          asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                           rows + wg * Traits::kDqFloatsPerWarpgroup),
+                       "r"(src), "r"(kBytes)
+                       : "memory");
+          cute::tma_store_arrive();  // commit the bulk group
+        }
+      }
+      if (semaphore != nullptr && lane == 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // landed, not only read
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        release_increment(semaphore);
+      }
+      if (s + 1 == steps) break;
+      if (lane == 0) cute::tma_store_wait<0>();  // the slices have been read (not yet added)
+      __syncwarp();
+      for (int wg = 0; wg < kWgs; ++wg) named_barrier_arrive(int(BwdBarrier::kDqEmptyWg0) + wg, kThreads);
+    }
+    // The last additions complete (not only their reads) before the thread exits.
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
 
   // --- consumers: two warpgroups of 64 keys each ----------------------------------------------
@@ -168,7 +291,6 @@ struct BwdMainloop {
     Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
     Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, MMA_M, MMA_K, buffer)
     Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
-    Tensor tSsdS = thr_sdp.partition_C(sdS);            // this thread's dSᵀ elements, (MMA, 1, 1, buffer)
 
     constexpr auto kShapeSdP = select<0, 1>(typename Traits::TileShapeSdP{});
     Tensor acc_s = partition_fragment_C(mma_sdp, kShapeSdP);
@@ -180,10 +302,13 @@ struct BwdMainloop {
     Tensor p_flat = make_tensor(p_frag.data(), acc_s.layout());
     Tensor ds_flat = make_tensor(ds_frag.data(), acc_s.layout());
     Tensor acc_dq = partition_fragment_C(mma_dq, select<0, 1>(typename Traits::TileShapedQ{}));
+    auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(thread);
+    Tensor r2s_ds_src = thr_r2s_ds.retile_S(ds_flat);  // dSᵀ in 16 bits, the accumulator layout
+    Tensor r2s_ds_dst = thr_r2s_ds.partition_D(sdS);   // (CPY, CPY_M, CPY_N, buffer)
 
     Tensor c_s = thr_sdp.partition_C(make_identity_tensor(kShapeSdP));
     Tensor c_rc = make_tensor(c_s.data(), rowcol_layout(c_s.layout()));  // (key, row) of each element
-    Tensor c_dq = thr_dq.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedQ{})));
     constexpr int kKeys = decltype(size<0>(s_rc))::value;
     constexpr int kRows = decltype(size<1>(s_rc))::value;
 
@@ -195,22 +320,87 @@ struct BwdMainloop {
     const int m_blocks = t.m_block_max - t.m_block_min;
 
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, 0);
+    // Varlen: K/V rows past the sequence's keys (the next sequence's, or seqused_k's unused ones)
+    // are zeroed, so that no Inf/NaN there reaches dP, dS or dQ through a masked score.
+    if constexpr (Traits::kVarlen) {
+      const int kv_valid = t.seqlen_k - key0;
+      if (kv_valid < kBlockN) {
+        zero_rows_from(sK, kv_valid, thread);
+        zero_rows_from(sV, kv_valid, thread);
+        tail_zeroed();
+      }
+    }
     PipelineState<kStages> st;
+    // Dropout (kScoreMod kernels; SPEC §3, docs/dropout.md): the forward's mask, bit for bit. The
+    // Sᵀ fragment is the transpose of the forward's accumulator, so a thread's 8 scores of a
+    // 16 × 16 block belong to two of the forward's lanes: each thread draws its own lane's 8 bits
+    // (one Philox call per block) and takes the two it needs from their lanes by shuffles.
+    [[maybe_unused]] common::DropoutParams dropout = p.dropout;
+    [[maybe_unused]] const bool use_dropout = Traits::kScoreMod && p.dropout_p > 0.0f;
+    if constexpr (Traits::kScoreMod) {
+      if (use_dropout && params.rng_state != nullptr) {
+        dropout.seed = params.rng_state[0];
+        dropout.offset = params.rng_state[1];
+      }
+    }
+    static_assert(kKeys == 2 && kRows % 4 == 0, "a thread's keys are g and g + 8 of its warp's 16");
+    [[maybe_unused]] std::uint32_t keep[Traits::kScoreMod ? (2 * kRows + 31) / 32 : 1];  // bit 2·col + key
+    // Softcap's derivative per score (kScoreMod kernels only), as fp16 pairs: it multiplies dSᵀ,
+    // which is rounded to 16 bits itself, and 1 − tanh² ∈ [0, 1] keeps 11 bits there (fp32 took
+    // 32 more registers, spilled).
+    [[maybe_unused]] __half2 dtanh[Traits::kScoreMod ? kKeys * kRows / 2 : 1];
     for (int s = 0; s < t.steps(group); ++s) {
-      const int head = t.kv_head * group + s / m_blocks;
       const int m = t.m_block_min + s % m_blocks;
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
+      // Softcap and ALiBi (kScoreMod): raw scores in device::TileScoreMod's units, whose
+      // out_scale · log2 e is the exponent's multiplier; ALiBi's slope is the head's.
+      [[maybe_unused]] const device::TileScoreMod mod(
+          p.template score_mod_for<float>(t.batch, t.kv_head * group + s / m_blocks, t.seqlen_q, t.seqlen_k),
+          Traits::kScoreMod);
+      const float exp_scale = Traits::kScoreMod ? mod.out_scale * device::kLog2e : params.scale_log2;
 
       q_pipe.consumer_wait(st);
+      if constexpr (Traits::kVarlen) {
+        // Q and dO rows past the sequence (the next one's) are zeroed: their lse is +∞ and
+        // softmax_d 0 (the padding), so they add nothing to dK, dV.
+        do_pipe.consumer_wait(st);
+        const int q_valid = t.seqlen_q - row0;
+        if (q_valid < kBlockM) {
+          zero_rows_from(sQ(_, _, st.index), q_valid, thread);
+          zero_rows_from(sdO(_, _, st.index), q_valid, thread);
+          tail_zeroed();
+        }
+      }
       wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
-      do_pipe.consumer_wait(st);
+      if constexpr (!Traits::kVarlen) do_pipe.consumer_wait(st);
       wgmma<true>(mma_sdp, tPrV, tPrdO(_, _, _, st.index), acc_dp);
       // The row statistics are read from shared memory where they are used (registers are short).
       const float* const lse_log2 = ss.lse_log2[st.index];
       const float* const dpsum = ss.dpsum[st.index];
       cute::warpgroup_wait<1>();  // Sᵀ has landed; dPᵀ still runs
 
+      if constexpr (Traits::kScoreMod) {
+        if (mod.softcap) {
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc_s); e += 2) {
+            acc_s(e) = device::TileScoreMod::tanh(acc_s(e) * mod.k);
+            acc_s(e + 1) = device::TileScoreMod::tanh(acc_s(e + 1) * mod.k);
+            dtanh[e / 2] = __floats2half2_rn(fmaf(-acc_s(e), acc_s(e), 1.0f), fmaf(-acc_s(e + 1), acc_s(e + 1), 1.0f));
+          }
+        }
+        if (mod.alibi) {  // distance |i + sk − sq − j| of row i and key j
+          const int key_first = key0 + get<0>(c_rc(0, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < kRows; ++c) {
+            const float base = mod.alibi_base(row0 + get<1>(c_rc(0, c)), key_first);
+            CUTE_UNROLL
+            for (int r = 0; r < kKeys; ++r) {
+              s_rc(r, c) = mod.add_alibi(s_rc(r, c), base, get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0)));
+            }
+          }
+        }
+      }
       // Pᵀ, with the keys a row does not see (and keys past the sequence) at 0. Rows past the
       // sequence have lse = +∞ and Q = 0: their P is 0 too.
       const int row_e = min(row0 + kBlockM, t.seqlen_q);
@@ -231,25 +421,83 @@ struct BwdMainloop {
       for (int c = 0; c < kRows; ++c) {
         const float lse = lse_log2[get<1>(c_rc(0, c))];
         CUTE_UNROLL
-        for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), params.scale_log2, -lse));
+        for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
       }
-      convert_fragment<Element>(acc_s, p_flat);
-      cute::warpgroup_wait<0>();  // dPᵀ has landed
+      if constexpr (Traits::kScoreMod) {
+        if (use_dropout) {
+          const int lane = thread % 32;
+          const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
+          const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + s / m_blocks);
+          CUTE_UNROLL
+          for (int w = 0; w < (2 * kRows + 31) / 32; ++w) keep[w] = 0;
+          CUTE_UNROLL
+          for (int q = 0; q < kRows / 4; ++q) {  // 16 query rows: columns 4q … 4q + 3 of s_rc
+            const std::uint32_t own = common::dropout_keep_bits(dropout, stream, (row0 >> 4) + q, key_block, lane);
+            const std::uint32_t lanes[2] = {
+                __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 0, 0).lane),
+                __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 1, 0).lane)};
+            CUTE_UNROLL
+            for (int b = 0; b < 2; ++b) {      // row 2t + b (+ 8c) of the block
+              CUTE_UNROLL
+              for (int c = 0; c < 2; ++c) {
+                CUTE_UNROLL
+                for (int a = 0; a < 2; ++a) {  // key g + 8a
+                  const int col = 4 * q + 2 * c + b;  // s_rc's column: (pair b, 8-column group 2q + c)
+                  const std::uint32_t bit = (lanes[b] >> common::dropout_transposed_source(lane, a, b, c).element) & 1u;
+                  const int at = 2 * col + a;
+                  keep[at / 32] |= bit << (at % 32);
+                }
+              }
+            }
+          }
+        }
+      }
+      auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
+      if constexpr (Traits::kScoreMod) {
+        if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
+          Tensor p_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));
+          CUTE_UNROLL
+          for (int c = 0; c < kRows; ++c) {
+            CUTE_UNROLL
+            for (int r = 0; r < kKeys; ++r) p_rc(r, c) = Element(kept(r, c) ? s_rc(r, c) * dropout.keep_scale : 0.0f);
+          }
+        } else {
+          convert_fragment<Element>(acc_s, p_flat);
+        }
+      } else {
+        convert_fragment<Element>(acc_s, p_flat);
+      }
+      wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);  // runs under dSᵀ
+      cute::warpgroup_wait<1>();  // dPᵀ has landed
       CUTE_UNROLL
       for (int c = 0; c < kRows; ++c) {
         const float d = dpsum[get<1>(c_rc(0, c))];
         CUTE_UNROLL
-        for (int r = 0; r < kKeys; ++r) dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - d) * scale;
+        for (int r = 0; r < kKeys; ++r) {
+          float dp = dp_rc(r, c);
+          if constexpr (Traits::kScoreMod) {
+            if (use_dropout) dp = kept(r, c) ? dp * dropout.keep_scale : 0.0f;  // dP of the dropped P
+          }
+          dp_rc(r, c) = s_rc(r, c) * (dp - d) * scale;
+        }
+      }
+      if constexpr (Traits::kScoreMod) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)
+        if (mod.softcap) {
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc_dp); e += 2) {
+            const float2 f = __half22float2(dtanh[e / 2]);
+            acc_dp(e) *= f.x;
+            acc_dp(e + 1) *= f.y;
+          }
+        }
       }
       convert_fragment<Element>(acc_dp, ds_flat);
 
-      // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys.
-      Tensor tSsdS_b = tSsdS(_, _, _, buffer);
-      CUTE_UNROLL
-      for (int i = 0; i < size(ds_flat); ++i) tSsdS_b(i) = ds_flat(i);
+      // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
+      // stmatrix, 8 × 8 blocks of 16-bit values per instruction, conflict-free in the swizzle.
+      copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();
 
-      wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
       wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
       named_barrier_sync(int(BwdBarrier::kDsWritten), Traits::kConsumerThreads);
       wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
@@ -258,35 +506,66 @@ struct BwdMainloop {
       do_pipe.consumer_release(st, true);
       st.advance();
 
-      // dQ of this row block += the fragment (fp32 pairs; the accumulator's padding rows absorb
-      // the rows past the sequence).
-      float* const dq_rows = params.dq_accum + stat_offset(params, t.batch, head, m) * kHeadDim;
+      // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
+      // thread l at (v · 128 + l) · 4: conflict-free, and the order the accumulator keeps).
+      constexpr int kDqThreads = Traits::kWarpgroupThreads + 32;
+      if (s > 0) named_barrier_sync(int(BwdBarrier::kDqEmptyWg0) + wg, kDqThreads);
+      float4* const slice = reinterpret_cast<float4*>(ss.dq[wg]);
+      const int lane = thread % Traits::kWarpgroupThreads;
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); i += 2) {
-        const int row = get<0>(c_dq(i)), col = get<1>(c_dq(i));
-        atomicAdd(reinterpret_cast<float2*>(dq_rows + row * kHeadDim + col), make_float2(acc_dq(i), acc_dq(i + 1)));
+      for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
+        slice[v * Traits::kWarpgroupThreads + lane] =
+            make_float4(acc_dq(4 * v), acc_dq(4 * v + 1), acc_dq(4 * v + 2), acc_dq(4 * v + 3));
       }
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_arrive(int(BwdBarrier::kDqFullWg0) + wg, kDqThreads);
     }
   }
 
   // dK and dV of the tile's keys below seqlen_k (zeros where no row sees a key), in the outputs'
-  // element type, columns below d and dv.
+  // element type, columns below d and dv: staged by stmatrix in K's and V's shared-memory tiles
+  // (free once both warpgroups' last products are done: each dQ product reads every key of K),
+  // then 16-byte row pieces to global memory.
   template <class AccKV>
-  __device__ static void store(const BwdParams<Traits>& params, const BwdTile& t, int thread, const AccKV& acc_dk,
-                               const AccKV& acc_dv) {
+  __device__ static void store(const BwdParams<Traits>& params, SharedStorage& ss, const BwdTile& t, int thread,
+                               const AccKV& acc_dk, const AccKV& acc_dv) {
     const common::AttentionParams& p = params.p;
+    Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
     typename Traits::TiledMmadKV mma_dkv;
-    auto thr_dkv = mma_dkv.get_thread_slice(thread);
-    Tensor c_kv = thr_dkv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileShapedKV{})));
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+    auto thr_r2s = r2s.get_thread_slice(thread);
+    Tensor dk16 = make_tensor<Element>(acc_dk.layout());
+    Tensor dv16 = make_tensor<Element>(acc_dv.layout());
+    convert_fragment<Element>(acc_dk, dk16);
+    convert_fragment<Element>(acc_dv, dv16);
+    named_barrier_sync(int(BwdBarrier::kEpilogue), Traits::kConsumerThreads);
+    copy(r2s, thr_r2s.retile_S(dk16), thr_r2s.partition_D(sdK));
+    copy(r2s, thr_r2s.retile_S(dv16), thr_r2s.partition_D(sdV));
+    named_barrier_sync(int(BwdBarrier::kEpilogue), Traits::kConsumerThreads);
+
+    constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16-byte access
+    constexpr int kChunks = kHeadDim / kChunk;          // threads per key row
+    constexpr int kRowsPerPass = Traits::kConsumerThreads / kChunks;
+    static_assert(Traits::kConsumerThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0,
+                  "the consumer threads tile the key rows evenly");
+    const int col = (thread % kChunks) * kChunk;
     const int key0 = t.n_block * kBlockN;
-    Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, 0, key0, t.kv_head);
-    Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, 0, key0, t.kv_head);
+    Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, t.k_row0, key0, t.kv_head);
+    Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, t.k_row0, key0, t.kv_head);
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) {
-      const int key = get<0>(c_kv(i)), col = get<1>(c_kv(i));
-      if (key0 + key >= t.seqlen_k) continue;
-      if (col < p.head_dim) dk[key * p.dk.row_stride + col] = Element(acc_dk(i));
-      if (col < p.head_dim_v) dv[key * p.dv.row_stride + col] = Element(acc_dv(i));
+    for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+      const int key = pass * kRowsPerPass + thread / kChunks;
+      if (key0 + key < t.seqlen_k) {
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint4*>(dk + std::int64_t(key) * p.dk.row_stride + col) =
+              *reinterpret_cast<const uint4*>(&sdK(key, col));
+        }
+        if (col < p.head_dim_v) {
+          *reinterpret_cast<uint4*>(dv + std::int64_t(key) * p.dv.row_stride + col) =
+              *reinterpret_cast<const uint4*>(&sdV(key, col));
+        }
+      }
     }
   }
 };

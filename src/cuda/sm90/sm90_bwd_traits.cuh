@@ -9,7 +9,8 @@
 //   dV += Pᵀ·dO     (Pᵀ from registers: the Sᵀ accumulator is the A operand's layout)
 //   dK += dSᵀ·Q     (dSᵀ from registers)
 // and, with both warpgroups' dSᵀ in shared memory, its half of dQ = dS·K (block_m × d, summed over
-// the 128 keys), added to the fp32 accumulator in global memory.
+// the 128 keys), staged in shared memory and added to the fp32 accumulator in global memory by the
+// producer warpgroup's warp 1 (a bulk reduce-add).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,13 +27,20 @@ namespace flashattn::cuda::sm90 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// kScoreMod: softcap, ALiBi and dropout compiled in (device::TileScoreMod on each Sᵀ tile,
+// softcap's derivative 1 − tanh² in dSᵀ, the forward's Philox mask), each taken when the call
+// asks for it.
+// kVarlen: varlen batches (seqused_k included): tiles offset by cu_seqlens, rows past a sequence
+// zeroed in shared memory.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kScoreMod_, bool kVarlen_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step
   static constexpr int kBlockN = kBlockN_;  // keys of the CTA
   static constexpr int kStages = kStages_;  // Q/dO ring
+  static constexpr bool kScoreMod = kScoreMod_;
+  static constexpr bool kVarlen = kVarlen_;
 
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
   static constexpr int kConsumerWarpgroups = kBlockN / kKeysPerWarpgroup;
@@ -101,12 +109,20 @@ struct BwdTraits {
   static constexpr std::uint32_t kTmaBytesKeys = kBlockN * kHeadDim * sizeof(Element);
   static constexpr std::uint32_t kStatBytes = kBlockM * sizeof(float);  // one row block of lse or softmax_d
 
+  // dQ of a row block leaves each consumer warpgroup through shared memory: its fp32 fragment in
+  // fragment order (16-byte stores, thread-contiguous), added to the accumulator in global memory
+  // (the same order per row block) by a bulk reduce-add of the producer warpgroup's warp 1.
+  static constexpr int kDqFloatsPerWarpgroup = kBlockM * kHeadDim / kConsumerWarpgroups;
+  static constexpr int kDqFloatsPerThread = kDqFloatsPerWarpgroup / kWarpgroupThreads;
+  static_assert(kDqFloatsPerThread % 4 == 0, "whole float4 per thread");
+
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
     cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    alignas(128) float dq[kConsumerWarpgroups][kDqFloatsPerWarpgroup];
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float dpsum[kStages][kBlockM];
     alignas(16) std::uint64_t kv_full;  // K and V have landed (one transaction)
