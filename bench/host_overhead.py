@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """bench/host_overhead.py — what one decoding call costs the host: Python argument handling,
 checks and dispatch of flash_attn_with_kvcache at batch 1 (sq 1, GQA 32/8, d 128, a 1k-key cache),
-timed as the wall time of --calls back-to-back calls (no synchronisation in between; the GPU work
-of each is a few microseconds, so the host is what is measured) divided by their number, the
-median of --repeats such loops. Beside it, on CUDA and in the same process: torch SDPA's
+timed two ways, each the median of --repeats loops: `host` — the host time of --host-calls calls
+issued while the GPU is kept busy by a spin kernel queued before them (so no call waits for the
+GPU, and no queue fills: what the host spends per call, Python and launches), and `wall` — the
+wall time of --calls back-to-back calls without synchronisation (bounded by the GPU's time per
+call where that is longer than the host's). Beside it, on CUDA and in the same process: torch SDPA's
 FlashAttention-2 and cuDNN backends on the same q against the cache's keys (their dispatch path),
 and FlashAttention-3's flash_attn_with_kvcache where its flash_attn_interface module is importable.
 --device cpu times this library's call alone (the CPU backend's dispatch), as CI does to keep the
@@ -25,12 +27,16 @@ import torch
 import flashattn
 
 
-def per_call_us(fn, calls, repeats, sync):
+def per_call_us(fn, calls, repeats, sync, busy=None):
+    """Median over `repeats` loops of `calls` calls of the host time per call, in µs. busy: a
+    function that queues GPU work outlasting the loop before each one (None: nothing queued)."""
     for _ in range(max(10, calls // 10)):
         fn()
     sync()
     samples = []
     for _ in range(repeats):
+        if busy is not None:
+            busy()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -44,6 +50,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--host-calls", type=int, default=200,
+                    help="calls per loop while the GPU is busy (their kernels must fit the launch queue)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--json")
@@ -61,10 +69,21 @@ def main():
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
 
+    busy = None
+    if dev.type == "cuda":
+        # A spin kernel of about 0.1 s at the H200's clock: longer than any --host-calls loop here.
+        busy = lambda: torch.cuda._sleep(200_000_000)  # noqa: E731
+
     def record(impl, fn):
         us = per_call_us(fn, args.calls, args.repeats, sync)
-        rows.append(dict(impl=impl, device=args.device, batch=b, heads=h, heads_k=hk, d=d, context=ctx, us_per_call=us))
-        print(f"{impl}: {us:.2f} µs per call", flush=True)
+        row = dict(impl=impl, device=args.device, batch=b, heads=h, heads_k=hk, d=d, context=ctx, us_per_call=us)
+        text = f"{impl}: {us:.2f} µs per call"
+        if busy is not None:
+            host = per_call_us(fn, args.host_calls, args.repeats, sync, busy)
+            row["host_us_per_call"] = host
+            text = f"{impl}: host {host:.2f} µs per call, wall {us:.2f} µs per call back to back"
+        rows.append(row)
+        print(text, flush=True)
 
     record("flashattn", lambda: flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
     if dev.type == "cuda":
