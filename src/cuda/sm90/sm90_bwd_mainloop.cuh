@@ -453,22 +453,32 @@ struct BwdMainloop {
         }
       }
       auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
-      if constexpr (Traits::kScoreMod) {
-        if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
-          Tensor p_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));
-          CUTE_UNROLL
-          for (int c = 0; c < kRows; ++c) {
+      // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued.
+      auto issue_dv = [&] {
+        if constexpr (Traits::kScoreMod) {
+          if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
+            Tensor p_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));
             CUTE_UNROLL
-            for (int r = 0; r < kKeys; ++r) p_rc(r, c) = Element(kept(r, c) ? s_rc(r, c) * dropout.keep_scale : 0.0f);
+            for (int c = 0; c < kRows; ++c) {
+              CUTE_UNROLL
+              for (int r = 0; r < kKeys; ++r) {
+                p_rc(r, c) = Element(kept(r, c) ? s_rc(r, c) * dropout.keep_scale : 0.0f);
+              }
+            }
+          } else {
+            convert_fragment<Element>(acc_s, p_flat);
           }
         } else {
           convert_fragment<Element>(acc_s, p_flat);
         }
+        wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
+      };
+      if constexpr (Traits::kEarlyDv) {
+        issue_dv();                 // runs under dSᵀ
+        cute::warpgroup_wait<1>();  // dPᵀ has landed
       } else {
-        convert_fragment<Element>(acc_s, p_flat);
+        cute::warpgroup_wait<0>();  // dPᵀ has landed
       }
-      wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);  // runs under dSᵀ
-      cute::warpgroup_wait<1>();  // dPᵀ has landed
       CUTE_UNROLL
       for (int c = 0; c < kRows; ++c) {
         const float d = dpsum[get<1>(c_rc(0, c))];
@@ -491,6 +501,9 @@ struct BwdMainloop {
           }
         }
       }
+      // Late: Sᵀ's fp32 values are dead once dSᵀ is computed, so P's 16 bits never live beside
+      // both accumulators.
+      if constexpr (!Traits::kEarlyDv) issue_dv();
       convert_fragment<Element>(acc_dp, ds_flat);
 
       // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
