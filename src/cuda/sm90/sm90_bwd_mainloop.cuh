@@ -456,7 +456,7 @@ struct BwdMainloop {
         }
       }
       auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
-      // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued.
+      // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued (after dSᵀ, below).
       auto issue_dv = [&] {
         if constexpr (Traits::kScoreMod) {
           if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
@@ -476,12 +476,7 @@ struct BwdMainloop {
         }
         wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
       };
-      if constexpr (Traits::kEarlyDv) {
-        issue_dv();                 // runs under dSᵀ
-        cute::warpgroup_wait<1>();  // dPᵀ has landed
-      } else {
-        cute::warpgroup_wait<0>();  // dPᵀ has landed
-      }
+      cute::warpgroup_wait<0>();  // dPᵀ has landed
       CUTE_UNROLL
       for (int c = 0; c < kRows; ++c) {
         const float d = dpsum[get<1>(c_rc(0, c))];
@@ -504,9 +499,11 @@ struct BwdMainloop {
           }
         }
       }
-      // Late: Sᵀ's fp32 values are dead once dSᵀ is computed, so P's 16 bits never live beside
-      // both accumulators.
-      if constexpr (!Traits::kEarlyDv) issue_dv();
+      // dV after dSᵀ (FlashAttention-3's order): Sᵀ's fp32 values die with dSᵀ, so P's 16 bits
+      // never live beside both accumulators. Issued before it, to run under it, the product kept
+      // them live together: 8–12 % slower at d 64 (ptxas serialized every wgmma there for want
+      // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs).
+      issue_dv();
       convert_fragment<Element>(acc_dp, ds_flat);
 
       // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:

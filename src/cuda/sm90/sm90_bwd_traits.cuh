@@ -40,14 +40,6 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;  // keys of the CTA
   static constexpr int kStages = kStages_;  // Q/dO ring
   static constexpr bool kScoreMod = kScoreMod_;
-  // Whether dV += Pᵀ·dO is issued before dSᵀ is computed, to run under it (P's 16 bits then stay
-  // live through the dSᵀ computation beside Sᵀ and dPᵀ: 32 more registers per thread at d 64),
-  // or after it. FLASHATTN_SM90_BWD_EARLY_DV=0 builds the late order (for timing both).
-#ifdef FLASHATTN_SM90_BWD_EARLY_DV
-  static constexpr bool kEarlyDv = FLASHATTN_SM90_BWD_EARLY_DV != 0;
-#else
-  static constexpr bool kEarlyDv = true;
-#endif
   static constexpr bool kVarlen = kVarlen_;
 
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
