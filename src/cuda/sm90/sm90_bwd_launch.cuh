@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cuda/device/element.cuh"
+#include "cuda/device_query.h"
 #include "cuda/device/math.cuh"
 #include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_bwd_kernel.cuh"
@@ -42,6 +43,10 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;
   params.dq_semaphores = ws.dq_semaphores;
+  // A staggered tile may wait for one of its (kv head, batch) launched after it (BwdTile::of_block):
+  // with at most a quarter of the SMs' worth of key tiles per group (at one CTA per SM), all of a
+  // group fits beside other groups and kernels in flight (4k keys at 128 keys per tile on an H200).
+  params.stagger_tiles = current_sm_count() / 4;
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
