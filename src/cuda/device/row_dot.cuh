@@ -1,28 +1,51 @@
-// src/cuda/device/row_dot.cuh — softmax_d of one row, rowsum(dO ∘ O) in fp32, by one warp: the
+// src/cuda/device/row_dot.cuh — softmax_d = rowsum(dO ∘ O) in fp32, many rows per thread block: the
 // backward preprocess of every kernel family.
 #pragma once
 
 #include <cute/config.hpp>
 #include <vector_types.h>
 
+#include <cstring>
+
 namespace flashattn::cuda::device {
 
-// The dot product of the first `cols` elements of two rows, summed over the 32 lanes of a warp
-// (every lane returns it). Each lane reads 8 consecutive elements (16 bytes) per step: cols is a
-// multiple of 8 and the rows are 16-byte aligned (the layout checks of every family).
-template <class Element>
-__device__ __forceinline__ float warp_row_dot(const Element* a_row, const Element* b_row, int cols, int lane) {
-  float dot = 0.0f;
-  for (int col = lane * 8; col < cols; col += 32 * 8) {
-    Element a[8], b[8];
-    *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(a_row + col);
-    *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(b_row + col);
+// The dot products of kRows pairs of rows per group of kLanes consecutive lanes (kLanes divides
+// 32): lane `sub` of the group reads 8 consecutive elements (16 bytes) of each row per step (cols
+// is a multiple of 8 and the rows 16-byte aligned: the layout checks of every family), and every
+// load of a step is issued before its products, so that a warp has all its rows' loads in flight
+// at once (one row per warp at a time left the loads latency-bound, and lanes idle where
+// cols < 256). a_rows[r] == nullptr: row r is past the sequence, its dot is 0. Every lane of the
+// warp must call this (the sums are shuffles over the group); each lane returns its group's dots.
+template <class Element, int kLanes, int kRows>
+__device__ __forceinline__ void group_row_dots(float (&dot)[kRows], const Element* const (&a_rows)[kRows],
+                                               const Element* const (&b_rows)[kRows], int cols, int sub) {
+  static_assert(kLanes >= 1 && kLanes <= 32 && 32 % kLanes == 0, "a group's lanes lie within a warp");
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) dot[r] = 0.0f;
+  for (int col = sub * 8; col < cols; col += kLanes * 8) {
+    uint4 a[kRows], b[kRows];
     CUTE_UNROLL
-    for (int e = 0; e < 8; ++e) dot = fmaf(float(a[e]), float(b[e]), dot);
+    for (int r = 0; r < kRows; ++r) {
+      a[r] = a_rows[r] != nullptr ? *reinterpret_cast<const uint4*>(a_rows[r] + col) : make_uint4(0, 0, 0, 0);
+      b[r] = b_rows[r] != nullptr ? *reinterpret_cast<const uint4*>(b_rows[r] + col) : make_uint4(0, 0, 0, 0);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      Element x[8], y[8];
+      std::memcpy(x, &a[r], sizeof x);
+      std::memcpy(y, &b[r], sizeof y);
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) dot[r] = fmaf(float(x[e]), float(y[e]), dot[r]);
+    }
   }
   CUTE_UNROLL
-  for (int m = 16; m >= 1; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
-  return dot;
+  for (int r = 0; r < kRows; ++r) {
+    CUTE_UNROLL
+    for (int m = kLanes / 2; m >= 1; m /= 2) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], m);
+  }
 }
+
+// The lanes per row of a head dim: 8 elements each, at most a warp.
+constexpr int row_dot_lanes(int head_dim) { return head_dim / 8 < 32 ? head_dim / 8 : 32; }
 
 }  // namespace flashattn::cuda::device

@@ -256,25 +256,38 @@ __device__ __forceinline__ void increment_release(int* counter) {
 }
 
 // --- preprocess -----------------------------------------------------------------------------------
-// Grid (⌈max_seqlen_q / kBwdBlockM⌉, heads, batch), kBwdThreads threads: each warp takes 8 rows;
-// a lane holds 8 consecutive columns of dO and O per step.
-template <class Element>
+// Grid (⌈max_seqlen_q / kBwdBlockM⌉, heads, batch), kBwdThreads threads: groups of kHeadDim / 8
+// lanes (at most a warp) take a row each, 8 consecutive columns of dO and O per lane, all of a
+// thread's rows loaded at once (device::group_row_dots).
+template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
-  constexpr int kRowsPerWarp = kBwdBlockM / (kBwdThreads / 32);
+  constexpr int kLanes = device::row_dot_lanes(kHeadDim);
+  constexpr int kRowsPerPass = kBwdThreads / kLanes;
+  constexpr int kPasses = kBwdBlockM / kRowsPerPass;
+  static_assert(kPasses * kRowsPerPass == kBwdBlockM, "the passes cover the block's rows");
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sub = threadIdx.x % kLanes;
   const int seqlen_q = p.seqlen_q(batch);
   const auto* dout = static_cast<const Element*>(p.dout.data);
   const auto* out = static_cast<const Element*>(p.out.data);
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int i = blockIdx.x * kBwdBlockM + warp * kRowsPerWarp + r;
-    if (i >= seqlen_q) break;
-    const Element* do_row = dout + p.q_offset(p.dout, batch, i, head);
-    const Element* o_row = out + p.q_offset(p.out, batch, i, head);
-    const float dot = device::warp_row_dot(do_row, o_row, p.head_dim_v, lane);
-    if (lane == 0) p.softmax_d[p.lse_index(batch, head, i)] = dot;
+  const int row0 = blockIdx.x * kBwdBlockM + int(threadIdx.x) / kLanes;
+  const Element* do_rows[kPasses];
+  const Element* o_rows[kPasses];
+  CUTE_UNROLL
+  for (int r = 0; r < kPasses; ++r) {
+    const int i = row0 + r * kRowsPerPass;
+    do_rows[r] = i < seqlen_q ? dout + p.q_offset(p.dout, batch, i, head) : nullptr;
+    o_rows[r] = i < seqlen_q ? out + p.q_offset(p.out, batch, i, head) : nullptr;
+  }
+  float dot[kPasses];
+  device::group_row_dots<Element, kLanes>(dot, do_rows, o_rows, p.head_dim_v, sub);
+  if (sub != 0) return;
+  CUTE_UNROLL
+  for (int r = 0; r < kPasses; ++r) {
+    const int i = row0 + r * kRowsPerPass;
+    if (i < seqlen_q) p.softmax_d[p.lse_index(batch, head, i)] = dot[r];
   }
 }
 

@@ -77,15 +77,14 @@ template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                     cudaStream_t stream) {
   using Element = typename device::ElementOf<kStorage>::type;
-  constexpr int kRows = 64;
   cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
   if (err == cudaSuccess && ws.dq_semaphores != nullptr) {
     err = cudaMemsetAsync(ws.dq_semaphores, 0, ws.semaphore_bytes, stream);
   }
   if (err != cudaSuccess) return err;
-  const int row_blocks = ws.rows.padded_rows / kRows;
+  const int row_blocks = ws.rows.padded_rows / kBwdPreRows;
   if (row_blocks > 0) {
-    bwd_preprocess_kernel<Element><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
+    bwd_preprocess_kernel<Element, kHeadDim><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
         p, ws.lse_log2, ws.dpsum, ws.rows);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
