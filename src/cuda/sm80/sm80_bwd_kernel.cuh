@@ -293,7 +293,10 @@ __global__ void __launch_bounds__(kBwdThreads)
 
 // --- postprocess ----------------------------------------------------------------------------------
 // Grid (⌈max_seqlen_q / kBlockM⌉, heads, batch), the main kernel's threads: thread t reads its
-// fragment of the tile (coalesced) and writes each pair of adjacent columns as one 32-bit store.
+// fragment of the tile (coalesced), converts it into a row-major tile in shared memory (rows padded
+// by 16 bytes: a warp's pairs, 8 rows × 4 columns, fall in distinct banks), and the block writes
+// the rows below sq, columns below d, in 16-byte pieces (the fragment's own 32-bit stores used
+// half of each 32-byte sector they touched).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum) {
@@ -301,6 +304,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kPitch = kHeadDim + 8;   // elements per staged row
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per row
+  static_assert(sizeof(Element) == 2 && kBlockM * kChunks % Traits::kNThreads == 0, "16-bit dQ, whole passes");
+  __shared__ alignas(16) std::uint16_t staged[kBlockM * kPitch];
   const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
   const int m_start = blockIdx.x * kBlockM;
   const int seqlen_q = p.seqlen_q(batch);
@@ -314,21 +321,24 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) acc(e) = tile[dq_index<Traits::kNThreads, dq_vec<kHeadDim>()>(e, tid)];
   Tensor acc_rc = make_tensor(acc.data(), rowcol_layout(acc.layout()));
-  auto* dq = static_cast<Element*>(p.dq.data);
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
-    const int row = get<0>(cdQ_rc(mi, 0));
-    if (m_start + row >= seqlen_q) continue;
-    Element* dq_row = dq + p.q_offset(p.dq, batch, m_start + row, head);
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
-      const int col = get<1>(cdQ_rc(mi, ni));
-      if (col >= p.head_dim) continue;
+      const int row = get<0>(cdQ_rc(mi, ni)), col = get<1>(cdQ_rc(mi, ni));
       const Element pair[2] = {static_cast<Element>(acc_rc(mi, ni)), static_cast<Element>(acc_rc(mi, ni + 1))};
-      std::uint32_t packed;
-      std::memcpy(&packed, pair, sizeof packed);
-      *reinterpret_cast<std::uint32_t*>(dq_row + col) = packed;
+      std::memcpy(&staged[row * kPitch + col], pair, sizeof pair);
     }
+  }
+  __syncthreads();
+  auto* dq = static_cast<Element*>(p.dq.data);
+  CUTE_UNROLL
+  for (int pass = 0; pass < kBlockM * kChunks / Traits::kNThreads; ++pass) {
+    const int k = pass * Traits::kNThreads + tid;
+    const int row = k / kChunks, col = k % kChunks * 8;
+    if (m_start + row >= seqlen_q || col >= p.head_dim) continue;
+    *reinterpret_cast<uint4*>(dq + p.q_offset(p.dq, batch, m_start + row, head) + col) =
+        *reinterpret_cast<const uint4*>(&staged[row * kPitch + col]);
   }
 }
 
