@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from flashattn import _C
-from flashattn._common import WORKSPACE_ALIGNMENT, make_options
+from flashattn._common import WORKSPACE_ALIGNMENT, shared_options
 
 _RNG_STATE_LEN = 2  # [seed, offset]
 
@@ -152,21 +152,12 @@ def _require_rng_state(rng_state: Optional[Tensor], dropout_p: float) -> Optiona
     return rng_state.detach()
 
 
-def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
+def _options(device, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
              num_splits=0, dropout_row_offset=0, dropout_col_offset=0):
-    return make_options(
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_left=window_left,
-        window_right=window_right,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        deterministic=deterministic,
-        num_threads=_num_threads(q.device),
-        num_splits=num_splits,
-        dropout_row_offset=dropout_row_offset,
-        dropout_col_offset=dropout_col_offset,
-    )
+    """The call's Options, shared with other calls of the same values (never modified: the C++
+    side copies it; see shared_options)."""
+    return shared_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic,
+                          _num_threads(device), num_splits, dropout_row_offset, dropout_col_offset)
 
 
 # --- batch mode ------------------------------------------------------------------------------
@@ -202,7 +193,7 @@ def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, 
         out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.forward,
@@ -257,7 +248,7 @@ def _bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((b, h, sq), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.backward,
@@ -330,7 +321,7 @@ def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_se
         out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((h, total_q), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
@@ -395,7 +386,7 @@ def _varlen_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((h, total_q), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -474,7 +465,7 @@ def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
     if out is None:
         out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
                    num_splits=num_splits)
     extra = dict(
         k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
