@@ -8,6 +8,7 @@ Everything here is traceable by torch.compile (fullgraph=True).
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
 from flashattn import _C, _torch_ops  # noqa: F401  (_torch_ops registers torch.ops.flashattn.*)
@@ -204,6 +205,33 @@ def _check_out(out, shape, q, inputs):
         )
 
 
+def _autograd_function_needed(*inputs):
+    """Whether a flash_attn_* call without out= runs through its autograd function. That costs
+    tens of microseconds per call on a slow host (as much as the rest of its Python) and gives a
+    call that autograd does not record nothing: such a call runs the forward op alone, with the
+    same results. The function stays wherever its own handling could differ: autograd records the
+    call (an input requires grad, gradients on), torch.compile traces it (as before: no other
+    check below is then made), functorch transforms and forward-mode AD (which it serves or
+    refuses with its own errors) are active, or the profiler records it by name."""
+    # (_torch_ops._DIRECT: this PyTorch has the functions asked here.)
+    if not _torch_ops._DIRECT or torch.compiler.is_compiling() or _needs_grad(*inputs):
+        return True
+    return (torch.autograd._profiler_enabled() or torch._C._are_functorch_transforms_active()
+            or getattr(_forward_ad, "_current_level", 0) >= 0)
+
+
+def _forward_no_autograd(name, q, k, v, dropout_p, softmax_scale, window_size, op_args):
+    """What _FlashAttnFunc / _FlashAttnVarlenFunc.forward compute, in its order (the same errors
+    first, the same draw of the dropout seed), for a call that autograd does not record (see
+    _autograd_function_needed). op_args(q_p, k_p, v_p, scale, left, right, rng_state): the
+    op's arguments. -> (out (the caller's head dim), softmax_lse)."""
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    left, right = window_pair(window_size)
+    q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
+    rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
+    return _forward_only(name, None, v.shape[-1], *op_args(q_p, k_p, v_p, scale, left, right, rng_state))
+
+
 def _forward_only(name, out, head_dim_v, *args):
     """The forward op `name` without autograd history (out= or a paged K/V), its result written
     into out when given. -> (out (the caller's head dim), softmax_lse)."""
@@ -222,9 +250,16 @@ def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     sinks = _sinks_fp32(sinks)
     if out is not None:
         _check_out(out, q.shape[:-1] + (v.shape[-1],), q, (q, k, v, sinks))
-    if out is None:
+    if out is None and _autograd_function_needed(q, k, v, alibi_slopes, sinks):
         res, lse = _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                         alibi_slopes, deterministic, sinks)
+    elif out is None:
+        res, lse = _forward_no_autograd(
+            "fwd", q, k, v, dropout_p, softmax_scale, window_size,
+            lambda q_p, k_p, v_p, scale, left, right, rng_state: (
+                q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
+                _detached(sinks)),
+        )
     else:
         left, right = window_pair(window_size)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
@@ -281,10 +316,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             "block_table: a paged K/V has no backward (flash_attn has none either); call under "
             "torch.no_grad() or torch.inference_mode()"
         )
-    if out is None and not paged:
+    if out is None and not paged and _autograd_function_needed(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                                seqused_k, sinks):
         res, lse = _FlashAttnVarlenFunc.apply(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
             causal, window_size, softcap, alibi_slopes, deterministic, seqused_k, sinks,
+        )
+    elif out is None and not paged:
+        res, lse = _forward_no_autograd(
+            "varlen_fwd", q, k, v, dropout_p, softmax_scale, window_size,
+            lambda q_p, k_p, v_p, scale, left, right, rng_state: (
+                q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                scale, causal, left, right, softcap, alibi_slopes, rng_state, None, _detached(sinks)),
         )
     else:
         left, right = window_pair(window_size)

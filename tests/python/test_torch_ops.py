@@ -444,3 +444,43 @@ def test_calls_with_different_options_do_not_share_them():
     assert (opt.softmax_scale, opt.causal, opt.window_left, opt.window_right, opt.softcap, opt.dropout_p,
             opt.num_splits) == (pytest.approx(32 ** -0.5), True, -1, 0, 0.0, 0.0, 0)
 
+
+# --- flash_attn_func / flash_attn_varlen_func without autograd history ---------------------------
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_calls_autograd_does_not_record_match_the_autograd_function(dropout_p, direct_calls):
+    """Without anything for autograd to record, the functions run the forward op alone: the same
+    values (the same dropout seeds drawn) as through their autograd functions."""
+    q, k, v = qkv("cpu", d=20)  # a head dim that is padded
+    cu = torch.tensor([0, 19, 38], dtype=torch.int32)
+    packed = [t.reshape(-1, *t.shape[2:]) for t in qkv("cpu", sq=19, sk=19, d=20)]
+
+    def both():
+        torch.manual_seed(3)
+        out = flashattn.flash_attn_func(q, k, v, dropout_p, causal=True, return_attn_probs=True)
+        varlen = flashattn.flash_attn_varlen_func(*packed, cu, cu, 19, 19, dropout_p, causal=True,
+                                                  return_attn_probs=True)
+        return out[:2] + varlen[:2]
+
+    with torch.no_grad():
+        plain = both()
+    assert direct_calls == ["fwd", "varlen_fwd"]
+    q.requires_grad_(), packed[0].requires_grad_()
+    recorded = both()  # through the autograd functions (then also run directly)
+    assert recorded[0].requires_grad and recorded[2].requires_grad
+    for a, b in zip(plain, recorded):
+        assert a.shape == b.shape and torch.equal(a, b.detach())
+    assert plain[0].shape[-1] == 20 and not plain[0].requires_grad
+
+
+def test_the_autograd_function_still_serves_forward_ad_and_functorch():
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = qkv("cpu")
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            flashattn.flash_attn_func(dual, k, v)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.vmap(lambda q: flashattn.flash_attn_func(q, k, v))(q.unsqueeze(0).expand(2, -1, -1, -1, -1))
