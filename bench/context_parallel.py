@@ -11,7 +11,10 @@ the same attention on one device and beside PyTorch's context-parallel SDPA
 
 It starts --world processes (one GPU each over NCCL, or CPU processes over gloo), builds the same
 random (batch, seqlen, heads, head_dim) inputs on every rank, shards them as each method wants,
-and times forward and forward+backward.
+and times forward and forward+backward. --dropout P times every call with dropout (ring attention
+then needs shards that start at multiples of 16 tokens: docs/context-parallel.md, "Dropout"); the
+single-device reference and the compared calls draw their mask from the same seed, so the
+max_abs_diff_vs_single of ring and Ulysses still checks them.
 
 Per method and direction (JSON, one file per run: OUT/context_parallel-<tag>.json):
   median_ms            median over --repeats of the slowest rank's time (every repeat starts
@@ -57,6 +60,9 @@ DIRECTIONS = ("fwd", "fwd_bwd")
 FWD_BWD_FLOP_FACTOR = 3.5
 
 
+# Seeds the mask of the single-device reference and of the distributed calls compared with it.
+DROPOUT_SEED = 20261203
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2, help="ranks (processes; one GPU each on CUDA)")
@@ -68,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability of every call")
     p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag", help="ring and Ulysses shards")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--directions", default=",".join(DIRECTIONS))
@@ -180,10 +187,11 @@ def run_flashattn(r, args, method, whole, direction, reference):
 
     def attention(q, k, v):
         # seqlen given: no all-gather of the shard lengths (a device synchronisation) per call.
-        return fn(q, k, v, causal=args.causal, layout=args.layout, seqlen=args.seqlen)
+        return fn(q, k, v, dropout_p=args.dropout, causal=args.causal, layout=args.layout, seqlen=args.seqlen)
 
     result = measure(r, args, attention, local, direction, r.world)
     with torch.no_grad():
+        torch.manual_seed(DROPOUT_SEED)  # the reference's mask (the group's first rank draws it)
         out = fd.unshard(attention(*local[:3]), layout=args.layout)
     if reference is not None:
         result["max_abs_diff_vs_single"] = float((out.float() - reference.float()).abs().max())
@@ -231,7 +239,8 @@ def run_torch_cp(r, args, whole, direction):
     gqa = args.kv_heads != args.heads
 
     def attention(q_, k_, v_):
-        return F.scaled_dot_product_attention(q_, k_, v_, is_causal=args.causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q_, k_, v_, dropout_p=args.dropout, is_causal=args.causal,
+                                              enable_gqa=gqa)
 
     with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
         return measure(r, args, attention, (q, k, v, dout), direction, r.world)
@@ -242,7 +251,7 @@ def single_device(r, args, whole, direction):
     import flashattn
 
     def attention(q, k, v):
-        return flashattn.flash_attn_func(q, k, v, causal=args.causal)
+        return flashattn.flash_attn_func(q, k, v, dropout_p=args.dropout, causal=args.causal)
 
     result = None
     if r.rank == 0:
@@ -291,7 +300,8 @@ def worker(rank, args, init_file, out_path):
         import flashattn
 
         with torch.no_grad():
-            reference = flashattn.flash_attn_func(*whole[:3], causal=args.causal)
+            torch.manual_seed(DROPOUT_SEED)
+            reference = flashattn.flash_attn_func(*whole[:3], dropout_p=args.dropout, causal=args.causal)
     results = []
     for method in args.methods:
         for direction in args.directions:

@@ -3,6 +3,8 @@ Options struct of the C++ core."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import operator
 
@@ -35,6 +37,10 @@ PAGED_LAYOUT = "(num_blocks, page_size, nheads_k, headdim) (a paged cache, with 
 def int_arg(name: str, value, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
     """value as a Python int in [lo, hi]: an int, a NumPy integer or anything with __index__
     (a 0-d integer tensor); not a bool, a float or a string."""
+    # The common case first (a plain int in range; bool is a subclass, not the type itself): the
+    # checks below cost a microsecond per argument on every call.
+    if type(value) is int and lo <= value <= hi:
+        return value
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     v = operator.index(value)
@@ -123,6 +129,50 @@ def make_options(
     opt.dropout_row_offset = int_arg("dropout_row_offset", dropout_row_offset, INT64_MIN, INT64_MAX)
     opt.dropout_col_offset = int_arg("dropout_col_offset", dropout_col_offset, INT64_MIN, INT64_MAX)
     return opt
+
+
+# The argument types whose values alone decide make_options' result and errors (with the type).
+_PLAIN_SCALARS = frozenset((bool, int, float))
+
+
+# typed=True keys on each argument's type as well as its value, so that True, 1 and 1.0 (equal
+# and of one hash) do not share an entry: int_arg refuses a bool or a float where the int passes.
+# (0.0 and -0.0 do share one; the core reads them alike.) Failed calls are not cached: each raises.
+@functools.lru_cache(maxsize=256, typed=True)
+def _cached_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic,
+                    num_threads, num_splits, dropout_row_offset, dropout_col_offset) -> _C.Options:
+    return make_options(
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+        softcap=softcap, dropout_p=dropout_p, deterministic=deterministic, num_threads=num_threads,
+        num_splits=num_splits, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset,
+    )
+
+
+# Emptied at exit, before the extension is torn down: nanobind reports the instances of its
+# classes that are still alive then as leaks.
+atexit.register(_cached_options.cache_clear)
+
+
+def shared_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p=0.0, deterministic=False,
+                   num_threads=0, num_splits=0, dropout_row_offset=0, dropout_col_offset=0) -> _C.Options:
+    """make_options (the same checks and errors) for callers that never modify the result: one
+    Options object per distinct tuple of plain bool/int/float arguments, shared by every call that
+    passes it. Building an Options costs microseconds per call (eleven attribute writes through the
+    binding and the int checks), as much as the rest of a decoding step's Python. The C++ entry
+    points take it by const reference and copy it before adding the call's tensors
+    (python/src/flashattn_ext.cpp, with_tensors), so a shared one is never written. Other argument
+    types (a NumPy scalar, a 0-d tensor, whose value may change in place) get a new object."""
+    values = (softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, num_threads,
+              num_splits, dropout_row_offset, dropout_col_offset)
+    for x in values:
+        if type(x) not in _PLAIN_SCALARS:
+            return make_options(
+                softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+                softcap=softcap, dropout_p=dropout_p, deterministic=deterministic, num_threads=num_threads,
+                num_splits=num_splits, dropout_row_offset=dropout_row_offset,
+                dropout_col_offset=dropout_col_offset,
+            )
+    return _cached_options(*values)
 
 
 def check_dropout_p(dropout_p) -> float:

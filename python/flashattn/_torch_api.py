@@ -8,12 +8,15 @@ Everything here is traceable by torch.compile (fullgraph=True).
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
 from flashattn import _C, _torch_ops  # noqa: F401  (_torch_ops registers torch.ops.flashattn.*)
 from flashattn._common import (
     BATCH_LAYOUT,
+    HEAD_DIM_MULTIPLE,
     KVCACHE_LAYOUT,
+    MAX_HEAD_DIM,
     PAGED_LAYOUT,
     VARLEN_LAYOUT,
     check_dropout_p,
@@ -28,15 +31,11 @@ from flashattn._common import (
 from flashattn._torch_ops import draw_rng_state
 
 
-def _last_dim_contiguous(x):
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
-
-
 def _pad_head_dim(x):
     d = x.shape[-1]
-    padded = padded_head_dim(d)
-    x = _last_dim_contiguous(x)
-    return x if padded == d else F.pad(x, [0, padded - d])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x if d % HEAD_DIM_MULTIPLE == 0 else F.pad(x, [0, padded_head_dim(d) - d])
 
 
 def _check_tensor(name, x):
@@ -51,13 +50,36 @@ def _check_optional_tensor(name, x):
 
 def _check_inputs(named, rank, layout, optional=()):
     """Tensors, ranks and head dims of the (name, tensor) pairs in `named` (the attention
-    inputs), and the optional tensors' types, before anything is padded or unpacked."""
+    inputs), and the optional tensors' types, before anything is padded or unpacked. (The
+    flash_attn_* functions test the common case with _inputs_pass and _tensors_or_none first and
+    come here for the error: these checks, with the names they carry, cost microseconds per call.)"""
     for name, x in named:
         _check_tensor(name, x)
         check_rank(name, x.shape, rank, layout)
         check_head_dim(name, x.shape[-1])
     for name, x in optional:
         _check_optional_tensor(name, x)
+
+
+def _inputs_pass(rank, *inputs):
+    """Whether every one of `inputs` passes _check_inputs' checks of an attention input (a
+    torch.Tensor of the rank, head dim in [1, MAX_HEAD_DIM]); False sends the caller to
+    _check_inputs, which raises the error naming the argument."""
+    for x in inputs:
+        if not isinstance(x, torch.Tensor):
+            return False
+        shape = x.shape
+        if len(shape) != rank or not 1 <= shape[-1] <= MAX_HEAD_DIM:
+            return False
+    return True
+
+
+def _tensors_or_none(*xs):
+    """Whether each of xs is None or a torch.Tensor (the optional inputs' check, cheaply)."""
+    for x in xs:
+        if x is not None and not isinstance(x, torch.Tensor):
+            return False
+    return True
 
 
 def _detached(x):
@@ -183,23 +205,61 @@ def _check_out(out, shape, q, inputs):
         )
 
 
+def _autograd_function_needed(*inputs):
+    """Whether a flash_attn_* call without out= runs through its autograd function. That costs
+    tens of microseconds per call on a slow host (as much as the rest of its Python) and gives a
+    call that autograd does not record nothing: such a call runs the forward op alone, with the
+    same results. The function stays wherever its own handling could differ: autograd records the
+    call (an input requires grad, gradients on), torch.compile traces it (as before: no other
+    check below is then made), functorch transforms and forward-mode AD (which it serves or
+    refuses with its own errors) are active, or the profiler records it by name."""
+    # (_torch_ops._DIRECT: this PyTorch has the functions asked here.)
+    if not _torch_ops._DIRECT or torch.compiler.is_compiling() or _needs_grad(*inputs):
+        return True
+    return (torch.autograd._profiler_enabled() or torch._C._are_functorch_transforms_active()
+            or getattr(_forward_ad, "_current_level", 0) >= 0)
+
+
+def _forward_no_autograd(name, q, k, v, dropout_p, softmax_scale, window_size, op_args):
+    """What _FlashAttnFunc / _FlashAttnVarlenFunc.forward compute, in its order (the same errors
+    first, the same draw of the dropout seed), for a call that autograd does not record (see
+    _autograd_function_needed). op_args(q_p, k_p, v_p, scale, left, right, rng_state): the
+    op's arguments. -> (out (the caller's head dim), softmax_lse)."""
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    left, right = window_pair(window_size)
+    q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
+    rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
+    return _forward_only(name, None, v.shape[-1], *op_args(q_p, k_p, v_p, scale, left, right, rng_state))
+
+
 def _forward_only(name, out, head_dim_v, *args):
     """The forward op `name` without autograd history (out= or a paged K/V), its result written
     into out when given. -> (out (the caller's head dim), softmax_lse)."""
     res, lse = _torch_ops.call_into(name, out, *args)[:2]
-    return (res if out is not None else res[..., :head_dim_v]), lse
+    if out is None and res.shape[-1] != head_dim_v:  # (a view only where padding is cut off)
+        res = res[..., :head_dim_v]
+    return res, lse
 
 
 def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                     deterministic, return_attn_probs, out=None, sinks=None):
-    _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT,
-                  (("alibi_slopes", alibi_slopes), ("sinks", sinks)))
+    if not (_inputs_pass(4, q, k, v) and _tensors_or_none(alibi_slopes, sinks)):
+        _check_inputs((("q", q), ("k", k), ("v", v)), 4, BATCH_LAYOUT,
+                      (("alibi_slopes", alibi_slopes), ("sinks", sinks)))
     dropout_p = check_dropout_p(dropout_p)
     sinks = _sinks_fp32(sinks)
-    _check_out(out, q.shape[:-1] + (v.shape[-1],), q, (q, k, v, sinks))
-    if out is None:
+    if out is not None:
+        _check_out(out, q.shape[:-1] + (v.shape[-1],), q, (q, k, v, sinks))
+    if out is None and _autograd_function_needed(q, k, v, alibi_slopes, sinks):
         res, lse = _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                         alibi_slopes, deterministic, sinks)
+    elif out is None:
+        res, lse = _forward_no_autograd(
+            "fwd", q, k, v, dropout_p, softmax_scale, window_size,
+            lambda q_p, k_p, v_p, scale, left, right, rng_state: (
+                q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
+                _detached(sinks)),
+        )
     else:
         left, right = window_pair(window_size)
         rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
@@ -236,10 +296,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic, return_attn_probs, block_table, seqused_k=None,
                            return_softmax_lse=False, out=None, sinks=None):
     paged = block_table is not None
-    _check_inputs((("q", q),), 3, VARLEN_LAYOUT)
-    _check_inputs((("k", k), ("v", v)), 4 if paged else 3, PAGED_LAYOUT if paged else VARLEN_LAYOUT,
-                  (("alibi_slopes", alibi_slopes), ("block_table", block_table), ("seqused_k", seqused_k),
-                   ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks)))
+    if not (_inputs_pass(3, q) and _inputs_pass(4 if paged else 3, k, v)
+            and _tensors_or_none(alibi_slopes, block_table, seqused_k, cu_seqlens_k, sinks)):
+        _check_inputs((("q", q),), 3, VARLEN_LAYOUT)
+        _check_inputs((("k", k), ("v", v)), 4 if paged else 3, PAGED_LAYOUT if paged else VARLEN_LAYOUT,
+                      (("alibi_slopes", alibi_slopes), ("block_table", block_table), ("seqused_k", seqused_k),
+                       ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks)))
     _check_tensor("cu_seqlens_q", cu_seqlens_q)
     if not paged:
         _check_tensor("cu_seqlens_k", cu_seqlens_k)
@@ -247,16 +309,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k = int_arg("max_seqlen_k", max_seqlen_k)
     dropout_p = check_dropout_p(dropout_p)
     sinks = _sinks_fp32(sinks)
-    _check_out(out, (q.shape[0], q.shape[1], v.shape[-1]), q, (q, k, v, sinks))
+    if out is not None:
+        _check_out(out, (q.shape[0], q.shape[1], v.shape[-1]), q, (q, k, v, sinks))
     if paged and _needs_grad(q, k, v, sinks):
         raise _C.Error(
             "block_table: a paged K/V has no backward (flash_attn has none either); call under "
             "torch.no_grad() or torch.inference_mode()"
         )
-    if out is None and not paged:
+    if out is None and not paged and _autograd_function_needed(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                                seqused_k, sinks):
         res, lse = _FlashAttnVarlenFunc.apply(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
             causal, window_size, softcap, alibi_slopes, deterministic, seqused_k, sinks,
+        )
+    elif out is None and not paged:
+        res, lse = _forward_no_autograd(
+            "varlen_fwd", q, k, v, dropout_p, softmax_scale, window_size,
+            lambda q_p, k_p, v_p, scale, left, right, rng_state: (
+                q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                scale, causal, left, right, softcap, alibi_slopes, rng_state, None, _detached(sinks)),
         )
     else:
         left, right = window_pair(window_size)
@@ -300,17 +371,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
                             return_softmax_lse, out=None, sinks=None):
-    _check_inputs(
-        (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
-        (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-         ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
-         ("alibi_slopes", alibi_slopes), ("sinks", sinks)),
-    )
-    for name, x in (("k", k), ("v", v)):
-        if x is not None:
-            check_rank(name, x.shape, 4, BATCH_LAYOUT)
-    _check_out(out, q.shape[:-1] + (v_cache.shape[-1],), q, ())
-    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    # One call per decoding step, where the host's time per call counts (bench/host_overhead.py):
+    # the checks run in full, with their messages, only when the cheap test of the common case fails.
+    if not (_inputs_pass(4, q, k_cache, v_cache)
+            and _tensors_or_none(k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                                 alibi_slopes, sinks)):
+        _check_inputs(
+            (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)), 4, KVCACHE_LAYOUT,
+            (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+             ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
+             ("alibi_slopes", alibi_slopes), ("sinks", sinks)),
+        )
+    if k is not None:
+        check_rank("k", k.shape, 4, BATCH_LAYOUT)
+    if v is not None:
+        check_rank("v", v.shape, 4, BATCH_LAYOUT)
+    head_dim, head_dim_v = q.shape[-1], v_cache.shape[-1]
+    if out is not None:
+        _check_out(out, q.shape[:-1] + (head_dim_v,), q, ())
+    scale = resolve_softmax_scale(softmax_scale, head_dim)
     left, right = window_pair(window_size)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         # One length for every sequence, as in flash_attn.
@@ -319,20 +398,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     # Head dims that are not a multiple of 8 are zero-padded as in the other functions; the caches
     # then too (a copy of each, as flash_attn makes), and appended rows are copied back into the
     # caller's caches afterwards.
-    head_dim, head_dim_v = q.shape[-1], v_cache.shape[-1]
-    padded = padded_head_dim(head_dim) != head_dim or padded_head_dim(head_dim_v) != head_dim_v
+    padded = head_dim % HEAD_DIM_MULTIPLE != 0 or head_dim_v % HEAD_DIM_MULTIPLE != 0
     k_cache_p, v_cache_p = (_pad_head_dim(k_cache), _pad_head_dim(v_cache)) if padded else (k_cache, v_cache)
-    q, k, v = (x if x is None else _pad_head_dim(x) for x in (q, k, v))
+    q = _pad_head_dim(q)
+    if k is not None:
+        k = _pad_head_dim(k)
+    if v is not None:
+        v = _pad_head_dim(v)
+    if sinks is not None:
+        sinks = _sinks_fp32(sinks).detach()
     res, lse = _torch_ops.call_into(
         "fwd_kvcache", out, q, k_cache_p, v_cache_p, k, v, cache_seqlens, rotary_cos, rotary_sin,
         cache_batch_idx, block_table, alibi_slopes, scale, causal, left, right, softcap, rotary_interleaved,
-        int_arg("num_splits", num_splits), cache_leftpad, _detached(_sinks_fp32(sinks)),
+        int_arg("num_splits", num_splits), cache_leftpad, sinks,
     )
     if k is not None:
         with torch.no_grad():
             for cache, cache_p in ((k_cache, k_cache_p), (v_cache, v_cache_p)):
                 if cache_p is not cache:
                     cache.copy_(cache_p[..., :cache.shape[-1]])
-    if out is None:
+    if out is None and res.shape[-1] != head_dim_v:  # (a view only where padding is cut off)
         res = res[..., :head_dim_v]
     return (res, lse) if return_softmax_lse else res

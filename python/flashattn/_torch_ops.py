@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from flashattn import _C
-from flashattn._common import WORKSPACE_ALIGNMENT, make_options
+from flashattn._common import WORKSPACE_ALIGNMENT, shared_options
 
 _RNG_STATE_LEN = 2  # [seed, offset]
 
@@ -66,8 +66,10 @@ def _dl(x):
 
 
 def _call(fn, *args, **kwargs):
-    """fn of _C with every tensor argument passed as a DLPack capsule."""
-    return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items()})
+    """fn of _C with every tensor argument passed as a DLPack capsule. Keyword arguments that are
+    None are left out: the binding's default for each of them is None, and every argument passed
+    costs the binding a lookup and a conversion."""
+    return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items() if a is not None})
 
 
 # The current stream's handle without a torch.cuda.Stream object (microseconds less per call; the
@@ -103,15 +105,24 @@ def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     return buf[start:start + nbytes]
 
 
+# One allocator per device, made on first use rather than a new closure on every call.
+_ALLOCATORS: dict = {}
+
+
 def _alloc_on(device: torch.device):
     """workspace_alloc for the _C entry points: nbytes → a workspace on device, as a capsule."""
-    return lambda nbytes: to_dlpack(_workspace(nbytes, device))
+    alloc = _ALLOCATORS.get(device)
+    if alloc is None:
+        alloc = _ALLOCATORS[device] = lambda nbytes: to_dlpack(_workspace(nbytes, device))
+    return alloc
 
 
 def _row_stats(shape, device) -> Tensor:
     """An fp32 lse / softmax_d tensor. Row-major strides are spelled out so that an empty one
     (seqlen_q == 0) has the strides the core's contiguity check expects (products of the sizes,
     zeros included) rather than PyTorch's."""
+    if 0 not in shape:  # then PyTorch's contiguous strides are those products
+        return torch.empty(shape, dtype=torch.float32, device=device)
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -152,21 +163,12 @@ def _require_rng_state(rng_state: Optional[Tensor], dropout_p: float) -> Optiona
     return rng_state.detach()
 
 
-def _options(q, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
+def _options(device, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
              num_splits=0, dropout_row_offset=0, dropout_col_offset=0):
-    return make_options(
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_left=window_left,
-        window_right=window_right,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        deterministic=deterministic,
-        num_threads=_num_threads(q.device),
-        num_splits=num_splits,
-        dropout_row_offset=dropout_row_offset,
-        dropout_col_offset=dropout_col_offset,
-    )
+    """The call's Options, shared with other calls of the same values (never modified: the C++
+    side copies it; see shared_options)."""
+    return shared_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic,
+                          _num_threads(device), num_splits, dropout_row_offset, dropout_col_offset)
 
 
 # --- batch mode ------------------------------------------------------------------------------
@@ -202,7 +204,7 @@ def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, 
         out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.forward,
@@ -257,7 +259,7 @@ def _bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((b, h, sq), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.backward,
@@ -330,7 +332,7 @@ def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_se
         out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = _row_stats((h, total_q), q.device)
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
@@ -395,7 +397,7 @@ def _varlen_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((h, total_q), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -466,28 +468,36 @@ def _fwd_kvcache(
                              cache_leftpad, sinks)
 
 
+# The optional tensors of _C.forward_kvcache (keyword arguments, None by default).
+_KVCACHE_OPTIONAL = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos",
+                     "rotary_sin", "alibi_slopes", "sinks")
+
+
 def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                       block_table, alibi_slopes, softmax_scale, causal, window_size_left, window_size_right,
                       softcap, rotary_interleaved, num_splits, cache_leftpad=None, sinks=None):
     """_fwd_kvcache writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
     b, sq, h, _ = q.shape
+    device = q.device
     if out is None:
-        out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = _row_stats((b, h, sq), q.device)
-    opt = _options(q, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
+        out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=device)
+    lse = _row_stats((b, h, sq), device)
+    opt = _options(device, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
                    num_splits=num_splits)
-    extra = dict(
-        k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, sinks=sinks,
-    )
-    _call(
-        _C.forward_kvcache,
-        q, k_cache, v_cache, out, lse,
+    # Spelled out rather than through _call: a decoding step passes few of the eleven optional
+    # tensors, and this is its whole Python cost beside the checks (bench/host_overhead.py).
+    optional = {}
+    for name, x in zip(_KVCACHE_OPTIONAL, (k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                                           rotary_cos, rotary_sin, alibi_slopes, sinks)):
+        if x is not None:
+            optional[name] = _dl(x)
+    _C.forward_kvcache(
+        _dl(q), _dl(k_cache), _dl(v_cache), _dl(out), to_dlpack(lse),
         options=opt,
-        workspace_alloc=_alloc_on(q.device),
-        stream=_stream(q.device),
-        **extra,
+        rotary_interleaved=rotary_interleaved,
+        workspace_alloc=_alloc_on(device),
+        stream=_stream(device),
+        **optional,
     )
     return out, lse
 
@@ -561,10 +571,11 @@ def direct_call_allowed(args) -> bool:
             or torch._C._are_functorch_transforms_active()):
         return False
     grad = torch.is_grad_enabled()
-    # A plain loop (a generator costs a microsecond more over the eighteen arguments of the KV-cache op).
+    # A plain loop (a generator costs a microsecond more over the twenty arguments of the KV-cache
+    # op, most of them None in a decoding step, which skip the isinstance).
     for a in args:
-        if isinstance(a, Tensor) and (type(a) is not Tensor or not (a.is_cuda or a.is_cpu)
-                                      or (grad and a.requires_grad)):
+        if a is not None and isinstance(a, Tensor) and (type(a) is not Tensor or not (a.is_cuda or a.is_cpu)
+                                                        or (grad and a.requires_grad)):
             return False
     return True
 

@@ -12,8 +12,9 @@ constexpr cudaDeviceAttr kCachedAttributes[] = {
     cudaDevAttrComputeCapabilityMinor};
 constexpr int kAttributeCount = int(sizeof(kCachedAttributes) / sizeof(kCachedAttributes[0]));
 
-// One slot per (attribute, device); static storage: zero = not asked yet (every cached attribute
-// of a working device is positive, but the minor version, which may be 0 and is then re-asked).
+// One slot per (attribute, device), holding the value plus one; static storage: zero = not asked
+// yet. (The minor version is 0 on an H100/H200: stored as it is, it would be asked again on every
+// call, three times per forward call through the family choice.)
 std::atomic<int> cache[kAttributeCount][kMaxCachedDevices];
 
 }  // namespace
@@ -31,14 +32,14 @@ int current_device_attribute(cudaDeviceAttr attr) {
   const bool cacheable = slot >= 0 && device >= 0 && device < kMaxCachedDevices;
   if (cacheable) {
     const int known = cache[slot][device].load(std::memory_order_relaxed);
-    if (known > 0) return known;
+    if (known > 0) return known - 1;
   }
   int value = 0;
   if (cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  if (cacheable) cache[slot][device].store(value, std::memory_order_relaxed);
+  if (cacheable && value >= 0) cache[slot][device].store(value + 1, std::memory_order_relaxed);
   return value;
 }
 

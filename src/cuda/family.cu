@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -66,16 +67,17 @@ std::string sm90_backward_refusal(const common::AttentionParams& p, int* head_di
 const char* family_name(Family family) { return family == Family::sm90 ? "sm90" : "sm80"; }
 
 bool forced_family(Family* family) {
-  const char* env = std::getenv("FLASHATTN_CUDA_FAMILY");
-  const std::string value = env ? env : "";
-  if (value.empty() || value == "auto") return false;
+  // Read on every call (a process may set it between calls), three times per forward call: the
+  // variable is compared where it lies, without a copy.
+  const char* value = std::getenv("FLASHATTN_CUDA_FAMILY");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return false;
   for (Family f : kPreference) {
-    if (value == family_name(f)) {
+    if (std::strcmp(value, family_name(f)) == 0) {
       *family = f;
       return true;
     }
   }
-  throw Error("FLASHATTN_CUDA_FAMILY=" + value + ": expected sm80, sm90 or auto");
+  throw Error(std::string("FLASHATTN_CUDA_FAMILY=") + value + ": expected sm80, sm90 or auto");
 }
 
 std::string forward_refusal(Family family, const common::AttentionParams& p, int* head_dim, bool preferring) {

@@ -45,3 +45,21 @@ def test_two_cpu_ranks(tmp_path):
     single = entries[("single", "fwd")]
     assert single["tflops_per_device"] * single["median_ms"] == pytest.approx(
         entries[("single", "fwd_bwd")]["tflops_per_device"] * entries[("single", "fwd_bwd")]["median_ms"] / 3.5)
+
+
+def test_two_cpu_ranks_with_dropout(tmp_path):
+    """--dropout: every method runs with it, and ring and Ulysses, drawing the single-device mask from
+    the same seed, still match the single-device out (a wrong mask would differ by whole values)."""
+    cmd = [sys.executable, BENCH, "--world", "2", "--device", "cpu", "--seqlen", "64", "--heads", "4",
+           "--kv-heads", "2", "--head-dim", "32", "--causal", "--dropout", "0.2", "--methods", "single,ring,ulysses",
+           "--warmup", "1", "--repeats", "2", "--out", str(tmp_path), "--tag", "dropout"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "context_parallel-dropout.json").read_text())
+    assert report["config"]["dropout"] == 0.2
+    entries = {(e["method"], e["direction"]): e for e in report["results"]}
+    assert set(entries) == {(m, d) for m in ("single", "ring", "ulysses") for d in ("fwd", "fwd_bwd")}
+    for (method, _), e in entries.items():
+        assert e["ran"], e
+        if method != "single":
+            assert e["max_abs_diff_vs_single"] <= 0.05, e

@@ -389,3 +389,98 @@ def test_the_op_serves_everything_else(direct_calls):
     compiled = torch.compile(lambda q, k, v: flashattn.flash_attn_func(q, k, v), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(q, k, v), flashattn.flash_attn_func(q, k, v))
     assert direct_calls == ["fwd"]  # only the last, eager call
+
+
+# --- shared Options (flashattn._common.shared_options) -------------------------------------------
+
+
+def test_shared_options_one_object_per_distinct_values():
+    from flashattn._common import shared_options
+
+    a = shared_options(0.125, True, -1, 0, 0.0, num_threads=1)
+    assert shared_options(0.125, True, -1, 0, 0.0, num_threads=1) is a
+    others = [shared_options(0.125, False, -1, 0, 0.0, num_threads=1),
+              shared_options(0.25, True, -1, 0, 0.0, num_threads=1),
+              shared_options(0.125, True, -1, 0, 30.0, num_threads=1),
+              shared_options(0.125, True, -1, 0, 0.0, num_threads=1, num_splits=2),
+              shared_options(0.125, True, -1, 0, 0.0, num_threads=2)]
+    assert all(o is not a for o in others) and len({id(o) for o in others}) == len(others)
+    assert (a.softmax_scale, a.causal, a.window_left, a.window_right, a.softcap, a.num_threads) == (
+        0.125, True, -1, 0, 0.0, 1)
+    # Equal values of other types (True == 1 == 1.0) are separate entries: the int checks refuse
+    # a bool or a float however often the int has been seen.
+    with pytest.raises(TypeError, match="num_splits"):
+        shared_options(0.125, True, -1, 0, 0.0, num_threads=1, num_splits=True)
+    with pytest.raises(TypeError, match="num_splits"):
+        shared_options(0.125, True, -1, 0, 0.0, num_threads=1, num_splits=1.0)
+    with pytest.raises(TypeError, match="softcap"):
+        shared_options(0.125, True, -1, 0, "1", num_threads=1)
+    # Values that are not plain scalars (they may change in place) get a new object each time.
+    cap = torch.tensor(30.0)
+    first = shared_options(0.125, True, -1, 0, cap, num_threads=1)
+    assert first.softcap == 30.0 and shared_options(0.125, True, -1, 0, cap, num_threads=1) is not first
+
+
+def test_calls_with_different_options_do_not_share_them():
+    """Interleaved calls with different options each get their own, and a cached one gives the
+    same results as the first call that made it; the calls leave the shared object unchanged."""
+    from flashattn._common import shared_options
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 4, 32, generator=g)
+    k_cache, v_cache = torch.randn(2, 40, 2, 32, generator=g), torch.randn(2, 40, 2, 32, generator=g)
+    seqlens = torch.tensor([17, 40], dtype=torch.int32)
+    calls = [dict(causal=True), dict(causal=False, softcap=5.0), dict(window_size=(4, 0)), dict(softmax_scale=0.5)]
+    first = [flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kw) for kw in calls]
+    for i in range(len(first)):
+        for j in range(i):
+            assert not torch.equal(first[i], first[j])
+    for _ in range(2):
+        for kw, want in zip(calls, first):
+            assert torch.equal(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kw),
+                               want)
+    opt = shared_options(32 ** -0.5, True, -1, 0, 0.0, 0.0, False, torch.get_num_threads(), 0, 0, 0)
+    flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    assert (opt.softmax_scale, opt.causal, opt.window_left, opt.window_right, opt.softcap, opt.dropout_p,
+            opt.num_splits) == (pytest.approx(32 ** -0.5), True, -1, 0, 0.0, 0.0, 0)
+
+
+# --- flash_attn_func / flash_attn_varlen_func without autograd history ---------------------------
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_calls_autograd_does_not_record_match_the_autograd_function(dropout_p, direct_calls):
+    """Without anything for autograd to record, the functions run the forward op alone: the same
+    values (the same dropout seeds drawn) as through their autograd functions."""
+    q, k, v = qkv("cpu", d=20)  # a head dim that is padded
+    cu = torch.tensor([0, 19, 38], dtype=torch.int32)
+    packed = [t.reshape(-1, *t.shape[2:]) for t in qkv("cpu", sq=19, sk=19, d=20)]
+
+    def both():
+        torch.manual_seed(3)
+        out = flashattn.flash_attn_func(q, k, v, dropout_p, causal=True, return_attn_probs=True)
+        varlen = flashattn.flash_attn_varlen_func(*packed, cu, cu, 19, 19, dropout_p, causal=True,
+                                                  return_attn_probs=True)
+        return out[:2] + varlen[:2]
+
+    with torch.no_grad():
+        plain = both()
+    assert direct_calls == ["fwd", "varlen_fwd"]
+    q.requires_grad_(), packed[0].requires_grad_()
+    recorded = both()  # through the autograd functions (then also run directly)
+    assert recorded[0].requires_grad and recorded[2].requires_grad
+    for a, b in zip(plain, recorded):
+        assert a.shape == b.shape and torch.equal(a, b.detach())
+    assert plain[0].shape[-1] == 20 and not plain[0].requires_grad
+
+
+def test_the_autograd_function_still_serves_forward_ad_and_functorch():
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = qkv("cpu")
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            flashattn.flash_attn_func(dual, k, v)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.vmap(lambda q: flashattn.flash_attn_func(q, k, v))(q.unsqueeze(0).expand(2, -1, -1, -1, -1))

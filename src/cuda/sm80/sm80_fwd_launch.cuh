@@ -7,6 +7,7 @@
 #include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
 #include "cuda/sm80/sm80_smem.h"
+#include "cuda/smem_opt_in.h"
 
 namespace flashattn::cuda::sm80 {
 
@@ -38,8 +39,8 @@ cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvParti
   constexpr int kDefaultSmemLimit = 48 * 1024;  // above this a kernel must opt in
   auto* kernel = &fwd_kernel<KTraits, kFull, kSplit, kPaged, kPacked, !kFull && !kPacked && kPlainScoreMod>;
   if constexpr (KTraits::kSmemBytes > kDefaultSmemLimit) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KTraits::kSmemBytes);
+    static SmemOptInFlags opted_in;  // this instantiation's kernel, per device
+    const cudaError_t err = opt_in_dynamic_smem(kernel, KTraits::kSmemBytes, opted_in);
     if (err != cudaSuccess) return err;
   }
   const int m_blocks = (p.max_seqlen_q * pack + KTraits::kBlockM - 1) / KTraits::kBlockM;
