@@ -554,6 +554,13 @@ _IMPLS_INTO = {"fwd": _fwd_into, "varlen_fwd": _varlen_fwd_into, "fwd_kvcache": 
 _MUTATED = {"fwd_kvcache": (1, 2)}  # argument positions of k_cache and v_cache
 _CHECKS = ("_len_torch_dispatch_stack", "_is_torch_function_mode_enabled", "_are_functorch_transforms_active")
 _DIRECT = all(hasattr(torch._C, name) for name in _CHECKS) and hasattr(torch.autograd, "_profiler_enabled")
+# The state functions direct_call_allowed asks on every call, looked up once (each lookup through
+# torch._C costs about as much as the call itself). Under torch.compile only is_compiling is
+# traced: the others are not reached there.
+if _DIRECT:
+    _modes_active = (torch.autograd._profiler_enabled, torch._C._len_torch_dispatch_stack,
+                     torch._C._is_torch_function_mode_enabled, torch._C._are_functorch_transforms_active)
+_grad_enabled = torch._C.is_grad_enabled
 
 
 def direct_call_allowed(args) -> bool:
@@ -565,17 +572,20 @@ def direct_call_allowed(args) -> bool:
     other devices and inputs that autograd would track all take the registered op, which serves
     them (or refuses them, as for autograd: the differentiable entry points are the autograd
     functions of _torch_api, which call the ops with gradients off)."""
-    if not _DIRECT or torch.compiler.is_compiling() or torch.autograd._profiler_enabled():
+    if not _DIRECT or torch.compiler.is_compiling():
         return False
-    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
+    profiler, dispatch_modes, function_modes, functorch = _modes_active
+    if profiler() or dispatch_modes() or function_modes() or functorch():
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     # A plain loop (a generator costs a microsecond more over the twenty arguments of the KV-cache
-    # op, most of them None in a decoding step, which skip the isinstance).
+    # op, most of them None or numbers). A plain tensor is told by its type alone; any other
+    # instance of Tensor is a subclass.
     for a in args:
-        if a is not None and isinstance(a, Tensor) and (type(a) is not Tensor or not (a.is_cuda or a.is_cpu)
-                                                        or (grad and a.requires_grad)):
+        if type(a) is Tensor:
+            if not (a.is_cuda or a.is_cpu) or (grad and a.requires_grad):
+                return False
+        elif a is not None and isinstance(a, Tensor):
             return False
     return True
 
