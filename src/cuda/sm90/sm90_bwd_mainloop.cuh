@@ -269,18 +269,15 @@ struct BwdMainloop {
           cute::tma_store_arrive();  // commit the bulk group
         }
       }
-      // The slices may be staged again once read (not yet added): the consumers go on while the
-      // additions land, also in deterministic mode, whose turn waits for the landing below.
-      if (s + 1 < steps) {
-        if (lane == 0) cute::tma_store_wait<0>();
-        __syncwarp();
-        for (int wg = 0; wg < kWgs; ++wg) named_barrier_arrive(int(BwdBarrier::kDqEmptyWg0) + wg, kThreads);
-      }
       if (semaphore != nullptr && lane == 0) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // landed, not only read
         asm volatile("fence.proxy.async.global;" ::: "memory");
         release_increment(semaphore);
       }
+      if (s + 1 == steps) break;
+      if (lane == 0) cute::tma_store_wait<0>();  // the slices have been read (not yet added)
+      __syncwarp();
+      for (int wg = 0; wg < kWgs; ++wg) named_barrier_arrive(int(BwdBarrier::kDqEmptyWg0) + wg, kThreads);
     }
     // The last additions complete (not only their reads) before the thread exits.
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
