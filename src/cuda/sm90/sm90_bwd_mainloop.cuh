@@ -247,8 +247,9 @@ struct BwdMainloop {
       // its successor's (j − 1)-th or earlier under causal and sliding-window masks (whose walks
       // start later for later tiles): the CTAs run side by side instead of each a step behind
       // the previous one, as an ascending order makes them (a wavefront over the key tiles).
-      // Unmasked, the walks are staggered instead where they can be (BwdTile::staggered): a
-      // descending chain there made each tile wait for the one before it at every row block.
+      // Built with FLASHATTN_SM90_BWD_STAGGER=1, unmasked walks are staggered instead where they
+      // can be (BwdTile::staggered): a descending chain there makes each tile wait for the one
+      // before it at every row block.
       int* const semaphore = params.dq_semaphores == nullptr
                                  ? nullptr
                                  : params.dq_semaphores + stat_offset(params, t, head, m) / kBlockM;
@@ -258,6 +259,9 @@ struct BwdMainloop {
         }
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk additions come after
       }
+      // bar.sync is aligned: the whole warp executes it together, so the warp reconverges after
+      // lane 0's own work (the turn's wait, the bulk issue) before each named barrier.
+      __syncwarp();
       for (int wg = 0; wg < kWgs; ++wg) {
         named_barrier_sync(int(BwdBarrier::kDqFullWg0) + wg, kThreads);
         if (lane == 0) {
@@ -268,6 +272,7 @@ struct BwdMainloop {
                        : "memory");
           cute::tma_store_arrive();  // commit the bulk group
         }
+        __syncwarp();
       }
       if (semaphore != nullptr && lane == 0) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // landed, not only read
