@@ -263,40 +263,21 @@ template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
-  constexpr int kLanes = device::row_dot_lanes(kHeadDim);
-  constexpr int kRowsPerPass = kBwdThreads / kLanes;
-  constexpr int kPasses = kBwdBlockM / kRowsPerPass;
-  static_assert(kPasses * kRowsPerPass == kBwdBlockM, "the passes cover the block's rows");
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int sub = threadIdx.x % kLanes;
   const int seqlen_q = p.seqlen_q(batch);
-  const auto* dout = static_cast<const Element*>(p.dout.data);
-  const auto* out = static_cast<const Element*>(p.out.data);
-  const int row0 = blockIdx.x * kBwdBlockM + int(threadIdx.x) / kLanes;
-  const Element* do_rows[kPasses];
-  const Element* o_rows[kPasses];
+  const device::SoftmaxDRows<Element, kHeadDim, kBwdThreads, kBwdBlockM> rows(p, batch, head,
+                                                                            blockIdx.x * kBwdBlockM, seqlen_q);
+  if (!rows.writer()) return;
   CUTE_UNROLL
-  for (int r = 0; r < kPasses; ++r) {
-    const int i = row0 + r * kRowsPerPass;
-    do_rows[r] = i < seqlen_q ? dout + p.q_offset(p.dout, batch, i, head) : nullptr;
-    o_rows[r] = i < seqlen_q ? out + p.q_offset(p.out, batch, i, head) : nullptr;
-  }
-  float dot[kPasses];
-  device::group_row_dots<Element, kLanes>(dot, do_rows, o_rows, p.head_dim_v, sub);
-  if (sub != 0) return;
-  CUTE_UNROLL
-  for (int r = 0; r < kPasses; ++r) {
-    const int i = row0 + r * kRowsPerPass;
-    if (i < seqlen_q) p.softmax_d[p.lse_index(batch, head, i)] = dot[r];
+  for (int r = 0; r < rows.kPasses; ++r) {
+    if (rows.row(r) < seqlen_q) p.softmax_d[p.lse_index(batch, head, rows.row(r))] = rows.dot[r];
   }
 }
 
 // --- postprocess ----------------------------------------------------------------------------------
 // Grid (⌈max_seqlen_q / kBlockM⌉, heads, batch), the main kernel's threads: thread t reads its
-// fragment of the tile (coalesced), converts it into a row-major tile in shared memory (rows padded
-// by 16 bytes: a warp's pairs, 8 rows × 4 columns, fall in distinct banks), and the block writes
-// the rows below sq, columns below d, in 16-byte pieces (the fragment's own 32-bit stores used
-// half of each 32-byte sector they touched).
+// fragment of the tile (coalesced) and the block writes it through shared memory
+// (device::StagedDq).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum) {
@@ -304,10 +285,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kPitch = kHeadDim + 8;   // elements per staged row
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per row
-  static_assert(sizeof(Element) == 2 && kBlockM * kChunks % Traits::kNThreads == 0, "16-bit dQ, whole passes");
-  __shared__ alignas(16) std::uint16_t staged[kBlockM * kPitch];
+  using Staged = device::StagedDq<Element, kBlockM, kHeadDim, Traits::kNThreads>;
+  __shared__ alignas(16) std::uint16_t staged_tile[Staged::kElems];
+  const Staged staged{staged_tile};
   const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
   const int m_start = blockIdx.x * kBlockM;
   const int seqlen_q = p.seqlen_q(batch);
@@ -325,21 +305,10 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
-      const int row = get<0>(cdQ_rc(mi, ni)), col = get<1>(cdQ_rc(mi, ni));
-      const Element pair[2] = {static_cast<Element>(acc_rc(mi, ni)), static_cast<Element>(acc_rc(mi, ni + 1))};
-      std::memcpy(&staged[row * kPitch + col], pair, sizeof pair);
+      staged.put(get<0>(cdQ_rc(mi, ni)), get<1>(cdQ_rc(mi, ni)), acc_rc(mi, ni), acc_rc(mi, ni + 1));
     }
   }
-  __syncthreads();
-  auto* dq = static_cast<Element*>(p.dq.data);
-  CUTE_UNROLL
-  for (int pass = 0; pass < kBlockM * kChunks / Traits::kNThreads; ++pass) {
-    const int k = pass * Traits::kNThreads + tid;
-    const int row = k / kChunks, col = k % kChunks * 8;
-    if (m_start + row >= seqlen_q || col >= p.head_dim) continue;
-    *reinterpret_cast<uint4*>(dq + p.q_offset(p.dq, batch, m_start + row, head) + col) =
-        *reinterpret_cast<const uint4*>(&staged[row * kPitch + col]);
-  }
+  staged.write(p, batch, head, m_start, seqlen_q);
 }
 
 // --- the main kernel ------------------------------------------------------------------------------

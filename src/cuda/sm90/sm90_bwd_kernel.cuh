@@ -27,32 +27,16 @@ __global__ void __launch_bounds__(kBwdPrepostThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* lse_log2, float* dpsum,
                           const BwdRows rows) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
-  constexpr int kLanes = device::row_dot_lanes(kHeadDim);
-  constexpr int kRowsPerPass = kBwdPrepostThreads / kLanes;
-  constexpr int kPasses = kBwdPreRows / kRowsPerPass;
-  static_assert(kPasses * kRowsPerPass == kBwdPreRows, "the passes cover the block's rows");
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int sub = threadIdx.x % kLanes;
-  const auto* dout = static_cast<const Element*>(p.dout.data);
-  const auto* out = static_cast<const Element*>(p.out.data);
   const int seqlen_q = p.seqlen_q(batch);
   const int padded = (seqlen_q + rows.block_m - 1) / rows.block_m * rows.block_m;
   const std::int64_t stats = std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch);
-  const int row0 = blockIdx.x * kBwdPreRows + int(threadIdx.x) / kLanes;
-  const Element* do_rows[kPasses];
-  const Element* o_rows[kPasses];
+  const device::SoftmaxDRows<Element, kHeadDim, kBwdPrepostThreads, kBwdPreRows> dots(p, batch, head,
+                                                                                     blockIdx.x * kBwdPreRows, seqlen_q);
+  if (!dots.writer()) return;
   CUTE_UNROLL
-  for (int r = 0; r < kPasses; ++r) {
-    const int i = row0 + r * kRowsPerPass;
-    do_rows[r] = i < seqlen_q ? dout + p.q_offset(p.dout, batch, i, head) : nullptr;
-    o_rows[r] = i < seqlen_q ? out + p.q_offset(p.out, batch, i, head) : nullptr;
-  }
-  float dot[kPasses];
-  device::group_row_dots<Element, kLanes>(dot, do_rows, o_rows, p.head_dim_v, sub);
-  if (sub != 0) return;
-  CUTE_UNROLL
-  for (int r = 0; r < kPasses; ++r) {
-    const int i = row0 + r * kRowsPerPass;
+  for (int r = 0; r < dots.kPasses; ++r) {
+    const int i = dots.row(r);
     if (i >= padded) break;
     if (i >= seqlen_q) {  // padding: P = 0 there
       lse_log2[stats + i] = device::kInf;
@@ -60,18 +44,16 @@ __global__ void __launch_bounds__(kBwdPrepostThreads)
       continue;
     }
     const std::int64_t at = p.lse_index(batch, head, i);
-    p.softmax_d[at] = dot[r];
-    dpsum[stats + i] = dot[r];
+    p.softmax_d[at] = dots.dot[r];
+    dpsum[stats + i] = dots.dot[r];
     lse_log2[stats + i] = p.lse[at] * device::kLog2e;
   }
 }
 
 // Grid (rows.padded_rows / block_m, heads, batch), the consumer warpgroups' threads: thread t reads
 // its dQ fragment of the row block from the accumulator (float4 v of the warpgroup's slice at
-// (v · 128 + lane) · 4, as BwdMainloop::compute staged it; coalesced), converts it into a
-// row-major tile in shared memory (rows padded by 16 bytes: a warp's pairs, 8 rows × 4 columns,
-// fall in distinct banks), and the block writes the rows below sq, columns below d, in 16-byte
-// pieces (the fragment's own 32-bit stores used half of each 32-byte sector they touched).
+// (v · 128 + lane) · 4, as BwdMainloop::compute staged it; coalesced) and the block writes it
+// through shared memory (device::StagedDq).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, const BwdRows rows) {
@@ -79,10 +61,9 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kPitch = kHeadDim + 8;  // elements per staged row
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces per row
-  static_assert(sizeof(Element) == 2 && kBlockM * kChunks % Traits::kConsumerThreads == 0, "16-bit dQ, whole passes");
-  __shared__ alignas(16) std::uint16_t staged[kBlockM * kPitch];
+  using Staged = device::StagedDq<Element, kBlockM, kHeadDim, Traits::kConsumerThreads>;
+  __shared__ alignas(16) std::uint16_t staged_tile[Staged::kElems];
+  const Staged staged{staged_tile};
   const int head = blockIdx.y, batch = blockIdx.z, thread = threadIdx.x;
   const int m_start = blockIdx.x * kBlockM;
   const int seqlen_q = p.seqlen_q(batch);
@@ -98,24 +79,10 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
   for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) x[v] = slice[v * Traits::kWarpgroupThreads + lane];
   CUTE_UNROLL
   for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
-    const float pair_values[2][2] = {{x[v].x, x[v].y}, {x[v].z, x[v].w}};
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const int row = get<0>(c_dq(4 * v + 2 * h)), col = get<1>(c_dq(4 * v + 2 * h));
-      const Element pair[2] = {Element(pair_values[h][0]), Element(pair_values[h][1])};
-      std::memcpy(&staged[row * kPitch + col], pair, sizeof pair);
-    }
+    staged.put(get<0>(c_dq(4 * v)), get<1>(c_dq(4 * v)), x[v].x, x[v].y);
+    staged.put(get<0>(c_dq(4 * v + 2)), get<1>(c_dq(4 * v + 2)), x[v].z, x[v].w);
   }
-  __syncthreads();
-  auto* dq = static_cast<Element*>(p.dq.data);
-  CUTE_UNROLL
-  for (int pass = 0; pass < kBlockM * kChunks / Traits::kConsumerThreads; ++pass) {
-    const int k = pass * Traits::kConsumerThreads + thread;
-    const int row = k / kChunks, col = k % kChunks * 8;
-    if (m_start + row >= seqlen_q || col >= p.head_dim) continue;
-    *reinterpret_cast<uint4*>(dq + p.q_offset(p.dq, batch, m_start + row, head) + col) =
-        *reinterpret_cast<const uint4*>(&staged[row * kPitch + col]);
-  }
+  staged.write(p, batch, head, m_start, seqlen_q);
 }
 
 template <class Traits>
