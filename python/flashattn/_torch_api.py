@@ -220,22 +220,25 @@ def _autograd_function_needed(*inputs):
             or getattr(_forward_ad, "_current_level", 0) >= 0)
 
 
-def _forward_no_autograd(name, q, k, v, dropout_p, softmax_scale, window_size, op_args):
+def _forward_no_autograd(name, q, k, v, dropout_p, softmax_scale, window_size, op_args, need_lse):
     """What _FlashAttnFunc / _FlashAttnVarlenFunc.forward compute, in its order (the same errors
     first, the same draw of the dropout seed), for a call that autograd does not record (see
     _autograd_function_needed). op_args(q_p, k_p, v_p, scale, left, right, rng_state): the
-    op's arguments. -> (out (the caller's head dim), softmax_lse)."""
+    op's arguments. -> (out (the caller's head dim), softmax_lse (None where it may be, see
+    _forward_only))."""
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     left, right = window_pair(window_size)
     q_p, k_p, v_p = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
     rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
-    return _forward_only(name, None, v.shape[-1], *op_args(q_p, k_p, v_p, scale, left, right, rng_state))
+    return _forward_only(name, None, v.shape[-1], *op_args(q_p, k_p, v_p, scale, left, right, rng_state),
+                         need_lse=need_lse)
 
 
-def _forward_only(name, out, head_dim_v, *args):
+def _forward_only(name, out, head_dim_v, *args, need_lse=True):
     """The forward op `name` without autograd history (out= or a paged K/V), its result written
-    into out when given. -> (out (the caller's head dim), softmax_lse)."""
-    res, lse = _torch_ops.call_into(name, out, *args)[:2]
+    into out when given. -> (out (the caller's head dim), softmax_lse). need_lse False: the
+    caller does not return the softmax_lse, which may then be None (_torch_ops.call_into)."""
+    res, lse = _torch_ops.call_into(name, out, *args, need_lse=need_lse)[:2]
     if out is None and res.shape[-1] != head_dim_v:  # (a view only where padding is cut off)
         res = res[..., :head_dim_v]
     return res, lse
@@ -259,6 +262,7 @@ def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
             lambda q_p, k_p, v_p, scale, left, right, rng_state: (
                 q_p, k_p, v_p, dropout_p, scale, causal, left, right, softcap, alibi_slopes, rng_state,
                 _detached(sinks)),
+            need_lse=bool(return_attn_probs),
         )
     else:
         left, right = window_pair(window_size)
@@ -266,7 +270,7 @@ def flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
         res, lse = _forward_only(
             "fwd", out, v.shape[-1], _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), dropout_p,
             resolve_softmax_scale(softmax_scale, q.shape[-1]), causal, left, right, softcap, alibi_slopes,
-            rng_state, _detached(sinks),
+            rng_state, _detached(sinks), need_lse=bool(return_attn_probs),
         )
     return _result(res, lse, return_attn_probs)
 
@@ -328,6 +332,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             lambda q_p, k_p, v_p, scale, left, right, rng_state: (
                 q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
                 scale, causal, left, right, softcap, alibi_slopes, rng_state, None, _detached(sinks)),
+            need_lse=bool(return_attn_probs or return_softmax_lse),
         )
     else:
         left, right = window_pair(window_size)
@@ -338,7 +343,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             "varlen_fwd", out, v.shape[-1], _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), cu_seqlens_q,
             cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
             resolve_softmax_scale(softmax_scale, q.shape[-1]), causal, left, right, softcap, alibi_slopes,
-            rng_state, block_table, _detached(sinks),
+            rng_state, block_table, _detached(sinks), need_lse=bool(return_attn_probs or return_softmax_lse),
         )
     return _result(res, lse, return_attn_probs, return_softmax_lse)
 
@@ -410,7 +415,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     res, lse = _torch_ops.call_into(
         "fwd_kvcache", out, q, k_cache_p, v_cache_p, k, v, cache_seqlens, rotary_cos, rotary_sin,
         cache_batch_idx, block_table, alibi_slopes, scale, causal, left, right, softcap, rotary_interleaved,
-        int_arg("num_splits", num_splits), cache_leftpad, sinks,
+        int_arg("num_splits", num_splits), cache_leftpad, sinks, need_lse=bool(return_softmax_lse),
     )
     if k is not None:
         with torch.no_grad():

@@ -120,9 +120,11 @@ def _alloc_on(device: torch.device):
 def _row_stats(shape, device) -> Tensor:
     """An fp32 lse / softmax_d tensor. Row-major strides are spelled out so that an empty one
     (seqlen_q == 0) has the strides the core's contiguity check expects (products of the sizes,
-    zeros included) rather than PyTorch's."""
+    zeros included) rather than PyTorch's. (Here and for the forwards' out, torch.empty gets the
+    sizes as separate arguments: handed a tuple, its argument parsing takes about a microsecond
+    more per call.)"""
     if 0 not in shape:  # then PyTorch's contiguous strides are those products
-        return torch.empty(shape, dtype=torch.float32, device=device)
+        return torch.empty(*shape, dtype=torch.float32, device=device)
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -197,12 +199,13 @@ def _fwd(
 
 
 def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-              alibi_slopes, rng_state, sinks=None, dropout_row_offset=0, dropout_col_offset=0):
-    """_fwd writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
+              alibi_slopes, rng_state, sinks=None, dropout_row_offset=0, dropout_col_offset=0, *, need_lse=True):
+    """_fwd writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one). need_lse
+    False: no softmax_lse is allocated or written (None in its place)."""
     b, sq, h, _ = q.shape
     if out is None:
-        out = torch.empty((b, sq, h, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = _row_stats((b, h, sq), q.device)
+        out = torch.empty(b, sq, h, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = _row_stats((b, h, sq), q.device) if need_lse else None
     state = _rng_state_for(rng_state, dropout_p, q.device)
     opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
@@ -325,12 +328,14 @@ def _varlen_fwd(
 
 def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
                      softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                     rng_state, block_table=None, sinks=None, dropout_row_offset=0, dropout_col_offset=0):
-    """_varlen_fwd writing into `out` (the caller's (total_q, h, dv) tensor; None: a new one)."""
+                     rng_state, block_table=None, sinks=None, dropout_row_offset=0, dropout_col_offset=0, *,
+                     need_lse=True):
+    """_varlen_fwd writing into `out` (the caller's (total_q, h, dv) tensor; None: a new one);
+    need_lse as for _fwd_into."""
     total_q, h, _ = q.shape
     if out is None:
-        out = torch.empty((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = _row_stats((h, total_q), q.device)
+        out = torch.empty(total_q, h, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = _row_stats((h, total_q), q.device) if need_lse else None
     state = _rng_state_for(rng_state, dropout_p, q.device)
     opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
@@ -475,13 +480,14 @@ _KVCACHE_OPTIONAL = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpa
 
 def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                       block_table, alibi_slopes, softmax_scale, causal, window_size_left, window_size_right,
-                      softcap, rotary_interleaved, num_splits, cache_leftpad=None, sinks=None):
-    """_fwd_kvcache writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one)."""
+                      softcap, rotary_interleaved, num_splits, cache_leftpad=None, sinks=None, *, need_lse=True):
+    """_fwd_kvcache writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one);
+    need_lse as for _fwd_into."""
     b, sq, h, _ = q.shape
     device = q.device
     if out is None:
-        out = torch.empty((b, sq, h, v_cache.shape[-1]), dtype=q.dtype, device=device)
-    lse = _row_stats((b, h, sq), device)
+        out = torch.empty(b, sq, h, v_cache.shape[-1], dtype=q.dtype, device=device)
+    lse = _row_stats((b, h, sq), device) if need_lse else None
     opt = _options(device, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
                    num_splits=num_splits)
     # Spelled out rather than through _call: a decoding step passes few of the eleven optional
@@ -492,7 +498,7 @@ def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
         if x is not None:
             optional[name] = _dl(x)
     _C.forward_kvcache(
-        _dl(q), _dl(k_cache), _dl(v_cache), _dl(out), to_dlpack(lse),
+        _dl(q), _dl(k_cache), _dl(v_cache), _dl(out), None if lse is None else to_dlpack(lse),
         options=opt,
         rotary_interleaved=rotary_interleaved,
         workspace_alloc=_alloc_on(device),
@@ -554,6 +560,13 @@ _IMPLS_INTO = {"fwd": _fwd_into, "varlen_fwd": _varlen_fwd_into, "fwd_kvcache": 
 _MUTATED = {"fwd_kvcache": (1, 2)}  # argument positions of k_cache and v_cache
 _CHECKS = ("_len_torch_dispatch_stack", "_is_torch_function_mode_enabled", "_are_functorch_transforms_active")
 _DIRECT = all(hasattr(torch._C, name) for name in _CHECKS) and hasattr(torch.autograd, "_profiler_enabled")
+# The state functions direct_call_allowed asks on every call, looked up once (each lookup through
+# torch._C costs about as much as the call itself). Under torch.compile only is_compiling is
+# traced: the others are not reached there.
+if _DIRECT:
+    _modes_active = (torch.autograd._profiler_enabled, torch._C._len_torch_dispatch_stack,
+                     torch._C._is_torch_function_mode_enabled, torch._C._are_functorch_transforms_active)
+_grad_enabled = torch._C.is_grad_enabled
 
 
 def direct_call_allowed(args) -> bool:
@@ -565,17 +578,20 @@ def direct_call_allowed(args) -> bool:
     other devices and inputs that autograd would track all take the registered op, which serves
     them (or refuses them, as for autograd: the differentiable entry points are the autograd
     functions of _torch_api, which call the ops with gradients off)."""
-    if not _DIRECT or torch.compiler.is_compiling() or torch.autograd._profiler_enabled():
+    if not _DIRECT or torch.compiler.is_compiling():
         return False
-    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
+    profiler, dispatch_modes, function_modes, functorch = _modes_active
+    if profiler() or dispatch_modes() or function_modes() or functorch():
         return False
-    grad = torch.is_grad_enabled()
+    grad = _grad_enabled()
     # A plain loop (a generator costs a microsecond more over the twenty arguments of the KV-cache
-    # op, most of them None in a decoding step, which skip the isinstance).
+    # op, most of them None or numbers). A plain tensor is told by its type alone; any other
+    # instance of Tensor is a subclass.
     for a in args:
-        if a is not None and isinstance(a, Tensor) and (type(a) is not Tensor or not (a.is_cuda or a.is_cpu)
-                                                        or (grad and a.requires_grad)):
+        if type(a) is Tensor:
+            if not (a.is_cuda or a.is_cpu) or (grad and a.requires_grad):
+                return False
+        elif a is not None and isinstance(a, Tensor):
             return False
     return True
 
@@ -586,8 +602,7 @@ def call(name: str, *args):
     bumped as the dispatcher would)."""
     if direct_call_allowed(args):
         result = _IMPLS[name](*args)
-        for i in _MUTATED.get(name, ()):
-            torch.autograd.graph.increment_version(args[i])
+        _bump_versions(name, args)
         return result
     return getattr(torch.ops.flashattn, name)(*args)
 
@@ -600,7 +615,16 @@ def _kernel_layout(out: Tensor, head_dim_v: int) -> bool:
             and all(s % 8 == 0 for s in out.stride()[:-1]))
 
 
-def call_into(name: str, out: Optional[Tensor], *args):
+def _bump_versions(name, args, out=None):
+    """The version counters of the tensors a direct call of op `name` wrote in place (its mutated
+    arguments, and the caller's out), bumped as the dispatcher would."""
+    for i in _MUTATED.get(name, ()):
+        torch.autograd.graph.increment_version(args[i])
+    if out is not None:
+        torch.autograd.graph.increment_version(out)
+
+
+def call_into(name: str, out: Optional[Tensor], *args, need_lse: bool = True):
     """call(name, *args) for a forward (fwd, varlen_fwd, fwd_kvcache) whose result goes into
     `out`, a flash_attn_* function's out= (None: a new tensor), already checked against the
     caller's result shape, dtype and device. Its head dim may be the caller's, narrower than the
@@ -608,15 +632,19 @@ def call_into(name: str, out: Optional[Tensor], *args):
     directly (direct_call_allowed) and out is exactly the op's out in the kernels' layout (last
     dimension contiguous, 16-byte aligned, other strides multiples of 8 elements), the core writes
     out itself after validating the call, so nothing is written when it refuses. Otherwise the op
-    runs as usual and its result is copied into out. Returns the op's values with out first."""
+    runs as usual and its result is copied into out. Returns the op's values with out first.
+    need_lse False: the caller drops the softmax_lse, so a direct call neither allocates nor
+    writes it and returns None in its place (the op through the dispatcher always returns it)."""
     if out is None:
-        return call(name, *args)
+        if not direct_call_allowed(args):
+            return getattr(torch.ops.flashattn, name)(*args)
+        result = _IMPLS_INTO[name](None, *args, need_lse=need_lse)
+        _bump_versions(name, args)
+        return result
     # (direct_call_allowed first: under torch.compile it is False, and data_ptr is not traced.)
     if direct_call_allowed(args + (out,)) and _kernel_layout(out, args[2].shape[-1]):
-        result = _IMPLS_INTO[name](out, *args)
-        for i in _MUTATED.get(name, ()):
-            torch.autograd.graph.increment_version(args[i])
-        torch.autograd.graph.increment_version(out)
+        result = _IMPLS_INTO[name](out, *args, need_lse=need_lse)
+        _bump_versions(name, args, out)
         return result
     result = call(name, *args)
     with torch.no_grad():

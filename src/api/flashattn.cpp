@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "api/validate.h"
@@ -29,21 +30,39 @@ int resolve_threads(const Options& opt) {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// The CUDA forward's kernel family, chosen with the backend and run by run_forward: the choice
+// asks the device and every family, once per call rather than once per question.
+#ifdef FLASHATTN_WITH_CUDA
+using ForwardFamily = cuda::FamilyChoice;
+#else
+struct ForwardFamily {};
+#endif
+
 // Backend choice: an ordered list of "can this backend serve it?" checks, each with a reason.
 // Validation has already passed, so the question is only where the tensors live and what was
-// asked for.
-Support choose_backend(const Problem& pr, const Options& opt) {
+// asked for. family (optional): receives the chosen family of a CUDA forward.
+Support choose_backend(const Problem& pr, const Options& opt, ForwardFamily* family = nullptr) {
   Support s;
   if (pr.device.type == DeviceType::cuda) {
 #ifdef FLASHATTN_WITH_CUDA
-    std::string why;
-    if (pr.is_backward ? !cuda::can_serve_backward(pr.params, &why) : !cuda::can_serve_forward(pr.params, &why)) {
-      s.reason = why;
-      return s;
+    if (pr.is_backward) {
+      std::string why;
+      if (!cuda::can_serve_backward(pr.params, &why)) {
+        s.reason = why;
+        return s;
+      }
+    } else {
+      cuda::FamilyChoice choice = cuda::choose_forward_family(pr.params);
+      if (!choice.served) {
+        s.reason = choice.why_not;
+        return s;
+      }
+      if (family != nullptr) *family = std::move(choice);
     }
     s.ok = true;
     s.backend = Backend::cuda;
 #else
+    (void)family;
     s.reason = "no CUDA backend is compiled into this build (configure with -DFLASHATTN_CUDA=ON)";
 #endif
     return s;
@@ -53,8 +72,8 @@ Support choose_backend(const Problem& pr, const Options& opt) {
   return s;
 }
 
-Support require_backend(const Problem& pr, const Options& opt, const char* api) {
-  Support s = choose_backend(pr, opt);
+Support require_backend(const Problem& pr, const Options& opt, const char* api, ForwardFamily* family = nullptr) {
+  Support s = choose_backend(pr, opt, family);
   if (!s.ok) throw Error(std::string(api) + ": " + s.reason);
   return s;
 }
@@ -106,17 +125,19 @@ void finish_index_check(const Problem& pr, const Options& opt, void* stream) {
 #endif
 
 // split_kv: device workspace the CUDA forward may use for split-KV (see split_kv_workspace_size);
-// too little or none runs unsplit.
-void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream stream, Workspace split_kv = {}) {
+// too little or none runs unsplit. family: what require_backend chose for a CUDA forward.
+void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream stream, Workspace split_kv = {},
+                 const ForwardFamily& family = {}) {
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
-    cuda::forward(pr.params, stream.handle, opt.dropout_rng_state, split_kv.data, split_kv.bytes);
+    cuda::forward(family, pr.params, stream.handle, opt.dropout_rng_state, split_kv.data, split_kv.bytes);
     cuda::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, false, stream.handle);
     return;
   }
 #else
   (void)stream;
   (void)split_kv;
+  (void)family;
 #endif
   if (s.backend == Backend::cpu_reference) {
     cpu::reference_forward(pr.params);
@@ -227,11 +248,12 @@ Support support_of(Validate&& validate, const Options& opt) {
 void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, Workspace workspace,
              Stream stream) {
   Problem pr = detail::validate_forward(in, out, opt);
-  const Support s = require_backend(pr, opt, "flashattn::forward");
+  ForwardFamily family;
+  const Support s = require_backend(pr, opt, "flashattn::forward", &family);
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
     start_index_check(pr, stream.handle);
-    run_forward(pr, s, opt, stream, workspace);
+    run_forward(pr, s, opt, stream, workspace, family);
     finish_index_check(pr, opt, stream.handle);
     return;
   }
@@ -268,7 +290,8 @@ void backward(const BackwardInputs& in, const BackwardOutputs& out, const Option
 void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt, Workspace workspace,
                      Stream stream) {
   Problem pr = detail::validate_kvcache(in, out, opt);
-  const Support s = require_backend(pr, opt, "flashattn::forward_kvcache");
+  ForwardFamily family;
+  const Support s = require_backend(pr, opt, "flashattn::forward_kvcache", &family);
   common::AttentionParams& p = pr.params;
 
   common::AppendArgs a;
@@ -306,7 +329,10 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     start_index_check(pr, stream.handle);
     cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle);
     p.k_leftpad = leftpad;
-    run_forward(pr, s, opt, stream, workspace_from(workspace, region.bytes));
+    // The rotated q is a contiguous copy in the workspace, whose layout the family choice also
+    // reads: chosen again for it.
+    if (a.rotary_dim > 0) family = cuda::choose_forward_family(p);
+    run_forward(pr, s, opt, stream, workspace_from(workspace, region.bytes), family);
     finish_index_check(pr, opt, stream.handle);
     return;
   }

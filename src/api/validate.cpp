@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -105,18 +106,21 @@ class Checker {
  public:
   explicit Checker(const char* api) : api_(api) {}
 
-  [[noreturn]] void fail(const std::string& arg, const std::string& rule, const std::string& expected,
+  // Names and rules are string views: every check of a valid call passes them, and only a failure
+  // builds a message (a std::string parameter would copy each literal, on the heap past 15 bytes).
+  [[noreturn]] void fail(std::string_view arg, std::string_view rule, const std::string& expected,
                          const std::string& actual) const {
-    throw Error(std::string(api_) + ": " + arg + ": " + rule + "; expected " + expected + ", got " +
-                actual);
+    std::string message(api_);
+    message.append(": ").append(arg).append(": ").append(rule);
+    throw Error(message + "; expected " + expected + ", got " + actual);
   }
 
-  void require(const std::string& name, const TensorView& t) const {
+  void require(std::string_view name, const TensorView& t) const {
     if (!t.defined()) fail(name, "is required", "a tensor", "none");
   }
 
   // Structure every given tensor must have: rank, non-negative strides, memory when non-empty.
-  void well_formed(const std::string& name, const TensorView& t) const {
+  void well_formed(std::string_view name, const TensorView& t) const {
     if (t.ndim < 1 || t.ndim > kMaxDims) {
       fail(name, "rank out of range", "1 to " + std::to_string(kMaxDims), std::to_string(t.ndim));
     }
@@ -130,24 +134,24 @@ class Checker {
     if (t.numel() > 0 && t.data == nullptr) fail(name, "null data pointer", "memory for " + shape_string(t), "nullptr");
   }
 
-  void dtype(const std::string& name, const TensorView& t, DType expected, const std::string& why) const {
+  void dtype(std::string_view name, const TensorView& t, DType expected, std::string_view why) const {
     if (t.dtype != expected) fail(name, why, dtype_name(expected), dtype_name(t.dtype));
   }
 
-  void shape(const std::string& name, const TensorView& t, std::initializer_list<std::int64_t> expected) const {
+  void shape(std::string_view name, const TensorView& t, std::initializer_list<std::int64_t> expected) const {
     bool ok = t.ndim == int(expected.size());
     int i = 0;
     for (std::int64_t e : expected) ok = ok && t.shape[i++] == e;
     if (!ok) fail(name, "wrong shape", shape_of(expected), shape_string(t));
   }
 
-  void last_dim_contiguous(const std::string& name, const TensorView& t) const {
+  void last_dim_contiguous(std::string_view name, const TensorView& t) const {
     if (t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1) {
       fail(name, "last dimension must be contiguous", "stride 1", "stride " + std::to_string(t.stride[t.ndim - 1]));
     }
   }
 
-  void contiguous(const std::string& name, const TensorView& t) const {
+  void contiguous(std::string_view name, const TensorView& t) const {
     if (!t.is_contiguous()) {
       TensorView dense = t;
       std::int64_t stride = 1;
@@ -159,7 +163,7 @@ class Checker {
     }
   }
 
-  void same_device(const std::string& name, const TensorView& t, Device device) const {
+  void same_device(std::string_view name, const TensorView& t, Device device) const {
     if (t.device != device) fail(name, "all tensors must be on one device", device_string(device), device_string(t.device));
   }
 
@@ -216,7 +220,7 @@ void check_device_served(const Checker& c, const TensorView& q, const Options& o
   }
 }
 
-void check_head_dim(const Checker& c, const std::string& name, std::int64_t d) {
+void check_head_dim(const Checker& c, std::string_view name, std::int64_t d) {
   if (d % kHeadDimMultiple != 0 || d <= 0 || d > kMaxHeadDim) {
     c.fail(name, "head dimension must be a positive multiple of 8 and at most 256",
            "8, 16, ..., 256", std::to_string(d));
@@ -324,7 +328,7 @@ void set_semantics(const Checker& c, const Options& opt, Device device, common::
 
 const std::int32_t* int_data(const TensorView& t) { return static_cast<const std::int32_t*>(t.data); }
 
-void check_int_vector(const Checker& c, const std::string& name, const TensorView& t, std::int64_t n, Device device) {
+void check_int_vector(const Checker& c, std::string_view name, const TensorView& t, std::int64_t n, Device device) {
   c.well_formed(name, t);
   c.dtype(name, t, DType::i32, "must be int32");
   c.same_device(name, t, device);
@@ -524,7 +528,7 @@ Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const
 // Tensors laid out like q (out, dout, dq: q's rows and heads) or like k (dk, dv: k's rows and
 // heads), with the given head dim and q's dtype.
 enum class Rows { query, key };
-void check_like(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims, Rows rows,
+void check_like(const Checker& c, std::string_view name, const TensorView& t, const Dims& dims, Rows rows,
                 std::int64_t head_dim, const TensorView& q) {
   c.require(name, t);
   c.well_formed(name, t);
@@ -542,7 +546,7 @@ void check_like(const Checker& c, const std::string& name, const TensorView& t, 
 }
 
 // lse-like tensors: (b, h, sq) or varlen (h, total_q), fp32, contiguous.
-void check_row_stat(const Checker& c, const std::string& name, const TensorView& t, const Dims& dims, Device device) {
+void check_row_stat(const Checker& c, std::string_view name, const TensorView& t, const Dims& dims, Device device) {
   c.require(name, t);
   c.well_formed(name, t);
   c.dtype(name, t, DType::f32, "must be fp32");

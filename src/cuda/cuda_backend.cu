@@ -95,7 +95,11 @@ std::size_t forward_workspace_size(const common::AttentionParams& p) {
 
 void forward(const common::AttentionParams& p, void* stream, const std::uint64_t* rng_state, void* workspace,
              std::size_t workspace_bytes) {
-  const FamilyChoice choice = choose_forward_family(p);
+  forward(choose_forward_family(p), p, stream, rng_state, workspace, workspace_bytes);
+}
+
+void forward(const FamilyChoice& choice, const common::AttentionParams& p, void* stream,
+             const std::uint64_t* rng_state, void* workspace, std::size_t workspace_bytes) {
   if (!choice.served) throw Error("flashattn::forward (CUDA): " + choice.why_not);
   if (p.batch == 0 || p.max_seqlen_q == 0) return;  // nothing to compute (SPEC §5 special cases)
   family_forward(choice, p, rng_state, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));

@@ -11,6 +11,7 @@
 
 #include "common/params.h"
 #include "cuda/combine.h"
+#include "cuda/family.h"
 
 namespace flashattn::cuda {
 
@@ -27,6 +28,12 @@ bool can_serve_forward(const common::AttentionParams& p, std::string* why_not);
 // Throws flashattn::Error when no kernel serves p or a launch fails.
 void forward(const common::AttentionParams& p, void* stream, const std::uint64_t* rng_state = nullptr,
              void* workspace = nullptr, std::size_t workspace_bytes = 0);
+
+// The same with the kernel family already chosen (choose_forward_family(p), family.h): the API
+// layer chooses once per call, where it asks can_serve_forward's question, and runs that choice
+// (each choice asks the device and both families).
+void forward(const FamilyChoice& choice, const common::AttentionParams& p, void* stream,
+             const std::uint64_t* rng_state, void* workspace, std::size_t workspace_bytes);
 
 // --- split-KV ----------------------------------------------------------------------------------
 // Decoding (few query rows, long contexts) gives one CTA per (row block, head, batch) too few CTAs

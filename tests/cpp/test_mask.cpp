@@ -1,12 +1,14 @@
 // tests/cpp/test_mask.cpp — the block bounds of src/common/mask.h against Mask::visible, element by
 // element, over every small shape, window and block size: the forward walks key blocks by
 // block_col_*, the backward walks row blocks by block_row_*, and the deterministic CUDA backward
-// orders its dQ additions by assuming the two walks are transposes of each other.
+// orders its dQ additions by assuming the two walks are transposes of each other (or, unmasked,
+// by staggering the walks: src/common/dq_order.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "common/dq_order.h"
 #include "common/mask.h"
 
 namespace {
@@ -120,6 +122,46 @@ TEST(Mask, KeyTilesReachingARowBlockAreConsecutiveFromItsFirstToItsLastColumn) {
             }
           }
         }
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+// The staggered walks (src/common/dq_order.h): every tile takes every row block once; at each step
+// the tiles are at distinct blocks; a block's turns number its tiles 0, 1, … in the order of the
+// steps at which they reach it (so the tile before another reached the block at an earlier step).
+TEST(Mask, StaggeredWalksGiveEachRowBlockItsTilesInTheOrderTheyArrive) {
+  using flashattn::common::StaggeredWalk;
+  int checked = 0;
+  for (int m_blocks = 1; m_blocks <= 24; ++m_blocks) {
+    for (int n_tiles = 1; n_tiles <= m_blocks; ++n_tiles) {
+      const StaggeredWalk w{n_tiles, m_blocks};
+      std::vector<std::vector<int>> step_of(n_tiles, std::vector<int>(m_blocks, -1));
+      for (int j = 0; j < m_blocks; ++j) {
+        std::vector<bool> taken(m_blocks, false);
+        for (int n = 0; n < n_tiles; ++n) {
+          const int m = w.block_at(n, j);
+          ASSERT_TRUE(m >= 0 && m < m_blocks);
+          ASSERT_FALSE(taken[m]) << "two tiles at block " << m << " at step " << j;
+          taken[m] = true;
+          ASSERT_EQ(step_of[n][m], -1) << "tile " << n << " takes block " << m << " twice";
+          step_of[n][m] = j;
+        }
+      }
+      for (int m = 0; m < m_blocks; ++m) {
+        std::vector<int> by_turn(n_tiles, -1);
+        for (int n = 0; n < n_tiles; ++n) {
+          const int turn = w.turn(n, m);
+          ASSERT_TRUE(turn >= 0 && turn < n_tiles);
+          ASSERT_EQ(by_turn[turn], -1) << "turn " << turn << " twice at block " << m;
+          by_turn[turn] = n;
+        }
+        for (int k = 1; k < n_tiles; ++k) {
+          ASSERT_LT(step_of[by_turn[k - 1]][m], step_of[by_turn[k]][m])
+              << "block " << m << " of " << m_blocks << ", " << n_tiles << " tiles: turn " << k;
+        }
+        ++checked;
       }
     }
   }

@@ -215,11 +215,13 @@ TEST_P(CudaSm90BackwardFeatures, Dropout) {
 
 // Varlen batches: empty sequences (no rows, no keys), lengths that end inside row blocks and key
 // tiles (the next sequence's rows zeroed in shared memory), causal and windows, GQA, seqused_k
-// (the unused keys' dK/dV zero), deterministic.
+// (the unused keys' dK/dV zero), deterministic: with a window (descending turns) and without a
+// mask (staggered walks in the sequences with no more key tiles than row blocks, descending turns
+// in the others).
 TEST_P(CudaSm90BackwardFeatures, Varlen) {
   FA_SKIP_WITHOUT_SM90();
   for (int d : {64, 128}) {
-    for (int variant = 0; variant < 4; ++variant) {
+    for (int variant = 0; variant < 5; ++variant) {
       AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
       cfg.varlen_q = {300, 0, 129, 1, 77};
       cfg.varlen_k = {257, 64, 400, 0, 200};
@@ -233,6 +235,7 @@ TEST_P(CudaSm90BackwardFeatures, Varlen) {
         cfg.seqused_k = {200, 10, 399, 0, 150};
         cfg.opt.causal = true;
       }
+      if (variant == 4) cfg.opt.deterministic = true;
       expect_sm90_backward_matches(cfg);
     }
   }

@@ -329,13 +329,16 @@ def test_kernels_run_on_the_current_stream():
 
 @pytest.fixture
 def direct_calls(monkeypatch):
-    """Records which op implementations run directly (not through torch.ops.flashattn)."""
+    """Records which op implementations run directly (not through torch.ops.flashattn), by
+    _torch_ops.call (_IMPLS) or by call_into (_IMPLS_INTO, the forwards of calls autograd does not
+    record)."""
     calls = []
-    for name, impl in list(_torch_ops._IMPLS.items()):
-        def recording(*args, _name=name, _impl=impl):
-            calls.append(_name)
-            return _impl(*args)
-        monkeypatch.setitem(_torch_ops._IMPLS, name, recording)
+    for table in (_torch_ops._IMPLS, _torch_ops._IMPLS_INTO):
+        for name, impl in list(table.items()):
+            def recording(*args, _name=name, _impl=impl, **kwargs):
+                calls.append(_name)
+                return _impl(*args, **kwargs)
+            monkeypatch.setitem(table, name, recording)
     return calls
 
 
@@ -368,6 +371,39 @@ def test_direct_call_bumps_the_versions_of_mutated_caches(direct_calls):
     assert direct_calls == ["fwd_kvcache"]
     assert k_cache._version > versions[0] and v_cache._version > versions[1]
     assert torch.equal(k_cache[0, 3:5], k[0]) and torch.equal(v_cache[1, 5:7], v[1])
+
+
+def test_direct_calls_make_softmax_lse_only_when_it_is_returned(monkeypatch):
+    """A flash_attn_* call that does not return softmax_lse gives the core no lse tensor (nothing
+    allocated, nothing written), with the same out; asked for, the lse is the op's."""
+    q, k, v = qkv("cpu", sq=3, sk=40)
+    seqlens = torch.tensor([17, 40], dtype=torch.int32)
+    lse_given = []
+    for name in ("forward", "forward_kvcache"):
+        real = getattr(_torch_ops._C, name)
+
+        def recording(*args, _real=real, **kwargs):
+            lse_given.append(args[4] is not None)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(_torch_ops._C, name, recording)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    q_packed, k_packed, v_packed = (t[:, :3].reshape(-1, *t.shape[2:]) for t in (q, k, v))
+    calls = [
+        lambda lse: flashattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, return_softmax_lse=lse),
+        lambda lse: flashattn.flash_attn_func(q, k, v, return_attn_probs=lse),
+        lambda lse: flashattn.flash_attn_varlen_func(q_packed, k_packed, v_packed, cu, cu, 3, 3,
+                                                     return_softmax_lse=lse),
+    ]
+    for fn in calls:
+        lse_given.clear()
+        out = fn(False)
+        with_lse = fn(True)
+        assert lse_given == [False, True]
+        assert torch.equal(out, with_lse[0])
+    out, lse = flashattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, return_softmax_lse=True)
+    want = torch.ops.flashattn.fwd_kvcache(q, k, v, None, None, seqlens, None, None, None, None, None,
+                                           q.shape[-1] ** -0.5, False, -1, -1, 0.0, True, 0)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
 
 
 def test_the_op_serves_everything_else(direct_calls):

@@ -256,31 +256,28 @@ __device__ __forceinline__ void increment_release(int* counter) {
 }
 
 // --- preprocess -----------------------------------------------------------------------------------
-// Grid (⌈max_seqlen_q / kBwdBlockM⌉, heads, batch), kBwdThreads threads: each warp takes 8 rows;
-// a lane holds 8 consecutive columns of dO and O per step.
-template <class Element>
+// Grid (⌈max_seqlen_q / kBwdBlockM⌉, heads, batch), kBwdThreads threads: groups of kHeadDim / 8
+// lanes (at most a warp) take a row each, 8 consecutive columns of dO and O per lane, all of a
+// thread's rows loaded at once (device::group_row_dots).
+template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
-  constexpr int kRowsPerWarp = kBwdBlockM / (kBwdThreads / 32);
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int seqlen_q = p.seqlen_q(batch);
-  const auto* dout = static_cast<const Element*>(p.dout.data);
-  const auto* out = static_cast<const Element*>(p.out.data);
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int i = blockIdx.x * kBwdBlockM + warp * kRowsPerWarp + r;
-    if (i >= seqlen_q) break;
-    const Element* do_row = dout + p.q_offset(p.dout, batch, i, head);
-    const Element* o_row = out + p.q_offset(p.out, batch, i, head);
-    const float dot = device::warp_row_dot(do_row, o_row, p.head_dim_v, lane);
-    if (lane == 0) p.softmax_d[p.lse_index(batch, head, i)] = dot;
+  const device::SoftmaxDRows<Element, kHeadDim, kBwdThreads, kBwdBlockM> rows(p, batch, head,
+                                                                            blockIdx.x * kBwdBlockM, seqlen_q);
+  if (!rows.writer()) return;
+  CUTE_UNROLL
+  for (int r = 0; r < rows.kPasses; ++r) {
+    if (rows.row(r) < seqlen_q) p.softmax_d[p.lse_index(batch, head, rows.row(r))] = rows.dot[r];
   }
 }
 
 // --- postprocess ----------------------------------------------------------------------------------
 // Grid (⌈max_seqlen_q / kBlockM⌉, heads, batch), the main kernel's threads: thread t reads its
-// fragment of the tile (coalesced) and writes each pair of adjacent columns as one 32-bit store.
+// fragment of the tile (coalesced) and the block writes it through shared memory
+// (device::StagedDq).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, float* dq_accum) {
@@ -288,6 +285,9 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
+  using Staged = device::StagedDq<Element, kBlockM, kHeadDim, Traits::kNThreads>;
+  __shared__ alignas(16) std::uint16_t staged_tile[Staged::kElems];
+  const Staged staged{staged_tile};
   const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
   const int m_start = blockIdx.x * kBlockM;
   const int seqlen_q = p.seqlen_q(batch);
@@ -301,22 +301,14 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) acc(e) = tile[dq_index<Traits::kNThreads, dq_vec<kHeadDim>()>(e, tid)];
   Tensor acc_rc = make_tensor(acc.data(), rowcol_layout(acc.layout()));
-  auto* dq = static_cast<Element*>(p.dq.data);
   CUTE_UNROLL
   for (int mi = 0; mi < size<0>(acc_rc); ++mi) {
-    const int row = get<0>(cdQ_rc(mi, 0));
-    if (m_start + row >= seqlen_q) continue;
-    Element* dq_row = dq + p.q_offset(p.dq, batch, m_start + row, head);
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_rc); ni += 2) {
-      const int col = get<1>(cdQ_rc(mi, ni));
-      if (col >= p.head_dim) continue;
-      const Element pair[2] = {static_cast<Element>(acc_rc(mi, ni)), static_cast<Element>(acc_rc(mi, ni + 1))};
-      std::uint32_t packed;
-      std::memcpy(&packed, pair, sizeof packed);
-      *reinterpret_cast<std::uint32_t*>(dq_row + col) = packed;
+      staged.put(get<0>(cdQ_rc(mi, ni)), get<1>(cdQ_rc(mi, ni)), acc_rc(mi, ni), acc_rc(mi, ni + 1));
     }
   }
+  staged.write(p, batch, head, m_start, seqlen_q);
 }
 
 // --- the main kernel ------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
   if (err == cudaSuccess && ws.counters != nullptr) err = cudaMemsetAsync(ws.counters, 0, ws.counter_bytes, stream);
   if (err != cudaSuccess) return err;
   if (ws.m_blocks > 0) {
-    bwd_preprocess_kernel<Element><<<dim3(ws.m_blocks, p.heads, p.batch), kBwdThreads, 0, stream>>>(p);
+    bwd_preprocess_kernel<Element, kHeadDim><<<dim3(ws.m_blocks, p.heads, p.batch), kBwdThreads, 0, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -20,6 +20,14 @@ namespace flashattn::cuda::sm90 {
 // registers (GQA needs no fp32 dK/dV buffers) and written once.
 //   d 64:  128 keys × 128 rows, 2 stages — K 16 + V 16 + Q 32 + dO 32 + dS 2 × 32 KiB
 //   d 128: 128 keys × 64 rows,  2 stages — K 32 + V 32 + Q 32 + dO 32 + dS 2 × 16 KiB
+// Deterministic mode, unmasked: staggered walks (BwdTile::of_block, common::StaggeredWalk) or
+// descending turns from row block 0 (0, the default).
+#ifdef FLASHATTN_SM90_BWD_STAGGER
+inline constexpr bool kBwdStagger = FLASHATTN_SM90_BWD_STAGGER != 0;
+#else
+inline constexpr bool kBwdStagger = false;
+#endif
+
 struct BwdTileShape {
   int block_m;
   int block_n;

@@ -17,50 +17,43 @@
 namespace flashattn::cuda::sm90 {
 
 inline constexpr int kBwdPrepostThreads = 256;
+inline constexpr int kBwdPreRows = 64;  // rows of sequence `batch` per preprocess block
 
-// Grid (⌈rows.padded_rows / 64⌉, heads, batch): each of the 8 warps takes 8 rows of sequence
-// `batch` (its rows rounded up to rows.block_m: the padding gets lse +∞ and softmax_d 0); a lane
-// holds 8 consecutive columns of dO and O per step (dv is a multiple of 8 and rows 16-byte
-// aligned: the layout checks of every family).
-template <class Element>
+// Grid (rows.padded_rows / kBwdPreRows, heads, batch): groups of kHeadDim / 8 lanes take a row each,
+// 8 consecutive columns of dO and O per lane (device::group_row_dots), all of a thread's rows
+// loaded at once; the rows past sq up to the row-block padding get lse +∞ and softmax_d 0.
+template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdPrepostThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* lse_log2, float* dpsum,
                           const BwdRows rows) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
-  constexpr int kRowsPerWarp = 8;
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const auto* dout = static_cast<const Element*>(p.dout.data);
-  const auto* out = static_cast<const Element*>(p.out.data);
   const int seqlen_q = p.seqlen_q(batch);
   const int padded = (seqlen_q + rows.block_m - 1) / rows.block_m * rows.block_m;
   const std::int64_t stats = std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch);
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int i = (blockIdx.x * (kBwdPrepostThreads / 32) + warp) * kRowsPerWarp + r;
+  const device::SoftmaxDRows<Element, kHeadDim, kBwdPrepostThreads, kBwdPreRows> dots(p, batch, head,
+                                                                                     blockIdx.x * kBwdPreRows, seqlen_q);
+  if (!dots.writer()) return;
+  CUTE_UNROLL
+  for (int r = 0; r < dots.kPasses; ++r) {
+    const int i = dots.row(r);
     if (i >= padded) break;
     if (i >= seqlen_q) {  // padding: P = 0 there
-      if (lane == 0) {
-        lse_log2[stats + i] = device::kInf;
-        dpsum[stats + i] = 0.0f;
-      }
+      lse_log2[stats + i] = device::kInf;
+      dpsum[stats + i] = 0.0f;
       continue;
     }
-    const Element* do_row = dout + p.q_offset(p.dout, batch, i, head);
-    const Element* o_row = out + p.q_offset(p.out, batch, i, head);
-    const float dot = device::warp_row_dot(do_row, o_row, p.head_dim_v, lane);
-    if (lane == 0) {
-      const std::int64_t at = p.lse_index(batch, head, i);
-      p.softmax_d[at] = dot;
-      dpsum[stats + i] = dot;
-      lse_log2[stats + i] = p.lse[at] * device::kLog2e;
-    }
+    const std::int64_t at = p.lse_index(batch, head, i);
+    p.softmax_d[at] = dots.dot[r];
+    dpsum[stats + i] = dots.dot[r];
+    lse_log2[stats + i] = p.lse[at] * device::kLog2e;
   }
 }
 
 // Grid (rows.padded_rows / block_m, heads, batch), the consumer warpgroups' threads: thread t reads
 // its dQ fragment of the row block from the accumulator (float4 v of the warpgroup's slice at
-// (v · 128 + lane) · 4, as BwdMainloop::compute staged it; coalesced), converts it and writes
-// the rows below sq and columns below d, two columns per 32-bit store.
+// (v · 128 + lane) · 4, as BwdMainloop::compute staged it; coalesced) and the block writes it
+// through shared memory (device::StagedDq).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, const BwdRows rows) {
@@ -68,6 +61,9 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
+  using Staged = device::StagedDq<Element, kBlockM, kHeadDim, Traits::kConsumerThreads>;
+  __shared__ alignas(16) std::uint16_t staged_tile[Staged::kElems];
+  const Staged staged{staged_tile};
   const int head = blockIdx.y, batch = blockIdx.z, thread = threadIdx.x;
   const int m_start = blockIdx.x * kBlockM;
   const int seqlen_q = p.seqlen_q(batch);
@@ -78,21 +74,15 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
       wg * Traits::kDqFloatsPerWarpgroup);
   typename Traits::TiledMmadQ mma_dq;
   Tensor c_dq = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  auto* dq = static_cast<Element*>(p.dq.data);
+  float4 x[Traits::kDqFloatsPerThread / 4];
+  CUTE_UNROLL
+  for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) x[v] = slice[v * Traits::kWarpgroupThreads + lane];
   CUTE_UNROLL
   for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
-    const float4 x = slice[v * Traits::kWarpgroupThreads + lane];
-    const float pair_values[2][2] = {{x.x, x.y}, {x.z, x.w}};
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const int row = m_start + get<0>(c_dq(4 * v + 2 * h)), col = get<1>(c_dq(4 * v + 2 * h));
-      if (row >= seqlen_q || col >= p.head_dim) continue;
-      const Element pair[2] = {Element(pair_values[h][0]), Element(pair_values[h][1])};
-      std::uint32_t packed;
-      std::memcpy(&packed, pair, sizeof packed);
-      *reinterpret_cast<std::uint32_t*>(dq + p.q_offset(p.dq, batch, row, head) + col) = packed;
-    }
+    staged.put(get<0>(c_dq(4 * v)), get<1>(c_dq(4 * v)), x[v].x, x[v].y);
+    staged.put(get<0>(c_dq(4 * v + 2)), get<1>(c_dq(4 * v + 2)), x[v].z, x[v].w);
   }
+  staged.write(p, batch, head, m_start, seqlen_q);
 }
 
 template <class Traits>
@@ -125,7 +115,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const Pipeline q_pipe{ss.q_full, ss.q_empty};
   const Pipeline do_pipe{ss.do_full, ss.do_empty};
   const BwdTile t =
-      BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p, params.rows, params.dq_semaphores != nullptr);
+      BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p, params.rows, params.dq_semaphores != nullptr,
+                                                          params.stagger_tiles);
   if (t.empty(Traits::kBlockN)) return;  // a varlen sequence with fewer keys: nothing here
 
   if (warpgroup == 0) {

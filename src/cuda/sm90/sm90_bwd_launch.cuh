@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cuda/device/element.cuh"
+#include "cuda/device_query.h"
 #include "cuda/device/math.cuh"
 #include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_bwd_kernel.cuh"
@@ -42,6 +43,11 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;
   params.dq_semaphores = ws.dq_semaphores;
+  // A staggered tile may wait for one of its (kv head, batch) launched after it (BwdTile::of_block):
+  // with at most a quarter of the SMs' worth of key tiles per group (at one CTA per SM), all of a
+  // group fits beside other groups and kernels in flight (4k keys at 128 keys per tile on an H200).
+  // Off unless built with FLASHATTN_SM90_BWD_STAGGER=1 (src/cuda/README.md, tuning knobs).
+  params.stagger_tiles = kBwdStagger ? current_sm_count() / 4 : 0;
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
@@ -72,15 +78,14 @@ template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                     cudaStream_t stream) {
   using Element = typename device::ElementOf<kStorage>::type;
-  constexpr int kRows = 64;
   cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
   if (err == cudaSuccess && ws.dq_semaphores != nullptr) {
     err = cudaMemsetAsync(ws.dq_semaphores, 0, ws.semaphore_bytes, stream);
   }
   if (err != cudaSuccess) return err;
-  const int row_blocks = ws.rows.padded_rows / kRows;
+  const int row_blocks = ws.rows.padded_rows / kBwdPreRows;
   if (row_blocks > 0) {
-    bwd_preprocess_kernel<Element><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
+    bwd_preprocess_kernel<Element, kHeadDim><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
         p, ws.lse_log2, ws.dpsum, ws.rows);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }

@@ -8,6 +8,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/dq_order.h"
 #include "common/philox.h"
 #include "cuda/device/math.cuh"
 #include "cuda/device/score_mod.cuh"
@@ -34,6 +35,7 @@ struct BwdParams {
   const float* lse_log2;                // (h, rows.head_stride)
   const float* dpsum;                   // (h, rows.head_stride)
   int* dq_semaphores;                   // deterministic: one per row block, else nullptr
+  int stagger_tiles;  // deterministic: staggered walks where the grid has at most this many key tiles
   BwdRows rows;
   float scale_log2;                // softmax_scale · log2 e
   const std::uint64_t* rng_state;  // dropout's (seed, offset) read at run time, or nullptr
@@ -76,11 +78,19 @@ struct BwdTile {
   int m_block_min;
   int m_block_max;
   common::Mask mask;
+  // Deterministic, unmasked, no more key tiles than row blocks: the walks are staggered
+  // (common::StaggeredWalk; m_block_min is 0 then), else every tile walks its blocks in order.
+  bool staggered;
+  common::StaggeredWalk walk;
 
   // reversed: the key tiles of a (kv head, batch) launch last first (the deterministic order,
   // see BwdMainloop::write_dq), else first first (under a causal mask the longest go first).
+  // stagger_tiles: with reversed, the walks may be staggered where the grid has at most this many
+  // key tiles per (kv head, batch), few enough that all of them are resident at once: a staggered
+  // tile, past its walk's wrap, may wait for one launched after it.
   template <int kBlockM, int kBlockN>
-  __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows, bool reversed) {
+  __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows, bool reversed,
+                                     int stagger_tiles) {
     BwdTile t;
     t.n_block = reversed ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
     t.kv_head = int(blockIdx.y);
@@ -94,12 +104,26 @@ struct BwdTile {
     const int col_b = t.n_block * kBlockN;
     const int col_e = min(col_b + kBlockN, t.seqlen_k);
     t.m_block_min = t.m_block_max = 0;
+    t.walk = {(t.seqlen_k + kBlockN - 1) / kBlockN, (t.seqlen_q + kBlockM - 1) / kBlockM};
+    t.staggered = reversed && int(gridDim.x) <= stagger_tiles && t.mask.window_left < 0 && t.mask.window_right < 0 &&
+                  t.walk.n_tiles <= t.walk.m_blocks;
     if (col_b >= col_e || t.seqlen_q == 0) return t;
     const int row_b = t.mask.block_row_begin(col_b);
     const int row_e = t.mask.block_row_end(col_e);
     t.m_block_min = row_b / kBlockM;
     t.m_block_max = row_e > row_b ? (row_e + kBlockM - 1) / kBlockM : t.m_block_min;
     return t;
+  }
+  // The row block of step s (over the heads of the group, each walking [m_block_min, m_block_max)).
+  __device__ __forceinline__ int block_at(int s) const {
+    const int m_blocks = m_block_max - m_block_min;
+    return staggered ? walk.block_at(n_block, s % m_blocks) : m_block_min + s % m_blocks;
+  }
+  // This tile's deterministic turn at row block m: staggered, by arrival; else descending from the
+  // last tile that reaches m.
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ int turn_at(int m) const {
+    return staggered ? walk.turn(n_block, m) : last_tile_of<kBlockM, kBlockN>(m) - n_block;
   }
   // No key of the sequence in this tile: nothing to compute or store.
   __device__ __forceinline__ bool empty(int kBlockN) const { return n_block * kBlockN >= seqlen_k; }
@@ -180,7 +204,7 @@ struct BwdMainloop {
     PipelineState<kStages> st = Pipeline::producer_start();
     for (int s = 0; s < t.steps(group); ++s) {
       const int head = t.kv_head * group + s / m_blocks;
-      const int m = t.m_block_min + s % m_blocks;
+      const int m = t.block_at(s);
       Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, head, batch)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
       Tensor gdO = local_tile(domain_offset(make_coord(q_row0, _0{}), mdO(_, _, head, batch)),
@@ -214,7 +238,7 @@ struct BwdMainloop {
     const int steps = t.steps(group);
     for (int s = 0; s < steps; ++s) {
       const int head = t.kv_head * group + s / m_blocks;
-      const int m = t.m_block_min + s % m_blocks;
+      const int m = t.block_at(s);
       float* const rows = params.dq_accum + stat_offset(params, t, head, m) * kHeadDim;
       // Deterministic: the key tiles that reach row block m add their dQ in descending key-tile
       // order, from the last tile that reaches m down, each once its predecessors' additions have
@@ -223,15 +247,21 @@ struct BwdMainloop {
       // its successor's (j − 1)-th or earlier under causal and sliding-window masks (whose walks
       // start later for later tiles): the CTAs run side by side instead of each a step behind
       // the previous one, as an ascending order makes them (a wavefront over the key tiles).
+      // Built with FLASHATTN_SM90_BWD_STAGGER=1, unmasked walks are staggered instead where they
+      // can be (BwdTile::staggered): a descending chain there makes each tile wait for the one
+      // before it at every row block.
       int* const semaphore = params.dq_semaphores == nullptr
                                  ? nullptr
                                  : params.dq_semaphores + stat_offset(params, t, head, m) / kBlockM;
       if (semaphore != nullptr && lane == 0) {
-        const int turn = t.template last_tile_of<kBlockM, kBlockN>(m) - t.n_block;
+        const int turn = t.template turn_at<kBlockM, kBlockN>(m);
         while (load_acquire(semaphore) != turn) {
         }
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk additions come after
       }
+      // bar.sync is aligned: the whole warp executes it together, so the warp reconverges after
+      // lane 0's own work (the turn's wait, the bulk issue) before each named barrier.
+      __syncwarp();
       for (int wg = 0; wg < kWgs; ++wg) {
         named_barrier_sync(int(BwdBarrier::kDqFullWg0) + wg, kThreads);
         if (lane == 0) {
@@ -242,6 +272,7 @@ struct BwdMainloop {
                        : "memory");
           cute::tma_store_arrive();  // commit the bulk group
         }
+        __syncwarp();
       }
       if (semaphore != nullptr && lane == 0) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // landed, not only read
@@ -350,7 +381,7 @@ struct BwdMainloop {
     // 32 more registers, spilled).
     [[maybe_unused]] __half2 dtanh[Traits::kScoreMod ? kKeys * kRows / 2 : 1];
     for (int s = 0; s < t.steps(group); ++s) {
-      const int m = t.m_block_min + s % m_blocks;
+      const int m = t.block_at(s);
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
       // Softcap and ALiBi (kScoreMod): raw scores in device::TileScoreMod's units, whose
@@ -453,22 +484,27 @@ struct BwdMainloop {
         }
       }
       auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
-      if constexpr (Traits::kScoreMod) {
-        if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
-          Tensor p_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));
-          CUTE_UNROLL
-          for (int c = 0; c < kRows; ++c) {
+      // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued (after dSᵀ, below).
+      auto issue_dv = [&] {
+        if constexpr (Traits::kScoreMod) {
+          if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
+            Tensor p_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));
             CUTE_UNROLL
-            for (int r = 0; r < kKeys; ++r) p_rc(r, c) = Element(kept(r, c) ? s_rc(r, c) * dropout.keep_scale : 0.0f);
+            for (int c = 0; c < kRows; ++c) {
+              CUTE_UNROLL
+              for (int r = 0; r < kKeys; ++r) {
+                p_rc(r, c) = Element(kept(r, c) ? s_rc(r, c) * dropout.keep_scale : 0.0f);
+              }
+            }
+          } else {
+            convert_fragment<Element>(acc_s, p_flat);
           }
         } else {
           convert_fragment<Element>(acc_s, p_flat);
         }
-      } else {
-        convert_fragment<Element>(acc_s, p_flat);
-      }
-      wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);  // runs under dSᵀ
-      cute::warpgroup_wait<1>();  // dPᵀ has landed
+        wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
+      };
+      cute::warpgroup_wait<0>();  // dPᵀ has landed
       CUTE_UNROLL
       for (int c = 0; c < kRows; ++c) {
         const float d = dpsum[get<1>(c_rc(0, c))];
@@ -491,6 +527,11 @@ struct BwdMainloop {
           }
         }
       }
+      // dV after dSᵀ (FlashAttention-3's order): Sᵀ's fp32 values die with dSᵀ, so P's 16 bits
+      // never live beside both accumulators. Issued before it, to run under it, the product kept
+      // them live together: 8–12 % slower at d 64 (ptxas serialized every wgmma there for want
+      // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs).
+      issue_dv();
       convert_fragment<Element>(acc_dp, ds_flat);
 
       // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
