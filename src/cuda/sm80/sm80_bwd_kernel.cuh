@@ -43,7 +43,7 @@
 // as an ATOMG that waits for its old value (measured on sm_90a: 210 of them at d 128).
 #pragma once
 
-#include "cuda/device/row_dot.cuh"
+#include "cuda/device/bwd_prepost.cuh"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
 #include "cuda/sm80/sm80_tuning.h"
 
@@ -258,7 +258,7 @@ __device__ __forceinline__ void increment_release(int* counter) {
 // --- preprocess -----------------------------------------------------------------------------------
 // Grid (⌈max_seqlen_q / kBwdBlockM⌉, heads, batch), kBwdThreads threads: groups of kHeadDim / 8
 // lanes (at most a warp) take a row each, 8 consecutive columns of dO and O per lane, all of a
-// thread's rows loaded at once (device::group_row_dots).
+// thread's rows loaded at once (device::SoftmaxDRows).
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p) {

@@ -9,9 +9,7 @@
 
 #include <cute/tensor.hpp>
 
-#include <cstring>
-
-#include "cuda/device/row_dot.cuh"
+#include "cuda/device/bwd_prepost.cuh"
 #include "cuda/sm90/sm90_bwd_mainloop.cuh"
 
 namespace flashattn::cuda::sm90 {
@@ -20,7 +18,7 @@ inline constexpr int kBwdPrepostThreads = 256;
 inline constexpr int kBwdPreRows = 64;  // rows of sequence `batch` per preprocess block
 
 // Grid (rows.padded_rows / kBwdPreRows, heads, batch): groups of kHeadDim / 8 lanes take a row each,
-// 8 consecutive columns of dO and O per lane (device::group_row_dots), all of a thread's rows
+// 8 consecutive columns of dO and O per lane (device::SoftmaxDRows), all of a thread's rows
 // loaded at once; the rows past sq up to the row-block padding get lse +∞ and softmax_d 0.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kBwdPrepostThreads)

@@ -4,8 +4,8 @@
 #pragma once
 
 #include "cuda/device/element.cuh"
-#include "cuda/device_query.h"
 #include "cuda/device/math.cuh"
+#include "cuda/device_query.h"
 #include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_bwd_kernel.cuh"
 #include "cuda/sm90/sm90_tma.cuh"

@@ -1,4 +1,4 @@
-// src/cuda/device/row_dot.cuh — the backward's pre- and postprocess pieces of every kernel family:
+// src/cuda/device/bwd_prepost.cuh — the backward's pre- and postprocess pieces of every kernel family:
 // softmax_d = rowsum(dO ∘ O) in fp32, many rows per thread block, and dQ written through shared
 // memory in 16-byte pieces.
 #pragma once
