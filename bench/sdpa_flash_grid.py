@@ -2,7 +2,7 @@
 """bench/sdpa_flash_grid.py — PyTorch's FlashAttention-2 (SDPA restricted to the flash backend), and
 with --backends flash,cudnn also cuDNN's fused attention (SDPA's cuDNN backend), and with fa3
 FlashAttention-3 through its `flash_attn_interface` module where it is importable (built by hand;
-q/k/v then (b, s, h, d) contiguous, as flashattn_cuda_bench lays them out), on the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16, batch·seqlen =
+q/k/v then (b, s, h, d) contiguous, as flashattn_cuda_bench lays them out), on the shapes and with the timing of tests/cuda/bench (flashattn_cuda_bench): bf16 (or --dtype f16), batch·seqlen =
 16384 tokens, heads·d = 2048, q/k/v (b, h, s, d) contiguous, CUDA events, median of 30 after 5
 warm-up calls (all enqueued before one synchronisation, so the host's dispatch is not timed); the
 backward is autograd's backward of one forward (retain_graph); backward FLOPs = 2.5 × forward,
@@ -11,7 +11,8 @@ halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
 flashattn_cuda_bench --l2-flush 1 and bench/compare.py do.
 
   python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 [--dropout 0.1] [--l2-flush 1]
-                                  [--backends flash,cudnn,fa3] [--passes fwd,bwd] --json torch.json
+                                  [--backends flash,cudnn,fa3] [--passes fwd,bwd] [--dtype bf16|f16]
+                                  --json torch.json
 """
 
 import argparse
@@ -36,8 +37,10 @@ def main():
     ap.add_argument("--l2-flush", type=int, choices=(0, 1), default=0, help="clear the L2 before every timed call")
     ap.add_argument("--backends", default="flash", help="backends to time, of flash,cudnn (SDPA), fa3")
     ap.add_argument("--passes", default="fwd,bwd", help="of fwd,bwd")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "f16"))
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "fa3": None}
     chosen = [b for b in args.backends.split(",") if b]
     unknown = [b for b in chosen if b not in backends]
@@ -59,8 +62,8 @@ def main():
     for d in args.dims:
         for s in args.seqlens:
             b, h = max(1, tokens // s), width // d
-            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
+            dout = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
             for causal, backend in ((bool(c), be) for c in args.causal for be in chosen):
                 if backend == "fa3":  # (b, s, h, d) contiguous; the first output is out
                     xs = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
@@ -102,10 +105,10 @@ def main():
                         torch.cuda.synchronize()
                         ms = sorted(e0.elapsed_time(e1) for e0, e1 in events)[len(events) // 2]
                         flops = (2.5 if name == "bwd" else 1.0) * 4 * b * h * s * s * d / (2 if causal else 1)
-                        rows.append(dict(impl="fa3" if backend == "fa3" else f"torch_sdpa_{backend}", pass_=name, dtype="bf16", d=d, seqlen=s, batch=b,
+                        rows.append(dict(impl="fa3" if backend == "fa3" else f"torch_sdpa_{backend}", pass_=name, dtype=args.dtype, d=d, seqlen=s, batch=b,
                                          heads=h, causal=causal, dropout=args.dropout, l2_flush=bool(flush is not None), ms=ms,
                                          tflops=flops / (ms * 1e-3) / 1e12))
-                        print(f"{'' if backend == 'fa3' else 'torch sdpa '}{backend} {name} bf16 d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
+                        print(f"{'' if backend == 'fa3' else 'torch sdpa '}{backend} {name} {args.dtype} d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
                               f"{rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     with open(args.json, "w") as f:
