@@ -20,16 +20,16 @@ struct FwdTileShape {
   int stages;
 };
 // Tiles per head dim (bf16/fp16), 64 query rows per consumer warpgroup:
-//   d 64:  192 × 96, 2 stages — 72 KiB (Q 24 + K 24 + V 24) + O 24: three consumer warpgroups at
-//          160 registers (at d 64 the exponentials weigh as much as the products; a third
-//          warpgroup gives the tensor cores another one's products to run meanwhile). 192 × 128
-//          spills 40–92 bytes at 160 registers; 96 keys none. Not yet timed against the 128 × 128
-//          tile it replaces (run C: d 64 0.80–0.86× the best of FA3 and cuDNN from 4k keys):
-//          -DFLASHATTN_SM90_FWD_D64_ROWS=128 builds that one for the comparison.
+//   d 64:  128 × 128, 2 stages — 96 KiB (Q 16 + K 32 + V 32) + O 16. The alternative, 192 × 96
+//          (three consumer warpgroups at 160 registers; -DFLASHATTN_SM90_FWD_D64_ROWS=192), timed
+//          in the same GPU call on the H200 (bf16, L2 cleared, TFLOP/s 128 × 128 / 192 × 96):
+//          s 512 325/272, 1k 392/308, 2k 436/386, 4k 465/365, 8k 480/496, 16k 468/482; causal
+//          192/174, 270/241, 340/346, 398/400, 402/425, 435/430 — 128 rows win by up to 27% up to
+//          4k keys, 192 rows by 3–6% at 8k–16k.
 //   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
 //   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes
 #ifndef FLASHATTN_SM90_FWD_D64_ROWS
-#define FLASHATTN_SM90_FWD_D64_ROWS 192
+#define FLASHATTN_SM90_FWD_D64_ROWS 128
 #endif
 inline constexpr int kD64Rows = FLASHATTN_SM90_FWD_D64_ROWS;
 static_assert(kD64Rows == 192 || kD64Rows == 128, "FLASHATTN_SM90_FWD_D64_ROWS is 192 or 128");
