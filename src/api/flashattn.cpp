@@ -140,7 +140,7 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   (void)family;
 #endif
   if (s.backend == Backend::cpu_reference) {
-    cpu::reference_forward(pr.params);
+    cpu::reference_forward(pr.params, cpu::RefPrecision::fp64, nullptr, resolve_threads(opt));
   } else {
     cpu::flash_forward(pr.params, resolve_threads(opt));
   }
@@ -280,7 +280,7 @@ void backward(const BackwardInputs& in, const BackwardOutputs& out, const Option
   (void)stream;
 #endif
   if (s.backend == Backend::cpu_reference) {
-    cpu::reference_backward(pr.params);
+    cpu::reference_backward(pr.params, cpu::RefPrecision::fp64, nullptr, resolve_threads(opt));
   } else {
     cpu::flash_backward(pr.params, resolve_threads(opt));
   }

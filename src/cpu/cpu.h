@@ -30,15 +30,18 @@ struct Fp64Outputs {
 };
 
 // Naive attention: materialises each (sq × sk) score matrix of one (batch, head).
-// Forward writes out and lse (lse may be null).
+// Forward writes out and lse (lse may be null). num_threads: (batch, head) pairs — in the
+// backward (batch, kv head) pairs — computed at once, at most; the results are the same for any
+// count (each pair writes only its own rows, and the sinks' gradient is summed over the batch in
+// order).
 void reference_forward(const common::AttentionParams& p, RefPrecision precision = RefPrecision::fp64,
-                       const Fp64Outputs* sink = nullptr);
+                       const Fp64Outputs* sink = nullptr, int num_threads = 1);
 // Backward writes dq, dk, dv, softmax_d (and dsinks when p.dsinks is set). It recomputes the
 // forward itself (it does not read p.out or p.lse), so it is the exact gradient of the function
 // SPEC §2 defines.
 void reference_backward(const common::AttentionParams& p,
                         RefPrecision precision = RefPrecision::fp64,
-                        const Fp64Outputs* sink = nullptr);
+                        const Fp64Outputs* sink = nullptr, int num_threads = 1);
 
 // The tiled CPU flash backend: online softmax forward, recomputing backward, threads over
 // (batch, head, row blocks), memory O(tiles), deterministic for any num_threads (≥ 1).

@@ -1,5 +1,6 @@
 // src/cpu/reference.cpp — the naive reference: materialised scores, one (batch, kv-head group)
-// at a time. In fp64 it is the oracle of every test; in emulate_storage it is SPEC §7's
+// at a time (several at once on num_threads threads; each writes only its own rows, so the
+// results do not depend on the thread count). In fp64 it is the oracle of every test; in emulate_storage it is SPEC §7's
 // naive_lowprec (fp32 math with every materialised intermediate rounded to the input dtype).
 // Semantics come only from src/common (mask, score mod, dropout, layouts).
 #include <cmath>
@@ -9,6 +10,7 @@
 #include "common/numeric.h"
 #include "common/sink.h"
 #include "cpu/cpu.h"
+#include "cpu/parallel.h"
 #include "cpu/storage_dispatch.h"
 
 namespace flashattn::cpu {
@@ -23,6 +25,14 @@ struct Ref {
   const AttentionParams& p;
   const bool emulate;  // round materialised intermediates to T
   const Fp64Outputs* sink;
+  int num_threads;
+
+  // Threads for `tasks` (batch, head) tasks of sq · sk · (d + dv) multiply-adds each, times `passes`.
+  int threads_for(std::int64_t tasks, int passes) const {
+    const double flops = 2.0 * passes * double(tasks) * double(p.max_seqlen_q) * double(p.max_seqlen_k) *
+                         double(p.head_dim + p.head_dim_v);
+    return threads_for_work(flops, num_threads);
+  }
 
   Acc rnd(Acc x) const { return emulate ? Acc(common::round_to<T>(float(x))) : x; }
 
@@ -115,79 +125,84 @@ struct Ref {
   }
 
   void forward() const {
-    for (int b = 0; b < p.batch; ++b) {
-      for (int hh = 0; hh < p.heads; ++hh) {
-        const Probs r = probabilities(b, hh);
-        const std::vector<Acc> o = output(b, hh, r);
-        for (int i = 0; i < r.sq; ++i) {
-          const std::int64_t oo = p.q_offset(p.out, b, i, hh);
-          for (int d = 0; d < p.head_dim_v; ++d) store(p.out, sink ? sink->out : nullptr, oo + d, o[std::size_t(i) * p.head_dim_v + d]);
-          if (p.lse) {
-            const std::int64_t li = p.lse_index(b, hh, i);
-            if (sink && sink->lse) {
-              sink->lse[li] = double(r.lse[i]);
-            } else if (!sink) {
-              p.lse[li] = float(r.lse[i]);
-            }
+    const std::int64_t tasks = std::int64_t(p.batch) * p.heads;
+    parallel_for(tasks, threads_for(tasks, 1), [&](std::int64_t task, int) {
+      const int b = int(task / p.heads), hh = int(task % p.heads);
+      const Probs r = probabilities(b, hh);
+      const std::vector<Acc> o = output(b, hh, r);
+      for (int i = 0; i < r.sq; ++i) {
+        const std::int64_t oo = p.q_offset(p.out, b, i, hh);
+        for (int d = 0; d < p.head_dim_v; ++d) store(p.out, sink ? sink->out : nullptr, oo + d, o[std::size_t(i) * p.head_dim_v + d]);
+        if (p.lse) {
+          const std::int64_t li = p.lse_index(b, hh, i);
+          if (sink && sink->lse) {
+            sink->lse[li] = double(r.lse[i]);
+          } else if (!sink) {
+            p.lse[li] = float(r.lse[i]);
           }
         }
       }
-    }
+    });
   }
 
   void backward() const {
     const int group = p.group_size();
     // d lse_i / d s_h = exp(s_h − lse_i), and d loss / d lse_i = −D_i (the softmax's Jacobian): the
-    // sinks' gradient sums −exp(s_h − lse_i) · D_i over every row of the head, in order.
-    std::vector<Acc> dsinks(std::size_t(p.heads), Acc(0));
-    for (int b = 0; b < p.batch; ++b) {
+    // sinks' gradient sums −exp(s_h − lse_i) · D_i over every row of the head — per sequence by the
+    // task of its (batch, kv head), then over the batch in order.
+    std::vector<Acc> dsinks_of(p.sinks ? std::size_t(p.batch) * p.heads : 0, Acc(0));  // (batch, h)
+    const std::int64_t tasks = std::int64_t(p.batch) * p.heads_k;
+    parallel_for(tasks, threads_for(tasks * group, 3), [&](std::int64_t task, int) {
+      const int b = int(task / p.heads_k), hk = int(task % p.heads_k);
       const int sq = p.seqlen_q(b), sk = p.seqlen_k(b);
       // Keys of the sequence that exist but are unused (varlen seqused_k) get zero gradients too.
       const int sk_rows = p.is_varlen() ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : sk;
-      for (int hk = 0; hk < p.heads_k; ++hk) {
-        std::vector<Acc> dk(std::size_t(sk_rows) * p.head_dim, Acc(0));   // (sk, d), summed over the group
-        std::vector<Acc> dv(std::size_t(sk_rows) * p.head_dim_v, Acc(0));  // (sk, dv)
-        for (int hh = hk * group; hh < (hk + 1) * group; ++hh) {
-          const Probs r = probabilities(b, hh);
-          const std::vector<Acc> o = output(b, hh, r);
-          const common::ScoreMod<Acc> mod = p.template score_mod<Acc>(b, hh);
-          for (int i = 0; i < sq; ++i) {
-            const std::int64_t go = p.q_offset(p.dout, b, i, hh), qo = p.q_offset(p.q, b, i, hh);
-            Acc dsum = 0;  // D_i = dout_i · out_i
-            for (int d = 0; d < p.head_dim_v; ++d) dsum += load(p.dout, go + d) * o[std::size_t(i) * p.head_dim_v + d];
-            std::vector<Acc> dq(p.head_dim, Acc(0));
-            for (int j = 0; j < sk; ++j) {
-              const std::size_t ij = std::size_t(i) * sk + j;
-              if (r.prob[ij] == Acc(0)) continue;  // masked or underflowed: no gradient
-              const std::int64_t ko = p.k_offset(p.k, b, j, hk), vo = p.k_offset(p.v, b, j, hk);
-              Acc dp = 0;  // dout_i · v_j
-              for (int d = 0; d < p.head_dim_v; ++d) dp += load(p.dout, go + d) * load(p.v, vo + d);
-              const bool keep = !(p.dropout_p > 0.0f) || common::dropout_keep(p.dropout, p.dropout_stream(b, hh), i, j);
-              const Acc dp_kept = keep ? rnd(rnd(dp) * Acc(p.dropout.keep_scale)) : Acc(0);
-              const Acc ds = rnd(rnd(r.prob[ij] * (dp_kept - dsum)) * mod.dscore_ddot(r.s[ij], i, j));
-              for (int d = 0; d < p.head_dim_v; ++d) dv[std::size_t(j) * p.head_dim_v + d] += r.kept[ij] * load(p.dout, go + d);
-              for (int d = 0; d < p.head_dim; ++d) {
-                dq[d] += ds * load(p.k, ko + d);
-                dk[std::size_t(j) * p.head_dim + d] += ds * load(p.q, qo + d);
-              }
-            }
-            const std::int64_t dqo = p.q_offset(p.dq, b, i, hh);
-            for (int d = 0; d < p.head_dim; ++d) store(p.dq, sink ? sink->dq : nullptr, dqo + d, dq[d]);
-            const std::int64_t li = p.lse_index(b, hh, i);
-            if (p.sinks) dsinks[std::size_t(hh)] -= std::exp(Acc(p.sinks[hh]) - r.lse[i]) * dsum;
-            if (sink && sink->softmax_d) {
-              sink->softmax_d[li] = double(dsum);
-            } else if (!sink) {
-              p.softmax_d[li] = float(dsum);
+      std::vector<Acc> dk(std::size_t(sk_rows) * p.head_dim, Acc(0));   // (sk, d), summed over the group
+      std::vector<Acc> dv(std::size_t(sk_rows) * p.head_dim_v, Acc(0));  // (sk, dv)
+      for (int hh = hk * group; hh < (hk + 1) * group; ++hh) {
+        const Probs r = probabilities(b, hh);
+        const std::vector<Acc> o = output(b, hh, r);
+        const common::ScoreMod<Acc> mod = p.template score_mod<Acc>(b, hh);
+        for (int i = 0; i < sq; ++i) {
+          const std::int64_t go = p.q_offset(p.dout, b, i, hh), qo = p.q_offset(p.q, b, i, hh);
+          Acc dsum = 0;  // D_i = dout_i · out_i
+          for (int d = 0; d < p.head_dim_v; ++d) dsum += load(p.dout, go + d) * o[std::size_t(i) * p.head_dim_v + d];
+          std::vector<Acc> dq(p.head_dim, Acc(0));
+          for (int j = 0; j < sk; ++j) {
+            const std::size_t ij = std::size_t(i) * sk + j;
+            if (r.prob[ij] == Acc(0)) continue;  // masked or underflowed: no gradient
+            const std::int64_t ko = p.k_offset(p.k, b, j, hk), vo = p.k_offset(p.v, b, j, hk);
+            Acc dp = 0;  // dout_i · v_j
+            for (int d = 0; d < p.head_dim_v; ++d) dp += load(p.dout, go + d) * load(p.v, vo + d);
+            const bool keep = !(p.dropout_p > 0.0f) || common::dropout_keep(p.dropout, p.dropout_stream(b, hh), i, j);
+            const Acc dp_kept = keep ? rnd(rnd(dp) * Acc(p.dropout.keep_scale)) : Acc(0);
+            const Acc ds = rnd(rnd(r.prob[ij] * (dp_kept - dsum)) * mod.dscore_ddot(r.s[ij], i, j));
+            for (int d = 0; d < p.head_dim_v; ++d) dv[std::size_t(j) * p.head_dim_v + d] += r.kept[ij] * load(p.dout, go + d);
+            for (int d = 0; d < p.head_dim; ++d) {
+              dq[d] += ds * load(p.k, ko + d);
+              dk[std::size_t(j) * p.head_dim + d] += ds * load(p.q, qo + d);
             }
           }
-        }
-        for (int j = 0; j < sk_rows; ++j) {
-          const std::int64_t dko = p.k_offset(p.dk, b, j, hk), dvo = p.k_offset(p.dv, b, j, hk);
-          for (int d = 0; d < p.head_dim; ++d) store(p.dk, sink ? sink->dk : nullptr, dko + d, dk[std::size_t(j) * p.head_dim + d]);
-          for (int d = 0; d < p.head_dim_v; ++d) store(p.dv, sink ? sink->dv : nullptr, dvo + d, dv[std::size_t(j) * p.head_dim_v + d]);
+          const std::int64_t dqo = p.q_offset(p.dq, b, i, hh);
+          for (int d = 0; d < p.head_dim; ++d) store(p.dq, sink ? sink->dq : nullptr, dqo + d, dq[d]);
+          const std::int64_t li = p.lse_index(b, hh, i);
+          if (p.sinks) dsinks_of[std::size_t(b) * p.heads + hh] -= std::exp(Acc(p.sinks[hh]) - r.lse[i]) * dsum;
+          if (sink && sink->softmax_d) {
+            sink->softmax_d[li] = double(dsum);
+          } else if (!sink) {
+            p.softmax_d[li] = float(dsum);
+          }
         }
       }
+      for (int j = 0; j < sk_rows; ++j) {
+        const std::int64_t dko = p.k_offset(p.dk, b, j, hk), dvo = p.k_offset(p.dv, b, j, hk);
+        for (int d = 0; d < p.head_dim; ++d) store(p.dk, sink ? sink->dk : nullptr, dko + d, dk[std::size_t(j) * p.head_dim + d]);
+        for (int d = 0; d < p.head_dim_v; ++d) store(p.dv, sink ? sink->dv : nullptr, dvo + d, dv[std::size_t(j) * p.head_dim_v + d]);
+      }
+    });
+    std::vector<Acc> dsinks(std::size_t(p.heads), Acc(0));
+    for (int b = 0; b < p.batch && p.sinks; ++b) {
+      for (int hh = 0; hh < p.heads; ++hh) dsinks[std::size_t(hh)] += dsinks_of[std::size_t(b) * p.heads + hh];
     }
     for (int hh = 0; p.dsinks && hh < p.heads; ++hh) {
       if (sink && sink->dsinks) {
@@ -201,24 +216,24 @@ struct Ref {
 
 }  // namespace
 
-void reference_forward(const AttentionParams& p, RefPrecision precision, const Fp64Outputs* sink) {
+void reference_forward(const AttentionParams& p, RefPrecision precision, const Fp64Outputs* sink, int num_threads) {
   with_storage(p.storage, [&](auto tag) {
     using T = decltype(tag);
     if (precision == RefPrecision::fp64) {
-      Ref<T, double>{p, false, sink}.forward();
+      Ref<T, double>{p, false, sink, num_threads}.forward();
     } else {
-      Ref<T, float>{p, true, sink}.forward();
+      Ref<T, float>{p, true, sink, num_threads}.forward();
     }
   });
 }
 
-void reference_backward(const AttentionParams& p, RefPrecision precision, const Fp64Outputs* sink) {
+void reference_backward(const AttentionParams& p, RefPrecision precision, const Fp64Outputs* sink, int num_threads) {
   with_storage(p.storage, [&](auto tag) {
     using T = decltype(tag);
     if (precision == RefPrecision::fp64) {
-      Ref<T, double>{p, false, sink}.backward();
+      Ref<T, double>{p, false, sink, num_threads}.backward();
     } else {
-      Ref<T, float>{p, true, sink}.backward();
+      Ref<T, float>{p, true, sink, num_threads}.backward();
     }
   });
 }

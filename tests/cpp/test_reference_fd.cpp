@@ -16,8 +16,10 @@
 // are ≤ 3e-10. We allow 1e-8 + 1e-7·|g|, 30× the measured error; a wrong term in a gradient
 // formula errs by O(|g|) ≈ 1e-2, and even an fp32 rounding slip (≈ 6e-8·|g|) stands out.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "api/validate.h"
@@ -254,6 +256,71 @@ TEST_P(ReferenceFd, BackwardMatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Features, ReferenceFd, testing::ValuesIn(fd_cases()),
                          [](const testing::TestParamInfo<FdCase>& info) { return info.param.name; });
+
+// --- the same values on any number of threads ---------------------------------------------------
+
+// The references split their work over (batch, head) pairs — (batch, kv head) in the backward —
+// and sum the sinks' gradient over the batch in order: 1 and 3 threads give the same bits, in
+// fp64 (into the sinks) and emulating bf16 storage (into the tensors), forward and backward.
+TEST(ReferenceThreads, SameValuesForAnyThreadCount) {
+  AttnConfig cfg = tiny(3, 96, 160, 8, 2, 64, 64);  // tasks long enough for every worker to take some
+  cfg.dtype = DType::bf16;
+  cfg.sinks = true;
+  cfg.opt.causal = true;
+  const AttnProblem p = make_problem(cfg);
+  const ForwardResult fwd = make_forward_outputs(p);
+  for (const cpu::RefPrecision precision : {cpu::RefPrecision::fp64, cpu::RefPrecision::emulate_storage}) {
+    SCOPED_TRACE(precision == cpu::RefPrecision::fp64 ? "fp64" : "emulate_storage");
+    struct Run {
+      std::vector<double> out, lse, dq, dk, dv, sd, dsinks;
+      ForwardResult f;
+      BackwardResult b;
+    };
+    auto run = [&](int threads) {
+      Run r{};
+      r.f = make_forward_outputs(p);
+      r.b = make_backward_outputs(p);
+      const auto fprob = flashattn::detail::validate_forward(p.forward_inputs(), {r.f.out.tv(), r.f.lse.tv()}, p.opt);
+      flashattn::BackwardOutputs bouts{r.b.dq.tv(), r.b.dk.tv(), r.b.dv.tv(), r.b.softmax_d.tv()};
+      bouts.dsinks = r.b.dsinks.tv();
+      const auto bprob = flashattn::detail::validate_backward(p.backward_inputs(fwd), bouts, p.opt);
+      const bool fp64 = precision == cpu::RefPrecision::fp64;
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      auto sized = [&](std::int64_t span) { return std::vector<double>(std::size_t(std::max<std::int64_t>(span, 1)), nan); };
+      r.out = sized(r.f.out.span()), r.lse = sized(r.f.lse.span()), r.dq = sized(r.b.dq.span());
+      r.dk = sized(r.b.dk.span()), r.dv = sized(r.b.dv.span()), r.sd = sized(r.b.softmax_d.span());
+      r.dsinks = sized(cfg.heads);
+      cpu::Fp64Outputs fs, bs;
+      fs.out = r.out.data(), fs.lse = r.lse.data();
+      bs.dq = r.dq.data(), bs.dk = r.dk.data(), bs.dv = r.dv.data(), bs.softmax_d = r.sd.data();
+      bs.dsinks = r.dsinks.data();
+      cpu::reference_forward(fprob.params, precision, fp64 ? &fs : nullptr, threads);
+      cpu::reference_backward(bprob.params, precision, fp64 ? &bs : nullptr, threads);
+      return r;
+    };
+    const Run one = run(1), three = run(3);
+    auto same = [](const std::vector<double>& a, const std::vector<double>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+    };
+    for (const auto& [name, a, b] : {std::tuple{"out", &one.out, &three.out}, std::tuple{"lse", &one.lse, &three.lse},
+                                     std::tuple{"dq", &one.dq, &three.dq}, std::tuple{"dk", &one.dk, &three.dk},
+                                     std::tuple{"dv", &one.dv, &three.dv}, std::tuple{"softmax_d", &one.sd, &three.sd},
+                                     std::tuple{"dsinks", &one.dsinks, &three.dsinks}}) {
+      EXPECT_TRUE(same(*a, *b)) << name;
+    }
+    EXPECT_TRUE(bitwise_equal(one.f.out, three.f.out));
+    EXPECT_TRUE(bitwise_equal(one.f.lse, three.f.lse));
+    EXPECT_TRUE(bitwise_equal(one.b.dq, three.b.dq));
+    EXPECT_TRUE(bitwise_equal(one.b.dk, three.b.dk));
+    EXPECT_TRUE(bitwise_equal(one.b.dv, three.b.dv));
+    EXPECT_TRUE(bitwise_equal(one.b.softmax_d, three.b.softmax_d));
+    EXPECT_TRUE(bitwise_equal(one.b.dsinks, three.b.dsinks));
+    if (precision == cpu::RefPrecision::fp64) {
+      // The fp64 run wrote the sinks: finite values, so the comparison above compared numbers.
+      EXPECT_TRUE(std::isfinite(one.dq[0]) && std::isfinite(one.dsinks[0]));
+    }
+  }
+}
 
 // --- the forward against SPEC §2, transcribed independently -------------------------------------
 

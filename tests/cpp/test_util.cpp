@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "api/validate.h"
 #include "common/numeric.h"
@@ -43,6 +44,17 @@ std::uint64_t fnv1a(const std::string& s) {
 }
 
 }  // namespace
+
+// Threads of the fp64 and naive references in check_forward / check_backward: FA_TEST_REF_THREADS,
+// else every hardware thread (the references give the same values for any count).
+int reference_threads() {
+  static const int threads = [] {
+    const char* value = std::getenv("FA_TEST_REF_THREADS");
+    const int asked = value != nullptr ? std::atoi(value) : 0;
+    return asked > 0 ? asked : std::max(1, int(std::thread::hardware_concurrency()));
+  }();
+  return threads;
+}
 
 std::uint64_t test_seed(std::uint64_t salt) {
   const testing::TestInfo* info = testing::UnitTest::GetInstance()->current_test_info();
@@ -793,14 +805,14 @@ testing::AssertionResult check_forward(const AttnProblem& p, const ForwardResult
   flashattn::cpu::Fp64Outputs sink;
   sink.out = ref_out.data();
   sink.lse = ref_lse.data();
-  flashattn::cpu::reference_forward(p64, flashattn::cpu::RefPrecision::fp64, &sink);
+  flashattn::cpu::reference_forward(p64, flashattn::cpu::RefPrecision::fp64, &sink, reference_threads());
 
   // naive_lowprec into outputs laid out like the kernel's.
   Tensor naive_out = Tensor::empty_like(fwd.out), naive_lse = Tensor::empty_like(fwd.lse);
   c::AttentionParams pn = params;
   pn.out.data = naive_out.data();
   pn.lse = static_cast<float*>(naive_lse.data());
-  flashattn::cpu::reference_forward(pn, flashattn::cpu::RefPrecision::emulate_storage, nullptr);
+  flashattn::cpu::reference_forward(pn, flashattn::cpu::RefPrecision::emulate_storage, nullptr, reference_threads());
 
   const double u = rounding_unit(p, params), f = factor_of(p.opt);
   std::vector<Comparison> cmps;
@@ -846,7 +858,7 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
     p64.dsinks = static_cast<float*>(s_ds.data());
     sink.dsinks = ref_ds.data();
   }
-  flashattn::cpu::reference_backward(p64, flashattn::cpu::RefPrecision::fp64, &sink);
+  flashattn::cpu::reference_backward(p64, flashattn::cpu::RefPrecision::fp64, &sink, reference_threads());
 
   Tensor n_dq = Tensor::empty_like(bwd.dq), n_dk = Tensor::empty_like(bwd.dk),
          n_dv = Tensor::empty_like(bwd.dv), n_d = Tensor::empty_like(bwd.softmax_d);
@@ -856,7 +868,7 @@ testing::AssertionResult check_backward(const AttnProblem& p, const ForwardResul
   pn.dv.data = n_dv.data();
   pn.softmax_d = static_cast<float*>(n_d.data());
   if (bwd.dsinks.defined()) pn.dsinks = static_cast<float*>(n_ds.data());
-  flashattn::cpu::reference_backward(pn, flashattn::cpu::RefPrecision::emulate_storage, nullptr);
+  flashattn::cpu::reference_backward(pn, flashattn::cpu::RefPrecision::emulate_storage, nullptr, reference_threads());
 
   const double u = rounding_unit(p, params), f = factor_of(p.opt);
   std::vector<Comparison> cmps;

@@ -81,6 +81,10 @@ using Index = std::vector<std::int64_t>;
 
 std::uint64_t test_seed(std::uint64_t salt = 0);
 
+// Threads of the references in check_forward / check_backward: FA_TEST_REF_THREADS, else every
+// hardware thread.
+int reference_threads();
+
 // Unit roundoff of a storage dtype: 2^-8 (bf16), 2^-11 (f16), 2^-24 (f32).
 double unit_roundoff(DType dtype);
 // Round a float to the dtype's precision and back.
