@@ -1,7 +1,8 @@
 // src/cpu/reference.cpp — the naive reference: materialised scores, one (batch, kv-head group)
 // at a time (several at once on num_threads threads; each writes only its own rows, so the
-// results do not depend on the thread count). In fp64 it is the oracle of every test; in emulate_storage it is SPEC §7's
-// naive_lowprec (fp32 math with every materialised intermediate rounded to the input dtype).
+// results do not depend on the thread count). In fp64 it is the oracle of every test; in
+// emulate_storage it is SPEC §7's naive_lowprec (fp32 math with every materialised intermediate
+// rounded to the input dtype).
 // Semantics come only from src/common (mask, score mod, dropout, layouts).
 #include <cmath>
 #include <limits>
@@ -200,15 +201,13 @@ struct Ref {
         for (int d = 0; d < p.head_dim_v; ++d) store(p.dv, sink ? sink->dv : nullptr, dvo + d, dv[std::size_t(j) * p.head_dim_v + d]);
       }
     });
-    std::vector<Acc> dsinks(std::size_t(p.heads), Acc(0));
-    for (int b = 0; b < p.batch && p.sinks; ++b) {
-      for (int hh = 0; hh < p.heads; ++hh) dsinks[std::size_t(hh)] += dsinks_of[std::size_t(b) * p.heads + hh];
-    }
     for (int hh = 0; p.dsinks && hh < p.heads; ++hh) {
+      Acc dsink = 0;
+      for (int b = 0; p.sinks && b < p.batch; ++b) dsink += dsinks_of[std::size_t(b) * p.heads + hh];
       if (sink && sink->dsinks) {
-        sink->dsinks[hh] = double(dsinks[std::size_t(hh)]);
+        sink->dsinks[hh] = double(dsink);
       } else if (!sink) {
-        p.dsinks[hh] = float(dsinks[std::size_t(hh)]);
+        p.dsinks[hh] = float(dsink);
       }
     }
   }
