@@ -163,6 +163,36 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
   }
 }
 
+// The masked order's sections (fwd_l2_section): the pairs whose K/V fit in 32 MiB where a pair has
+// at most 4 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
+// head's, and FLASHATTN_SM90_FWD_L2_SECTION_MB to size or switch them off.
+TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
+  c::AttentionParams p;
+  p.batch = 32;
+  p.heads = p.heads_k = 16;
+  p.head_dim = p.head_dim_v = 128;
+  p.max_seqlen_q = p.max_seqlen_k = 512;  // K/V of a head: 512 · 256 · 2 bytes = 256 KiB
+  const EnvOverride unset("FLASHATTN_SM90_FWD_L2_SECTION_MB", "");
+  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 128);  // 32 MiB / 256 KiB
+  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 64), 32 * 16);  // 8 row blocks: no sections
+  p.heads_k = 2;                                          // GQA 8: a kv head's K/V serves 8 pairs
+  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 32 * 16);  // 128 kv heads' worth is more than all pairs
+  p.batch = 200;
+  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 128 * 8);
+  p.heads_k = 16;
+  p.max_seqlen_k = 1 << 20;  // one kv head's K/V beyond 32 MiB: one head per section
+  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 1);
+  p.max_seqlen_k = 512;
+  {
+    const EnvOverride mib("FLASHATTN_SM90_FWD_L2_SECTION_MB", "8");
+    EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 32);
+  }
+  {
+    const EnvOverride off("FLASHATTN_SM90_FWD_L2_SECTION_MB", "0");
+    EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 200 * 16);
+  }
+}
+
 TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
   FA_SKIP_WITHOUT_SM90();
   const FamilyOverride ordered("");  // the ordered choice, also when the suite runs with a family forced

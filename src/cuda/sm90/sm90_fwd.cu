@@ -1,6 +1,7 @@
 // src/cuda/sm90/sm90_fwd.cu — which calls the Hopper forward family serves (host code).
 #include "cuda/sm90/sm90_fwd.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -55,6 +56,21 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
     if (!problem.empty()) return problem;
   }
   return "";
+}
+
+int fwd_l2_section(const common::AttentionParams& p, int block_m) {
+  const int pairs = p.heads * p.batch;
+  if (pairs <= 0) return 1;
+  if ((p.max_seqlen_q + block_m - 1) / block_m > kFwdL2SectionRowBlocks) return pairs;
+  std::int64_t mib = kFwdL2SectionMiB;
+  const char* env = std::getenv("FLASHATTN_SM90_FWD_L2_SECTION_MB");
+  if (env != nullptr && *env != '\0') mib = std::strtoll(env, nullptr, 10);
+  if (mib <= 0) return pairs;
+  const std::int64_t element_bytes = 2;
+  const std::int64_t kv_head_bytes = std::max<std::int64_t>(
+      1, std::int64_t(p.max_seqlen_k) * (p.head_dim + p.head_dim_v) * element_bytes);
+  const std::int64_t kv_heads = std::max<std::int64_t>(1, (mib << 20) / kv_head_bytes);
+  return int(std::min<std::int64_t>(pairs, kv_heads * p.group_size()));
 }
 
 bool fwd_snake_walk() {

@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
         const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
         if (index >= tiles) continue;
-        const FwdTile t = Scheduler::tile(params.p, index);
+        const FwdTile t = Scheduler::tile(params.p, index, params.section);
         if (t.empty()) continue;
         Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded & 1u, st);
         ++loaded;
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
       const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
       if (index >= tiles) continue;
-      const FwdTile t = Scheduler::tile(params.p, index);
+      const FwdTile t = Scheduler::tile(params.p, index, params.section);
       typename Traits::TiledMmaPV mma_pv;
       Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
       OnlineSoftmax<2> softmax(params.scale_log2);

@@ -45,6 +45,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
   params.snake = fwd_snake_walk() && (p.causal || p.window_left >= 0 || p.window_right >= 0);
+  params.section = fwd_l2_section(p, Traits::kBlockM);
 
   auto* kernel = &fwd_kernel<Traits>;
   const cudaError_t err =

@@ -34,6 +34,7 @@ struct FwdParams {
   float scale_log2;                    // softmax_scale · log2(e)
   const std::uint64_t* rng_state;      // dropout's (seed, offset) read at run time, or nullptr
   bool snake;                          // the tile walk (PersistentTileScheduler::index)
+  int section;                         // (head, batch) pairs per section of a masked order (≥ 1)
 };
 
 template <class Traits>

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common/params.h"
+#include "common/tile_order.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -43,7 +44,10 @@ struct FwdTile {
 // then from L2. Under a causal or windowed mask the highest row blocks of every (head, batch) come
 // first (longest first shortens the tail of the last wave). H200, bf16, causal s 16k: d 128 560,
 // d 256 566 TFLOP/s in this order; with the row blocks of one head together also under the mask
-// (highest first) 441 / 418 — kept out.
+// (highest first) 441 / 418 — kept out. That order is taken in sections of (head, batch) pairs
+// whose K/V fit in a share of L2 (fwd_l2_section): every round then reads K/V that the
+// section's earlier rounds left in L2, where one section of all pairs would stream all of K/V
+// from HBM again in every round once they outgrow L2.
 template <int kBlockM, int kBlockN>
 struct PersistentTileScheduler {
   __host__ __device__ static int tiles(const common::AttentionParams& p) {
@@ -59,15 +63,17 @@ struct PersistentTileScheduler {
     return round * ctas + (snake && (round & 1) ? ctas - 1 - cta : cta);
   }
 
-  __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index) {
+  // section: under a mask, how many (head, batch) pairs form one section of the order (≥ 1; see
+  // above), the host's fwd_l2_section.
+  __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section) {
     const int m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
     const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
     FwdTile t;
     int head_batch;
     if (masked) {
-      const int heads_batches = p.heads * p.batch;
-      t.m_block = m_blocks - 1 - index / heads_batches;
-      head_batch = index % heads_batches;
+      const auto at = common::MaskedTileOrder{m_blocks, p.heads * p.batch, section}.at(index);
+      t.m_block = at.m_block;
+      head_batch = at.pair;
     } else {
       t.m_block = index % m_blocks;
       head_batch = index / m_blocks;
