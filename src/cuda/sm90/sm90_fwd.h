@@ -38,6 +38,18 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
                         : (head_dim <= 128 ? FwdTileShape{128, 128, 2} : FwdTileShape{128, 64, 2});
 }
 
+// Q buffers of the forward's d 64 / d 128 kernels (-DFLASHATTN_SM90_FWD_Q_STAGES=2; d 256 has no
+// room and keeps one): with two, the producer loads the next tile's Q right after this tile's
+// first K/V stage, not after its last Q·Kᵀ, and O is staged in its tile's Q buffer instead of a
+// tile of its own — for the short tiles of causal masks at 512–2k keys, where each tile's start
+// waits for its Q (docs/benchmarks-sm90.md, run E).
+#ifndef FLASHATTN_SM90_FWD_Q_STAGES
+#define FLASHATTN_SM90_FWD_Q_STAGES 1
+#endif
+static_assert(FLASHATTN_SM90_FWD_Q_STAGES == 1 || FLASHATTN_SM90_FWD_Q_STAGES == 2,
+              "FLASHATTN_SM90_FWD_Q_STAGES is 1 or 2");
+constexpr int fwd_q_stages() { return FLASHATTN_SM90_FWD_Q_STAGES; }
+
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
 // softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds
 // then run under the other warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns

@@ -22,9 +22,10 @@ struct FwdEpilogue {
   // Staged apart from Q, O waits only for the warpgroup's reads of the previous tile's O; staged
   // in Q's bytes, the rows it overwrites are the warpgroup's own, read by its last Q·Kᵀ, which has
   // completed, and Q is given back once the rows are written out.
+  // count: the tile's place among the CTA's non-empty tiles (its Q buffer: Traits::q_buffer).
   template <class AccO, class Softmax>
   __device__ static void store(const FwdParams<Traits>& params, typename Traits::SharedStorage& ss,
-                               const FwdTile& t, int thread, AccO& acc_o, Softmax& softmax) {
+                               const FwdTile& t, int thread, std::uint32_t count, AccO& acc_o, Softmax& softmax) {
     const common::AttentionParams& p = params.p;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(thread);
@@ -80,7 +81,7 @@ struct FwdEpilogue {
       o_smem = ss.o.data();
       named_barrier_sync(barrier, kWgThreads);  // the previous tile's O has been read
     } else {
-      o_smem = ss.q.data();
+      o_smem = Traits::q_smem(ss, count);
     }
     Tensor acc_o_16 = make_tensor<Element>(acc_o.layout());
     convert_fragment<Element>(acc_o, acc_o_16);
@@ -94,7 +95,7 @@ struct FwdEpilogue {
     for_each_row([&](int row, uint4* dst) { *dst = *reinterpret_cast<const uint4*>(&sO(row, col)); });
     if constexpr (!Traits::kSeparateO) {
       named_barrier_sync(barrier, kWgThreads);  // every thread has read its rows of O
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[Traits::q_buffer(count)]);
     }
   }
 };

@@ -27,8 +27,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const int warpgroup = warp / 4;
 
   if (threadIdx.x == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, Traits::kConsumerWarpgroups);
+    for (int b = 0; b < Traits::kQStages; ++b) {
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full[b], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.q_empty[b], Traits::kConsumerWarpgroups);
+    }
     Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
     Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();
@@ -43,8 +45,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   const Pipeline k_pipe{ss.k_full, ss.k_empty};
   const Pipeline v_pipe{ss.v_full, ss.v_empty};
   const int tiles = Scheduler::tiles(params.p);
-  // Both sides skip tiles without a visible key (no loads, no barriers) and count the others: the
-  // parity of that count is the phase of the Q barriers.
+  // Both sides skip tiles without a visible key (no loads, no barriers) and count the others: that
+  // count gives a tile its Q buffer and the phase of the buffer's barriers (Traits::q_buffer).
   std::uint32_t loaded = 0;
 
   if (warpgroup == 0) {
@@ -52,13 +54,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
-      for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
-        const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
-        if (index >= tiles) continue;
-        const FwdTile t = Scheduler::tile(params.p, index, params.section);
-        if (t.empty()) continue;
-        Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded & 1u, st);
-        ++loaded;
+      if constexpr (Traits::kQStages == 1) {
+        for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
+          const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+          if (index >= tiles) continue;
+          const FwdTile t = Scheduler::tile(params.p, index, params.section);
+          if (t.empty()) continue;
+          Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded, false, t, false, st);
+          ++loaded;
+        }
+      } else {
+        // Two Q buffers: each tile's load also gives the next non-empty tile its Q.
+        auto next_tile = [&](int& round, FwdTile& t) {  // from round `round` on; false: none left
+          for (; round * int(gridDim.x) < tiles; ++round) {
+            const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+            if (index >= tiles) continue;
+            t = Scheduler::tile(params.p, index, params.section);
+            if (!t.empty()) {
+              ++round;
+              return true;
+            }
+          }
+          return false;
+        };
+        int round = 0;
+        FwdTile t, next;
+        bool have = next_tile(round, t), q_loaded = false;
+        while (have) {
+          const bool have_next = next_tile(round, next);
+          Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded, q_loaded, next, have_next, st);
+          q_loaded = have_next;
+          ++loaded;
+          t = next;
+          have = have_next;
+        }
       }
     }
   } else {
@@ -74,11 +103,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       typename Traits::TiledMmaPV mma_pv;
       Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
       OnlineSoftmax<2> softmax(params.scale_log2);
+      const std::uint32_t count = loaded;
       if (!t.empty()) {
-        Mainloop::compute(params, ss, k_pipe, v_pipe, t, thread, loaded & 1u, k_st, v_st, acc_o, softmax);
+        Mainloop::compute(params, ss, k_pipe, v_pipe, t, thread, count, k_st, v_st, acc_o, softmax);
         ++loaded;
       }
-      FwdEpilogue<Traits>::store(params, ss, t, thread, acc_o, softmax);
+      FwdEpilogue<Traits>::store(params, ss, t, thread, count, acc_o, softmax);
     }
     Mainloop::pingpong_finish(consumer_wg);
   }

@@ -48,51 +48,59 @@ struct FwdMainloop {
   using Pipeline = TmaPipeline<kStages>;
 
   // --- producer: one thread -------------------------------------------------------------------
-  // The tile's Q once the consumers are done with the previous tile's (q_phase: the parity of this
-  // tile among the CTA's non-empty ones), then K(n), V(n) for n from the last key tile to the
-  // first, each into the next free stage of its ring (st: the rings' position, carried from tile
-  // to tile). K/V stay in L2 for the other row blocks of the head (EVICT_LAST).
-  __device__ static void load(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
-                              const Pipeline& v_pipe, const FwdTile& t, std::uint32_t q_phase,
-                              PipelineState<kStages>& st) {
+  // The Q of tile t, the CTA's `count`-th non-empty one, into its buffer once the consumers are
+  // done with the buffer's previous tile (the first use of a buffer passes at once).
+  __device__ static void load_q(const FwdParams<Traits>& params, SharedStorage& ss, const FwdTile& t,
+                                std::uint32_t count) {
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q);  // (sq, d, h, b)
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
-    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
     // The sequence's rows, from its first one (a varlen batch: rows of the next sequence follow,
     // read but masked or never written; past the tensor TMA reads zeros).
-    const int q_row0 = Traits::kVarlen ? t.q_row0 : 0, k_row0 = Traits::kVarlen ? t.k_row0 : 0;
+    const int q_row0 = Traits::kVarlen ? t.q_row0 : 0;
     const int q_batch = Traits::kVarlen ? t.q_tma_batch : t.batch;
-    const int k_batch = Traits::kVarlen ? t.k_tma_batch : t.batch;
     Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, t.head, q_batch)),
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));  // (M, d)
+    Tensor sQ = make_tensor(make_smem_ptr(Traits::q_smem(ss, count)), typename Traits::SmemLayoutQ{});  // (M, d)
+    auto tma_q = params.tma_q.get_slice(_0{});
+    const int buffer = Traits::q_buffer(count);
+    cutlass::arch::ClusterBarrier::wait(&ss.q_empty[buffer], Traits::q_parity(count) ^ 1u);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[buffer], Traits::kTmaBytesQ);
+    copy(params.tma_q.with(ss.q_full[buffer]), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
+  }
+
+  // Tile t (the CTA's `count`-th non-empty one): its Q unless an earlier call loaded it
+  // (q_loaded), then K(n), V(n) for n from the last key tile to the first, each into the next free
+  // stage of its ring (st: the rings' position, carried from tile to tile). With two Q buffers,
+  // the next non-empty tile's Q (next, if has_next) goes right after the first K/V stage. K/V stay
+  // in L2 for the other row blocks of the head (EVICT_LAST).
+  __device__ static void load(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
+                              const Pipeline& v_pipe, const FwdTile& t, std::uint32_t count, bool q_loaded,
+                              const FwdTile& next, bool has_next, PipelineState<kStages>& st) {
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
+    const int k_row0 = Traits::kVarlen ? t.k_row0 : 0;
+    const int k_batch = Traits::kVarlen ? t.k_tma_batch : t.batch;
     Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, k_batch)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
     Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, k_batch)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, dv, n)
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});  // (M, d)
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
     Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});  // (N, dv, stage)
-
-    auto tma_q = params.tma_q.get_slice(_0{});
     auto tma_k = params.tma_k.get_slice(_0{});
     auto tma_v = params.tma_v.get_slice(_0{});
-    Tensor tQgQ = tma_q.partition_S(gQ);                      // (TMA, TMA_M, TMA_K)
-    Tensor tQsQ = tma_q.partition_D(sQ);                      // (TMA, TMA_M, TMA_K)
     Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));  // (TMA, n)
     Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));  // (TMA, stage)
     Tensor tVgV = group_modes<0, 3>(tma_v.partition_S(gV));  // (TMA, n)
     Tensor tVsV = group_modes<0, 3>(tma_v.partition_D(sV));  // (TMA, stage)
 
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
-    cutlass::arch::ClusterBarrier::wait(&ss.q_empty, q_phase ^ 1u);  // the first tile's passes at once
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, Traits::kTmaBytesQ);
-    copy(params.tma_q.with(ss.q_full), tQgQ, tQsQ);
+    if (!q_loaded) load_q(params, ss, t, count);
     for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
       copy(params.tma_k.with(k_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tKgK(_, n),
            tKsK(_, st.index));
       copy(params.tma_v.with(v_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tVgV(_, n),
            tVsV(_, st.index));
       st.advance();
+      if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
     }
   }
 
@@ -134,12 +142,12 @@ struct FwdMainloop {
   }
 
   // thread: index among the consumer threads (0 … kConsumerThreads − 1). Leaves O (fp32, not yet
-  // normalised) in acc_o and the running max/sum in softmax. q_phase as for load; k_st / v_st:
+  // normalised) in acc_o and the running max/sum in softmax. count as for load; k_st / v_st:
   // the rings' position, carried from tile to tile. With O staged apart from Q, Q is given back as
   // soon as the last Q·Kᵀ has completed.
   template <class AccO, class Softmax>
   __device__ static void compute(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
-                                 const Pipeline& v_pipe, const FwdTile& t, int thread, std::uint32_t q_phase,
+                                 const Pipeline& v_pipe, const FwdTile& t, int thread, std::uint32_t count,
                                  PipelineState<kStages>& k_st, PipelineState<kStages>& v_st, AccO& acc_o,
                                  Softmax& softmax) {
     typename Traits::TiledMmaQK mma_qk;
@@ -148,7 +156,7 @@ struct FwdMainloop {
     auto thr_pv = mma_pv.get_thread_slice(thread);
     const bool leader = thread % Traits::kWarpgroupThreads == 0;
 
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});    // (M, d)
+    Tensor sQ = make_tensor(make_smem_ptr(Traits::q_smem(ss, count)), typename Traits::SmemLayoutQ{});  // (M, d)
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});    // (N, d, stage)
     Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});  // (dv, N, stage)
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
@@ -254,7 +262,7 @@ struct FwdMainloop {
 
     float correction[kRows];
     const int wg = thread / Traits::kWarpgroupThreads;
-    cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_phase);
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full[Traits::q_buffer(count)], Traits::q_parity(count));
 
     // The last key tile: S, softmax, P — nothing accumulated yet.
     int n = t.n_block_max - 1;
@@ -305,7 +313,7 @@ struct FwdMainloop {
     }
 
     if constexpr (Traits::kSeparateO) {
-      if (leader) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every Q·Kᵀ has completed
+      if (leader) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[0]);  // every Q·Kᵀ has completed
     }
 
     // P of the first key tile times its V.

@@ -80,12 +80,15 @@ struct FwdTraits {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // O is staged in its own tile where shared memory allows (the next tile's Q then loads while
-  // this one's O is written out), else in Q's bytes (d 256: Q, K and V take 192 of the 227 KiB).
+  // Q buffers (fwd_q_stages): with two, the producer loads the next tile's Q while this tile's
+  // first key tiles are computed, and each tile's O is staged in its own Q's bytes. With one, O is
+  // staged in its own tile where shared memory allows (the next tile's Q then loads while this
+  // one's O is written out), else in Q's bytes (d 256: Q, K and V take 192 of the 227 KiB).
   using SmemLayoutO = SmemLayoutQ;
-  static constexpr int kSmemBytesWithO =
+  static constexpr int kSmemBytesTwoQ =
       int(sizeof(Element)) * (2 * kBlockM * kHeadDim + 2 * kStages * kBlockN * kHeadDim) + 1024;
-  static constexpr bool kSeparateO = kSmemBytesWithO <= 227 * 1024;
+  static constexpr int kQStages = fwd_q_stages() == 2 && kSmemBytesTwoQ <= 227 * 1024 ? 2 : 1;
+  static constexpr bool kSeparateO = kQStages == 1 && kSmemBytesTwoQ <= 227 * 1024;
 
   // Global views given to TMA: (rows, d, heads, batch) with the caller's strides.
   using ShapeRows = Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;
@@ -106,18 +109,25 @@ struct FwdTraits {
   struct SharedStorage {
     // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes, and TMA and
     // wgmma both assume a tile starts on that period.
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O unless kSeparateO
+    cute::array_aligned<Element, kQStages * cosize_v<SmemLayoutQ>, 1024> q;  // also O unless kSeparateO
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     OStorage o;
-    alignas(16) std::uint64_t q_full;  // transaction barrier of a tile's Q load
-    std::uint64_t q_empty;             // every consumer warpgroup is done with Q (and O, if it is Q's)
+    alignas(16) std::uint64_t q_full[kQStages];  // transaction barrier of a tile's Q load
+    std::uint64_t q_empty[kQStages];             // every consumer warpgroup is done with Q (and O, if it is Q's)
     std::uint64_t k_full[kStages];     // a K stage has landed (TMA transaction)
     std::uint64_t k_empty[kStages];    // every consumer warpgroup is done with a K stage
     std::uint64_t v_full[kStages];
     std::uint64_t v_empty[kStages];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  // The Q buffer of the CTA's `count`-th non-empty tile, and the parity of that buffer's barriers
+  // for it (the buffer's use count, mod 2).
+  __host__ __device__ static constexpr int q_buffer(std::uint32_t count) { return int(count % kQStages); }
+  __host__ __device__ static constexpr std::uint32_t q_parity(std::uint32_t count) { return (count / kQStages) & 1u; }
+  __device__ static Element* q_smem(SharedStorage& ss, std::uint32_t count) {
+    return ss.q.data() + q_buffer(count) * cosize_v<SmemLayoutQ>;
+  }
   static_assert(kSmemBytes <= 227 * 1024, "the tile exceeds the 227 KiB of shared memory per block of sm90");
 };
 
