@@ -48,6 +48,20 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   const std::int64_t element_bytes = 2;
   const int batch = varlen ? 1 : p.batch;
   const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
+  // O stored by TMA (fwd_tma_store; the dense kernels): its strides as for the loads, and the
+  // 16-byte alignment of its address and strides that a TMA descriptor needs.
+  if (fwd_tma_store() && !varlen && p.cache_seqlens == nullptr && p.seqused_k == nullptr &&
+      p.cache_batch_idx == nullptr && p.k_leftpad == nullptr) {
+    const std::string problem = tma_layout_problem("out", p.out, rows_q, p.heads, batch, element_bytes);
+    if (!problem.empty()) return problem;
+    const auto misaligned = [&](std::int64_t stride, std::int64_t extent) {
+      return extent > 1 && (stride * element_bytes) % 16 != 0;
+    };
+    if (reinterpret_cast<std::uintptr_t>(p.out.data) % 16 != 0 || misaligned(p.out.row_stride, rows_q) ||
+        misaligned(p.out.head_stride, p.heads) || misaligned(p.out.batch_stride, batch)) {
+      return "out: its address and strides must be multiples of 16 bytes for the TMA store";
+    }
+  }
   for (const auto& [name, t, rows, heads, batches] :
        {std::tuple<const char*, const common::RowHeadTensor*, std::int64_t, int, int>{"q", &p.q, rows_q, p.heads, batch},
         {"k", &p.k, rows_k, p.heads_k, batch_k},
@@ -72,6 +86,8 @@ int fwd_l2_section(const common::AttentionParams& p, int block_m) {
   const std::int64_t kv_heads = std::max<std::int64_t>(1, (mib << 20) / kv_head_bytes);
   return int(std::min<std::int64_t>(pairs, kv_heads * p.group_size()));
 }
+
+bool fwd_tma_store_built() { return fwd_tma_store(); }
 
 bool fwd_snake_walk() {
   const char* env = std::getenv("FLASHATTN_SM90_FWD_WALK");

@@ -50,6 +50,17 @@ static_assert(FLASHATTN_SM90_FWD_Q_STAGES == 1 || FLASHATTN_SM90_FWD_Q_STAGES ==
               "FLASHATTN_SM90_FWD_Q_STAGES is 1 or 2");
 constexpr int fwd_q_stages() { return FLASHATTN_SM90_FWD_Q_STAGES; }
 
+// O written by TMA (-DFLASHATTN_SM90_FWD_TMA_STORE=1, with two Q buffers; dense kernels only, whose
+// tiles' rows past the sequence are past the tensor too): the consumers stage O in the tile's Q
+// buffer and go on to the next tile; a warp of the producer warpgroup stores the tile with one
+// TMA store and gives the buffer back once the store has read it.
+#ifndef FLASHATTN_SM90_FWD_TMA_STORE
+#define FLASHATTN_SM90_FWD_TMA_STORE 0
+#endif
+constexpr bool fwd_tma_store() { return FLASHATTN_SM90_FWD_TMA_STORE != 0 && fwd_q_stages() == 2; }
+// fwd_tma_store() as the library was compiled (the knobs reach nvcc's translation units only).
+bool fwd_tma_store_built();
+
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
 // softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds
 // then run under the other warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns

@@ -9,6 +9,9 @@
 
 namespace flashattn::cuda::sm90 {
 
+// The warp of the producer warpgroup that stores O by TMA (Traits::kTmaStoreO); warp 0 loads.
+inline constexpr int kOStoreWarp = 1;
+
 template <class Traits>
 struct FwdEpilogue {
   using Element = typename Traits::Element;
@@ -91,12 +94,44 @@ struct FwdEpilogue {
     Tensor tr_src = thr_r2s.retile_S(acc_o_16);
     Tensor tr_dst = thr_r2s.partition_D(sO);
     copy(r2s, tr_src, tr_dst);
+    if constexpr (Traits::kTmaStoreO) {
+      // The TMA store reads the rows (async proxy) once every warpgroup has staged its own.
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(barrier, kWgThreads);
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.o_full[Traits::q_buffer(count)]);
+      return;
+    }
     named_barrier_sync(barrier, kWgThreads);
     for_each_row([&](int row, uint4* dst) { *dst = *reinterpret_cast<const uint4*>(&sO(row, col)); });
     if constexpr (!Traits::kSeparateO) {
       named_barrier_sync(barrier, kWgThreads);  // every thread has read its rows of O
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[Traits::q_buffer(count)]);
     }
+  }
+
+  // kTmaStoreO, one thread of warp kOStoreWarp: tile t (the CTA's `count`-th non-empty one) once
+  // its O is staged in its Q buffer — one TMA store of the whole tile (rows and columns past the
+  // tensor, i.e. past seqlen_q and dv, are not written), and the buffer given back to the
+  // producer once the store has read it.
+  __device__ static void tma_store(const FwdParams<Traits>& params, typename Traits::SharedStorage& ss,
+                                   const FwdTile& t, std::uint32_t count) {
+    if constexpr (Traits::kTmaStoreO) {
+      const int buffer = Traits::q_buffer(count);
+      cutlass::arch::ClusterBarrier::wait(&ss.o_full[buffer], Traits::q_parity(count));
+      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o);  // (sq, dv, h, b)
+      Tensor gO = local_tile(mO(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(t.m_block, _0{}));  // (M, dv)
+      Tensor sO = make_tensor(make_smem_ptr(Traits::q_smem(ss, count)), typename Traits::SmemLayoutO{});
+      auto tma_o = params.tma_o.get_slice(_0{});
+      copy(params.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
+      cute::tma_store_arrive();
+      cute::tma_store_wait<0>();  // read out of shared memory (not yet landed)
+      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[buffer]);
+    }
+  }
+  // The stores land before the thread exits.
+  __device__ static void tma_store_tail() {
+    if constexpr (Traits::kTmaStoreO) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
 };
 

@@ -29,7 +29,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   if (threadIdx.x == 0) {
     for (int b = 0; b < Traits::kQStages; ++b) {
       cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full[b], 1);
-      cutlass::arch::ClusterBarrier::init(&ss.q_empty[b], Traits::kConsumerWarpgroups);
+      // With O stored by TMA, the storing thread alone gives the buffer back.
+      cutlass::arch::ClusterBarrier::init(&ss.q_empty[b], Traits::kTmaStoreO ? 1 : Traits::kConsumerWarpgroups);
+      cutlass::arch::ClusterBarrier::init(&ss.o_full[b], Traits::kConsumerWarpgroups);
     }
     Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
     Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
@@ -89,6 +91,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           have = have_next;
         }
       }
+    } else if (Traits::kTmaStoreO && warp == kOStoreWarp && cute::elect_one_sync()) {
+      // O of each non-empty tile, once staged, by one TMA store (FwdEpilogue::tma_store).
+      std::uint32_t stored = 0;
+      for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
+        const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+        if (index >= tiles) continue;
+        const FwdTile t = Scheduler::tile(params.p, index, params.section);
+        if (t.empty()) continue;
+        FwdEpilogue<Traits>::tma_store(params, ss, t, stored++);
+      }
+      FwdEpilogue<Traits>::tma_store_tail();
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();

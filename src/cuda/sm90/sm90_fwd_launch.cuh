@@ -42,6 +42,11 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
                                gmem_rows<Element>(p.v, rows_k, p.head_dim_v, p.heads_k, batch_k),
                                take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
                                _1{});
+  if constexpr (Traits::kTmaStoreO) {
+    params.shape_o = make_shape(rows_q, p.head_dim_v, p.heads, batch);
+    params.tma_o = make_tma_copy(SM90_TMA_STORE{}, gmem_rows<Element>(p.out, rows_q, p.head_dim_v, p.heads, batch),
+                                 typename Traits::SmemLayoutO{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
   params.snake = fwd_snake_walk() && (p.causal || p.window_left >= 0 || p.window_right >= 0);

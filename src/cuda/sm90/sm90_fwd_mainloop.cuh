@@ -31,6 +31,8 @@ struct FwdParams {
   typename Traits::ShapeRows shape_q;  // (max_seqlen_q, d, heads, batch)
   typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
   typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
+  typename Traits::TmaO tma_o;         // kTmaStoreO only
+  typename Traits::ShapeRows shape_o;  // (max_seqlen_q, dv, heads, batch), kTmaStoreO only
   float scale_log2;                    // softmax_scale · log2(e)
   const std::uint64_t* rng_state;      // dropout's (seed, offset) read at run time, or nullptr
   bool snake;                          // the tile walk (PersistentTileScheduler::index)

@@ -43,14 +43,6 @@ struct FwdTraits {
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
   static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
-  // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
-  // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDim / 2) per thread. The sums
-  // stay within the 64K-register file: 128 · kProducerRegs + kConsumerThreads · kConsumerRegs.
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
-  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 64 * 1024,
-                "the register budget exceeds the register file");
-
   static_assert(kBlockM % kRowsPerWarpgroup == 0, "each consumer warpgroup owns 64 whole rows");
   static_assert(!kPingPong || kConsumerWarpgroups == 2, "ping-pong pairs two consumer warpgroups");
   static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one 128-byte swizzle row)");
@@ -89,6 +81,17 @@ struct FwdTraits {
       int(sizeof(Element)) * (2 * kBlockM * kHeadDim + 2 * kStages * kBlockN * kHeadDim) + 1024;
   static constexpr int kQStages = fwd_q_stages() == 2 && kSmemBytesTwoQ <= 227 * 1024 ? 2 : 1;
   static constexpr bool kSeparateO = kQStages == 1 && kSmemBytesTwoQ <= 227 * 1024;
+  // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp.
+  static constexpr bool kTmaStoreO = fwd_tma_store() && kQStages == 2 && !kVarlen;
+
+  // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
+  // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDim / 2) per thread. The sums
+  // stay within the 64K-register file: 128 · kProducerRegs + kConsumerThreads · kConsumerRegs.
+  // With O stored by TMA the producer warpgroup walks the tiles twice (loads, stores): 32.
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 && !kTmaStoreO ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 64 * 1024,
+                "the register budget exceeds the register file");
 
   // Global views given to TMA: (rows, d, heads, batch) with the caller's strides.
   using ShapeRows = Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;
@@ -99,6 +102,12 @@ struct FwdTraits {
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  struct NoTmaO {};
+  using TmaO = std::conditional_t<kTmaStoreO,
+                                  decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutO{},
+                                                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{})),
+                                  NoTmaO>;
 
   static constexpr std::uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr std::uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
@@ -115,6 +124,7 @@ struct FwdTraits {
     OStorage o;
     alignas(16) std::uint64_t q_full[kQStages];  // transaction barrier of a tile's Q load
     std::uint64_t q_empty[kQStages];             // every consumer warpgroup is done with Q (and O, if it is Q's)
+    std::uint64_t o_full[kQStages];              // kTmaStoreO: every consumer warpgroup has staged its O rows
     std::uint64_t k_full[kStages];     // a K stage has landed (TMA transaction)
     std::uint64_t k_empty[kStages];    // every consumer warpgroup is done with a K stage
     std::uint64_t v_full[kStages];
