@@ -12,10 +12,21 @@ namespace flashattn::common {
 // turn, then the next lower, and so on. One section of every pair is the plain longest-first
 // order; sections sized to the K/V that fit in L2 keep each round reading K/V that the section's
 // earlier rounds left there.
+//
+// Alternating: the sections take turns going up and down (the last one down), so that where one
+// section ends and the next begins, the tiles side by side in a round are of about the same
+// length (with every section highest first, a section's shortest tiles meet the next one's
+// longest there).
 struct MaskedTileOrder {
-  int m_blocks;  // row blocks per pair, ≥ 1
-  int pairs;     // (head, batch) pairs, ≥ 1
-  int section;   // pairs per section, 1 ≤ section ≤ pairs
+  int m_blocks;        // row blocks per pair, ≥ 1
+  int pairs;           // (head, batch) pairs, ≥ 1
+  int section;         // pairs per section, 1 ≤ section ≤ pairs
+  int rising_parity;   // sections k with k mod 2 == rising_parity go lowest row block first; −1: none
+
+  // rising_parity for the given sections, alternating or not: the last section falls.
+  FA_HOST_DEVICE static int rising_parity_of(int pairs, int section, bool alternate) {
+    return alternate ? (pairs + section - 1) / section % 2 : -1;
+  }
 
   struct Tile {
     int m_block;
@@ -23,10 +34,12 @@ struct MaskedTileOrder {
   };
   // The tile at position index (< m_blocks · pairs).
   FA_HOST_DEVICE Tile at(int index) const {
-    const int first = index / (section * m_blocks) * section;  // the section's first pair
+    const int k = index / (section * m_blocks);  // the section
+    const int first = k * section;               // its first pair
     const int in_section = pairs - first < section ? pairs - first : section;
     const int local = index - first * m_blocks;
-    return {m_blocks - 1 - local / in_section, first + local % in_section};
+    const int step = local / in_section;
+    return {(k & 1) == rising_parity ? step : m_blocks - 1 - step, first + local % in_section};
   }
 };
 

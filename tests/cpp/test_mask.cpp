@@ -172,38 +172,50 @@ TEST(Mask, StaggeredWalksGiveEachRowBlockItsTilesInTheOrderTheyArrive) {
 
 // The masked tile order (src/common/tile_order.h): every (row block, pair) exactly once; the pairs
 // of one section are all taken before the next section's; inside a section the row blocks never
-// rise; and one section of every pair is the plain order, row blocks outermost, highest first.
+// rise (with alternate, every other section's never fall, the last section's falling); and one
+// section of every pair is the plain order, row blocks outermost, highest first.
 TEST(Mask, MaskedTileOrderTakesEveryTileOnceSectionBySectionHighestRowsFirst) {
   using flashattn::common::MaskedTileOrder;
   int checked = 0;
-  for (int m_blocks = 1; m_blocks <= 9; ++m_blocks) {
-    for (int pairs = 1; pairs <= 13; ++pairs) {
-      for (int section = 1; section <= pairs; ++section) {
-        const MaskedTileOrder order{m_blocks, pairs, section};
-        std::vector<int> seen(m_blocks * pairs, 0);
-        int last_section = 0, last_m = m_blocks;
-        for (int i = 0; i < m_blocks * pairs; ++i) {
-          const auto t = order.at(i);
-          ASSERT_TRUE(t.m_block >= 0 && t.m_block < m_blocks && t.pair >= 0 && t.pair < pairs)
-              << m_blocks << " blocks, " << pairs << " pairs, section " << section << ": index " << i;
-          ++seen[t.m_block * pairs + t.pair];
-          const int s = t.pair / section;
-          ASSERT_GE(s, last_section) << "index " << i << " goes back to an earlier section";
-          if (s != last_section) last_m = m_blocks;
-          ASSERT_LE(t.m_block, last_m) << "index " << i << ": a row block rises inside its section";
-          last_section = s;
-          last_m = t.m_block;
-          if (section == pairs) {
-            ASSERT_EQ(t.m_block, m_blocks - 1 - i / pairs);
-            ASSERT_EQ(t.pair, i % pairs);
+  for (bool alternate : {false, true}) {
+    for (int m_blocks = 1; m_blocks <= 9; ++m_blocks) {
+      for (int pairs = 1; pairs <= 13; ++pairs) {
+        for (int section = 1; section <= pairs; ++section) {
+          const MaskedTileOrder order{m_blocks, pairs, section,
+                                      MaskedTileOrder::rising_parity_of(pairs, section, alternate)};
+          const int sections = (pairs + section - 1) / section;
+          std::vector<int> seen(m_blocks * pairs, 0);
+          int last_section = -1, last_m = 0;
+          for (int i = 0; i < m_blocks * pairs; ++i) {
+            const auto t = order.at(i);
+            ASSERT_TRUE(t.m_block >= 0 && t.m_block < m_blocks && t.pair >= 0 && t.pair < pairs)
+                << m_blocks << " blocks, " << pairs << " pairs, section " << section << ": index " << i;
+            ++seen[t.m_block * pairs + t.pair];
+            const int s = t.pair / section;
+            ASSERT_GE(s, last_section) << "index " << i << " goes back to an earlier section";
+            const bool up = alternate && (sections - 1 - s) % 2 == 1;
+            if (s == last_section) {
+              if (up) {
+                ASSERT_GE(t.m_block, last_m) << "index " << i << ": a row block falls in a rising section";
+              } else {
+                ASSERT_LE(t.m_block, last_m) << "index " << i << ": a row block rises inside its section";
+              }
+            }
+            if (s == sections - 1) ASSERT_FALSE(up) << "the last section rises";
+            last_section = s;
+            last_m = t.m_block;
+            if (section == pairs) {
+              ASSERT_EQ(t.m_block, m_blocks - 1 - i / pairs);
+              ASSERT_EQ(t.pair, i % pairs);
+            }
           }
+          for (int n : seen) ASSERT_EQ(n, 1) << m_blocks << " blocks, " << pairs << " pairs, section " << section;
+          ++checked;
         }
-        for (int n : seen) ASSERT_EQ(n, 1) << m_blocks << " blocks, " << pairs << " pairs, section " << section;
-        ++checked;
       }
     }
   }
-  EXPECT_GT(checked, 500);
+  EXPECT_GT(checked, 1000);
 }
 
 }  // namespace

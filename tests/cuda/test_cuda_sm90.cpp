@@ -178,7 +178,7 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
   }
 }
 
-// The masked order's sections (fwd_l2_section): the pairs whose K/V fit in 32 MiB where a pair has
+// The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
 // at most 4 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
 // head's, and FLASHATTN_SM90_FWD_L2_SECTION_MB to size or switch them off.
 TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
@@ -188,23 +188,31 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   p.head_dim = p.head_dim_v = 128;
   p.max_seqlen_q = p.max_seqlen_k = 512;  // K/V of a head: 512 · 256 · 2 bytes = 256 KiB
   const EnvOverride unset("FLASHATTN_SM90_FWD_L2_SECTION_MB", "");
-  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 128);  // 32 MiB / 256 KiB
-  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 64), 32 * 16);  // 8 row blocks: no sections
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);  // 32 MiB / 256 KiB
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 32 * 16);  // 8 row blocks: no sections
   p.heads_k = 2;                                          // GQA 8: a kv head's K/V serves 8 pairs
-  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 32 * 16);  // 128 kv heads' worth is more than all pairs
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32 * 16);  // 128 kv heads' worth is more than all pairs
   p.batch = 200;
-  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 128 * 8);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128 * 8);
   p.heads_k = 16;
   p.max_seqlen_k = 1 << 20;  // one kv head's K/V beyond 32 MiB: one head per section
-  EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 1);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 1);
   p.max_seqlen_k = 512;
   {
     const EnvOverride mib("FLASHATTN_SM90_FWD_L2_SECTION_MB", "8");
-    EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 32);
+    EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32);
   }
   {
     const EnvOverride off("FLASHATTN_SM90_FWD_L2_SECTION_MB", "0");
-    EXPECT_EQ(fc::sm90::fwd_l2_section(p, 128), 200 * 16);
+    EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 200 * 16);
+  }
+  EXPECT_FALSE(fc::sm90::fwd_l2_sections(p, 128).alternate);
+  {
+    const EnvOverride rows("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", "8");  // sections up to 8 row blocks
+    const EnvOverride alt("FLASHATTN_SM90_FWD_L2_SECTION_ALT", "1");
+    const fc::sm90::FwdSections s = fc::sm90::fwd_l2_sections(p, 64);
+    EXPECT_EQ(s.pairs, 128);
+    EXPECT_TRUE(s.alternate);
   }
 }
 

@@ -72,19 +72,27 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   return "";
 }
 
-int fwd_l2_section(const common::AttentionParams& p, int block_m) {
+namespace {
+// An integer from the environment, or `otherwise` where it is unset or empty.
+std::int64_t env_int(const char* name, std::int64_t otherwise) {
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? std::strtoll(env, nullptr, 10) : otherwise;
+}
+}  // namespace
+
+FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m) {
   const int pairs = p.heads * p.batch;
-  if (pairs <= 0) return 1;
-  if ((p.max_seqlen_q + block_m - 1) / block_m > kFwdL2SectionRowBlocks) return pairs;
-  std::int64_t mib = kFwdL2SectionMiB;
-  const char* env = std::getenv("FLASHATTN_SM90_FWD_L2_SECTION_MB");
-  if (env != nullptr && *env != '\0') mib = std::strtoll(env, nullptr, 10);
-  if (mib <= 0) return pairs;
+  const bool alternate = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ALT", 0) != 0;
+  if (pairs <= 0) return {1, alternate};
+  const std::int64_t row_blocks = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", kFwdL2SectionRowBlocks);
+  if ((p.max_seqlen_q + block_m - 1) / block_m > row_blocks) return {pairs, alternate};
+  const std::int64_t mib = env_int("FLASHATTN_SM90_FWD_L2_SECTION_MB", kFwdL2SectionMiB);
+  if (mib <= 0) return {pairs, alternate};
   const std::int64_t element_bytes = 2;
   const std::int64_t kv_head_bytes = std::max<std::int64_t>(
       1, std::int64_t(p.max_seqlen_k) * (p.head_dim + p.head_dim_v) * element_bytes);
   const std::int64_t kv_heads = std::max<std::int64_t>(1, (mib << 20) / kv_head_bytes);
-  return int(std::min<std::int64_t>(pairs, kv_heads * p.group_size()));
+  return {int(std::min<std::int64_t>(pairs, kv_heads * p.group_size())), alternate};
 }
 
 bool fwd_tma_store_built() { return fwd_tma_store(); }

@@ -77,17 +77,24 @@ bool fwd_snake_walk();
 
 // How many (head, batch) pairs one section of a masked call's tile order holds
 // (PersistentTileScheduler::tile, common::MaskedTileOrder): where a pair has at most
-// kFwdL2SectionRowBlocks row blocks, as many query heads as share the K/V of the kv heads that fit
-// in FLASHATTN_SM90_FWD_L2_SECTION_MB MiB (read at each call; default kFwdL2SectionMiB; 0: no
-// sections), at least one kv head's; elsewhere one section of every pair. Timed on the H200 (bf16,
-// causal, L2 cleared, in one call, TFLOP/s one section / 32 MiB sections): 512 keys d 64 190/194,
-// d 128 267/284, d 256 229/244 (K/V read once instead of once per row block: DRAM traffic 458 →
-// 282 MB at d 128); 1k keys d 64 270/261, d 128 365/371, d 256 330/323; 16k keys d 128 674/544 —
-// a section's end puts the next section's longest tiles beside its shortest in one round, which
-// the snake walk does not even out over rounds that hold many row blocks each.
+// kFwdL2SectionRowBlocks row blocks (FLASHATTN_SM90_FWD_L2_SECTION_ROWS), as many query heads as
+// share the K/V of the kv heads that fit in FLASHATTN_SM90_FWD_L2_SECTION_MB MiB (default
+// kFwdL2SectionMiB; 0: no sections), at least one kv head's; elsewhere one section of every pair.
+// FLASHATTN_SM90_FWD_L2_SECTION_ALT=1 alternates the sections' directions. All three are read at
+// each call. Timed on the H200 (bf16, causal, L2 cleared, in one call, TFLOP/s one section /
+// sections): 512 keys d 64 190/194, d 128 267/284, d 256 229/244 (K/V read once instead of once
+// per row block: DRAM traffic 458 → 282 MB at d 128); 1k keys d 64 270/261, d 128 365/371, d 256
+// 330/323; 16k keys d 128 674/544 — with every section highest first, a section's end puts the
+// next section's longest tiles beside its shortest in one round, which the snake walk does not
+// even out over rounds that hold many row blocks each (the alternating directions are meant for
+// that; not yet timed).
 inline constexpr int kFwdL2SectionMiB = 32;
 inline constexpr int kFwdL2SectionRowBlocks = 4;
-int fwd_l2_section(const common::AttentionParams& p, int block_m);
+struct FwdSections {
+  int pairs;       // pairs per section, ≥ 1
+  bool alternate;  // directions alternate
+};
+FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m);
 
 // Why the sm90 forward does not serve p in the instantiated head dim `head_dim` (0: none
 // compiled), or "" when it does. Checks the features and layouts only: the device and the

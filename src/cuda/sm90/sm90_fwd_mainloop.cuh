@@ -37,6 +37,7 @@ struct FwdParams {
   const std::uint64_t* rng_state;      // dropout's (seed, offset) read at run time, or nullptr
   bool snake;                          // the tile walk (PersistentTileScheduler::index)
   int section;                         // (head, batch) pairs per section of a masked order (≥ 1)
+  int section_rising;                  // sections that go up (MaskedTileOrder::rising_parity)
 };
 
 template <class Traits>

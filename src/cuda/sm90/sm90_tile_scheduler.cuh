@@ -45,7 +45,7 @@ struct FwdTile {
 // first (longest first shortens the tail of the last wave). H200, bf16, causal s 16k: d 128 560,
 // d 256 566 TFLOP/s in this order; with the row blocks of one head together also under the mask
 // (highest first) 441 / 418 — kept out. That order is taken in sections of (head, batch) pairs
-// whose K/V fit in a share of L2 (fwd_l2_section): every round then reads K/V that the
+// whose K/V fit in a share of L2 (fwd_l2_sections): every round then reads K/V that the
 // section's earlier rounds left in L2, where one section of all pairs would stream all of K/V
 // from HBM again in every round once they outgrow L2.
 template <int kBlockM, int kBlockN>
@@ -64,14 +64,16 @@ struct PersistentTileScheduler {
   }
 
   // section: under a mask, how many (head, batch) pairs form one section of the order (≥ 1; see
-  // above), the host's fwd_l2_section.
-  __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section) {
+  // above), the host's fwd_l2_sections; rising_parity: which sections go up
+  // (common::MaskedTileOrder).
+  __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section,
+                                                 int rising_parity) {
     const int m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
     const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
     FwdTile t;
     int head_batch;
     if (masked) {
-      const auto at = common::MaskedTileOrder{m_blocks, p.heads * p.batch, section}.at(index);
+      const auto at = common::MaskedTileOrder{m_blocks, p.heads * p.batch, section, rising_parity}.at(index);
       t.m_block = at.m_block;
       head_batch = at.pair;
     } else {
