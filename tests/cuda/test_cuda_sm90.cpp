@@ -137,20 +137,23 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   cached.cache_batch_idx = seqlens;
   cached.cache_batches = 5;
   EXPECT_EQ(fc::sm90::fwd_unsupported(cached, 128), "");
-  // Built to store O by TMA (FLASHATTN_SM90_FWD_TMA_STORE=1): a dense call's out needs TMA's
-  // strides and 16-byte alignment; varlen calls keep the thread stores and any out.
-  c::AttentionParams odd_out = plain;
-  odd_out.out.row_stride += 1;
-  c::AttentionParams odd_packed = packed;
-  odd_packed.out.row_stride += 1;
-  EXPECT_EQ(fc::sm90::fwd_unsupported(odd_packed, 128), "");
-  if (fc::sm90::fwd_tma_store_built()) {
-    EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, 128).find("out: its address and strides"), std::string::npos);
-    odd_out = plain;
-    odd_out.out.head_stride = 0;
-    EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, 128).find("out: its strides"), std::string::npos);
-  } else {
-    EXPECT_EQ(fc::sm90::fwd_unsupported(odd_out, 128), "");
+  // Built to store O by TMA (FLASHATTN_SM90_FWD_TMA_STORE=1: d 256, and d 64 / d 128 with two Q
+  // buffers): a dense call's out needs TMA's strides and 16-byte alignment; varlen calls keep the
+  // thread stores and any out.
+  for (int d : {128, 256}) {
+    c::AttentionParams odd_out = plain;
+    odd_out.out.row_stride += 1;
+    c::AttentionParams odd_packed = packed;
+    odd_packed.out.row_stride += 1;
+    EXPECT_EQ(fc::sm90::fwd_unsupported(odd_packed, d), "") << d;
+    if (fc::sm90::fwd_tma_store_built(d)) {
+      EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, d).find("out: its address and strides"), std::string::npos) << d;
+      odd_out = plain;
+      odd_out.out.head_stride = 0;
+      EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, d).find("out: its strides"), std::string::npos) << d;
+    } else {
+      EXPECT_EQ(fc::sm90::fwd_unsupported(odd_out, d), "") << d;
+    }
   }
 }
 

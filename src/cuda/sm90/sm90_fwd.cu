@@ -31,7 +31,6 @@ std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t,
 }
 
 std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
-  (void)head_dim;
   if (p.is_paged()) return "paged KV caches are not in this family yet";
   if (p.is_varlen() && p.cu_seqlens_k == nullptr) return "varlen keys without cu_seqlens_k are not in this family";
   const bool cache = p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr;
@@ -50,7 +49,7 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
   // O stored by TMA (fwd_tma_store; the dense kernels): its strides as for the loads, and the
   // 16-byte alignment of its address and strides that a TMA descriptor needs.
-  if (fwd_tma_store() && !varlen && p.cache_seqlens == nullptr && p.seqused_k == nullptr &&
+  if (fwd_tma_store_o(head_dim) && !varlen && p.cache_seqlens == nullptr && p.seqused_k == nullptr &&
       p.cache_batch_idx == nullptr && p.k_leftpad == nullptr) {
     const std::string problem = tma_layout_problem("out", p.out, rows_q, p.heads, batch, element_bytes);
     if (!problem.empty()) return problem;
@@ -95,7 +94,7 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m) {
   return {int(std::min<std::int64_t>(pairs, kv_heads * p.group_size())), alternate};
 }
 
-bool fwd_tma_store_built() { return fwd_tma_store(); }
+bool fwd_tma_store_built(int head_dim) { return fwd_tma_store_o(head_dim); }
 
 bool fwd_snake_walk() {
   const char* env = std::getenv("FLASHATTN_SM90_FWD_WALK");

@@ -50,16 +50,27 @@ static_assert(FLASHATTN_SM90_FWD_Q_STAGES == 1 || FLASHATTN_SM90_FWD_Q_STAGES ==
               "FLASHATTN_SM90_FWD_Q_STAGES is 1 or 2");
 constexpr int fwd_q_stages() { return FLASHATTN_SM90_FWD_Q_STAGES; }
 
-// O written by TMA (-DFLASHATTN_SM90_FWD_TMA_STORE=1, with two Q buffers; dense kernels only, whose
-// tiles' rows past the sequence are past the tensor too): the consumers stage O in the tile's Q
-// buffer and go on to the next tile; a warp of the producer warpgroup stores the tile with one
-// TMA store and gives the buffer back once the store has read it.
+// O written by TMA (-DFLASHATTN_SM90_FWD_TMA_STORE=1; dense kernels only, whose tiles' rows past
+// the sequence are past the tensor too) where O is staged in its tile's Q bytes: d 256 always,
+// d 64 / d 128 with two Q buffers. The consumers stage O there and go on to the next tile; a warp
+// of the producer warpgroup stores the tile with one TMA store and gives the buffer back once the
+// store has read it.
 #ifndef FLASHATTN_SM90_FWD_TMA_STORE
 #define FLASHATTN_SM90_FWD_TMA_STORE 0
 #endif
-constexpr bool fwd_tma_store() { return FLASHATTN_SM90_FWD_TMA_STORE != 0 && fwd_q_stages() == 2; }
-// fwd_tma_store() as the library was compiled (the knobs reach nvcc's translation units only).
-bool fwd_tma_store_built();
+constexpr bool fwd_tma_store() { return FLASHATTN_SM90_FWD_TMA_STORE != 0; }
+// Whether a tile of this (instantiated) head dim has room for a second Q-sized tile beside Q, K
+// and V (a second Q buffer, or O's own tile), and whether O is staged in Q's bytes.
+constexpr bool fwd_room_for_two_q(int head_dim) {
+  const FwdTileShape t = fwd_tile(head_dim);
+  return 2 * (2 * t.block_m * head_dim + 2 * t.stages * t.block_n * head_dim) + 1024 <= 227 * 1024;
+}
+constexpr bool fwd_o_in_q(int head_dim) { return fwd_q_stages() == 2 || !fwd_room_for_two_q(head_dim); }
+// Whether the dense kernel of this head dim writes O by TMA.
+constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store() && fwd_o_in_q(head_dim); }
+// fwd_tma_store_o(head_dim) as the library was compiled (the knobs reach nvcc's translation units
+// only).
+bool fwd_tma_store_built(int head_dim);
 
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
 // softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds
