@@ -1,6 +1,7 @@
 // src/cuda/sm90/sm90_fwd_kernel.cuh — the Hopper forward kernel (warp-specialised, TMA + wgmma):
 // one producer warpgroup, of which one thread issues every TMA load, and kConsumerWarpgroups
-// consumer warpgroups of 64 query rows each that compute S, the online softmax and O. The body
+// consumer warpgroups of 64 query rows each that compute S, the online softmax and O (with
+// FLASHATTN_SM90_FWD_TMA_STORE, one thread of the producer's warp 1 stores each tile's O). The body
 // only orchestrates: loads and products in sm90_fwd_mainloop.cuh, softmax in sm90_softmax.cuh,
 // the output in sm90_fwd_epilogue.cuh, the tile in sm90_tile_scheduler.cuh.
 #pragma once
