@@ -33,9 +33,25 @@ struct FwdTileShape {
 #endif
 inline constexpr int kD64Rows = FLASHATTN_SM90_FWD_D64_ROWS;
 static_assert(kD64Rows == 192 || kD64Rows == 128, "FLASHATTN_SM90_FWD_D64_ROWS is 192 or 128");
+// K/V stages of the d 64 (128-row tile) and d 128 kernels (-DFLASHATTN_SM90_FWD_D64_STAGES=2…4,
+// -DFLASHATTN_SM90_FWD_D128_STAGES=2 or 3): deeper rings let the producer load the next tile's
+// first K/V further ahead, for the short tiles of causal masks. At d 128, 3 stages leave no room
+// for O's own tile or a second Q buffer: O is then staged in Q's bytes (fwd_o_in_q). Not yet timed.
+#ifndef FLASHATTN_SM90_FWD_D64_STAGES
+#define FLASHATTN_SM90_FWD_D64_STAGES 2
+#endif
+#ifndef FLASHATTN_SM90_FWD_D128_STAGES
+#define FLASHATTN_SM90_FWD_D128_STAGES 2
+#endif
+static_assert(FLASHATTN_SM90_FWD_D64_STAGES >= 2 && FLASHATTN_SM90_FWD_D64_STAGES <= 4,
+              "FLASHATTN_SM90_FWD_D64_STAGES is 2, 3 or 4");
+static_assert(FLASHATTN_SM90_FWD_D128_STAGES == 2 || FLASHATTN_SM90_FWD_D128_STAGES == 3,
+              "FLASHATTN_SM90_FWD_D128_STAGES is 2 or 3");
 constexpr FwdTileShape fwd_tile(int head_dim) {
-  return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, 96, 2} : FwdTileShape{128, 128, 2})
-                        : (head_dim <= 128 ? FwdTileShape{128, 128, 2} : FwdTileShape{128, 64, 2});
+  return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, 96, 2}
+                                           : FwdTileShape{128, 128, FLASHATTN_SM90_FWD_D64_STAGES})
+                        : (head_dim <= 128 ? FwdTileShape{128, 128, FLASHATTN_SM90_FWD_D128_STAGES}
+                                           : FwdTileShape{128, 64, 2});
 }
 
 // Q buffers of the forward's d 64 / d 128 kernels (-DFLASHATTN_SM90_FWD_Q_STAGES=2; d 256 has no
