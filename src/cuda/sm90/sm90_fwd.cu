@@ -49,8 +49,7 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
   // O stored by TMA (fwd_tma_store; the dense kernels): its strides as for the loads, and the
   // 16-byte alignment of its address and strides that a TMA descriptor needs.
-  if (fwd_tma_store_o(head_dim) && !varlen && p.cache_seqlens == nullptr && p.seqused_k == nullptr &&
-      p.cache_batch_idx == nullptr && p.k_leftpad == nullptr) {
+  if (fwd_tma_store_o(head_dim) && !fwd_varlen_kernel(p)) {
     const std::string problem = tma_layout_problem("out", p.out, rows_q, p.heads, batch, element_bytes);
     if (!problem.empty()) return problem;
     const auto misaligned = [&](std::int64_t stride, std::int64_t extent) {

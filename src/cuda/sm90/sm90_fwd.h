@@ -75,13 +75,15 @@ constexpr int fwd_q_stages() { return FLASHATTN_SM90_FWD_Q_STAGES; }
 #define FLASHATTN_SM90_FWD_TMA_STORE 0
 #endif
 constexpr bool fwd_tma_store() { return FLASHATTN_SM90_FWD_TMA_STORE != 0; }
-// Whether a tile of this (instantiated) head dim has room for a second Q-sized tile beside Q, K
-// and V (a second Q buffer, or O's own tile), and whether O is staged in Q's bytes.
-constexpr bool fwd_room_for_two_q(int head_dim) {
-  const FwdTileShape t = fwd_tile(head_dim);
+// Whether tile t at this (instantiated) head dim has room for a second Q-sized tile beside Q, K
+// and V (a second Q buffer, or O's own tile; 16-bit elements), and whether O is staged in Q's
+// bytes (FwdTraits::kQStages / kSeparateO decide the same).
+constexpr bool fwd_room_for_two_q(FwdTileShape t, int head_dim) {
   return 2 * (2 * t.block_m * head_dim + 2 * t.stages * t.block_n * head_dim) + 1024 <= 227 * 1024;
 }
-constexpr bool fwd_o_in_q(int head_dim) { return fwd_q_stages() == 2 || !fwd_room_for_two_q(head_dim); }
+constexpr bool fwd_o_in_q(int head_dim) {
+  return fwd_q_stages() == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
+}
 // Whether the dense kernel of this head dim writes O by TMA.
 constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store() && fwd_o_in_q(head_dim); }
 // fwd_tma_store_o(head_dim) as the library was compiled (the knobs reach nvcc's translation units
@@ -122,6 +124,13 @@ struct FwdSections {
   bool alternate;  // directions alternate
 };
 FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m);
+
+// Whether a call takes the varlen kernel (per-sequence rows or key counts: varlen, seqused_k, a
+// KV cache) rather than the dense one.
+inline bool fwd_varlen_kernel(const common::AttentionParams& p) {
+  return p.is_varlen() || p.seqused_k != nullptr || p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr ||
+         p.k_leftpad != nullptr;
+}
 
 // Why the sm90 forward does not serve p in the instantiated head dim `head_dim` (0: none
 // compiled), or "" when it does. Checks the features and layouts only: the device and the

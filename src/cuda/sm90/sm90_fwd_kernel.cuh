@@ -52,56 +52,54 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // count gives a tile its Q buffer and the phase of the buffer's barriers (Traits::q_buffer).
   std::uint32_t loaded = 0;
 
+  // The CTA's tile of round `round`, or of a later round where that one has none or an empty one
+  // (round then moves past it); false when no tile is left. The producer's and the O storer's walk.
+  auto next_tile = [&](int& round, FwdTile& t) {
+    for (; round * int(gridDim.x) < tiles; ++round) {
+      const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+      if (index >= tiles) continue;
+      t = Scheduler::tile(params.p, index, params.section, params.section_rising);
+      if (!t.empty()) {
+        ++round;
+        return true;
+      }
+    }
+    return false;
+  };
+
   if (warpgroup == 0) {
     // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
       if constexpr (Traits::kQStages == 1) {
+        // (Round by round rather than through next_tile: ptxas spills less in the score-mod
+        // kernels this way: 64 / 56 bytes at d 128, against 92 / 76.)
         for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
           const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
           if (index >= tiles) continue;
           const FwdTile t = Scheduler::tile(params.p, index, params.section, params.section_rising);
           if (t.empty()) continue;
-          Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded, false, t, false, st);
-          ++loaded;
+          Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, false, t, false, st);
         }
       } else {
         // Two Q buffers: each tile's load also gives the next non-empty tile its Q.
-        auto next_tile = [&](int& round, FwdTile& t) {  // from round `round` on; false: none left
-          for (; round * int(gridDim.x) < tiles; ++round) {
-            const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
-            if (index >= tiles) continue;
-            t = Scheduler::tile(params.p, index, params.section, params.section_rising);
-            if (!t.empty()) {
-              ++round;
-              return true;
-            }
-          }
-          return false;
-        };
         int round = 0;
         FwdTile t, next;
         bool have = next_tile(round, t), q_loaded = false;
         while (have) {
           const bool have_next = next_tile(round, next);
-          Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded, q_loaded, next, have_next, st);
+          Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, q_loaded, next, have_next, st);
           q_loaded = have_next;
-          ++loaded;
           t = next;
           have = have_next;
         }
       }
     } else if (Traits::kTmaStoreO && warp == kOStoreWarp && cute::elect_one_sync()) {
       // O of each non-empty tile, once staged, by one TMA store (FwdEpilogue::tma_store).
-      std::uint32_t stored = 0;
-      for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
-        const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
-        if (index >= tiles) continue;
-        const FwdTile t = Scheduler::tile(params.p, index, params.section, params.section_rising);
-        if (t.empty()) continue;
-        FwdEpilogue<Traits>::tma_store(params, ss, t, stored++);
-      }
+      int round = 0;
+      FwdTile t;
+      for (std::uint32_t stored = 0; next_tile(round, t); ++stored) FwdEpilogue<Traits>::tma_store(params, ss, t, stored);
       FwdEpilogue<Traits>::tma_store_tail();
     }
   } else {

@@ -77,9 +77,7 @@ template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
   const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
-  // Per-sequence key counts or rows: the varlen kernel (also for KV caches).
-  const bool varlen = p.is_varlen() || p.seqused_k != nullptr || p.cache_seqlens != nullptr ||
-                      p.cache_batch_idx != nullptr || p.k_leftpad != nullptr;
+  const bool varlen = fwd_varlen_kernel(p);
   if (score_mod) {
     return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, rng_state, stream)
                   : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, rng_state, stream);

@@ -77,10 +77,9 @@ struct FwdTraits {
   // staged in its own tile where shared memory allows (the next tile's Q then loads while this
   // one's O is written out), else in Q's bytes (d 256: Q, K and V take 192 of the 227 KiB).
   using SmemLayoutO = SmemLayoutQ;
-  static constexpr int kSmemBytesTwoQ =
-      int(sizeof(Element)) * (2 * kBlockM * kHeadDim + 2 * kStages * kBlockN * kHeadDim) + 1024;
-  static constexpr int kQStages = fwd_q_stages() == 2 && kSmemBytesTwoQ <= 227 * 1024 ? 2 : 1;
-  static constexpr bool kSeparateO = kQStages == 1 && kSmemBytesTwoQ <= 227 * 1024;
+  static constexpr bool kRoomForTwoQ = fwd_room_for_two_q(FwdTileShape{kBlockM, kBlockN, kStages}, kHeadDim);
+  static constexpr int kQStages = fwd_q_stages() == 2 && kRoomForTwoQ ? 2 : 1;
+  static constexpr bool kSeparateO = kQStages == 1 && kRoomForTwoQ;
   // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp.
   static constexpr bool kTmaStoreO = fwd_tma_store() && !kSeparateO && !kVarlen;
 
