@@ -182,8 +182,9 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
 }
 
 // The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
-// at most 4 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
-// head's, and FLASHATTN_SM90_FWD_L2_SECTION_MB to size or switch them off.
+// at most 32 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
+// head's, alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them,
+// switch them off or keep every section highest first.
 TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   c::AttentionParams p;
   p.batch = 32;
@@ -191,8 +192,17 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   p.head_dim = p.head_dim_v = 128;
   p.max_seqlen_q = p.max_seqlen_k = 512;  // K/V of a head: 512 · 256 · 2 bytes = 256 KiB
   const EnvOverride unset("FLASHATTN_SM90_FWD_L2_SECTION_MB", "");
+  const EnvOverride unset_rows("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", "");
+  const EnvOverride unset_alt("FLASHATTN_SM90_FWD_L2_SECTION_ALT", "");
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);  // 32 MiB / 256 KiB
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 32 * 16);  // 8 row blocks: no sections
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 128);   // 8 row blocks: still sections
+  EXPECT_TRUE(fc::sm90::fwd_l2_sections(p, 128).alternate);
+  p.max_seqlen_q = 32 * 128;  // 32 row blocks of 128: the last length with sections
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);
+  p.max_seqlen_q += 1;  // 33 row blocks: one section of every pair
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32 * 16);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 256).pairs, 128);  // 17 row blocks of 256
+  p.max_seqlen_q = 512;
   p.heads_k = 2;                                          // GQA 8: a kv head's K/V serves 8 pairs
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32 * 16);  // 128 kv heads' worth is more than all pairs
   p.batch = 200;
@@ -209,13 +219,13 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
     const EnvOverride off("FLASHATTN_SM90_FWD_L2_SECTION_MB", "0");
     EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 200 * 16);
   }
-  EXPECT_FALSE(fc::sm90::fwd_l2_sections(p, 128).alternate);
   {
-    const EnvOverride rows("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", "8");  // sections up to 8 row blocks
-    const EnvOverride alt("FLASHATTN_SM90_FWD_L2_SECTION_ALT", "1");
-    const fc::sm90::FwdSections s = fc::sm90::fwd_l2_sections(p, 64);
+    const EnvOverride rows("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", "4");  // sections up to 4 row blocks
+    const EnvOverride alt("FLASHATTN_SM90_FWD_L2_SECTION_ALT", "0");
+    EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 200 * 16);  // 8 row blocks
+    const fc::sm90::FwdSections s = fc::sm90::fwd_l2_sections(p, 128);
     EXPECT_EQ(s.pairs, 128);
-    EXPECT_TRUE(s.alternate);
+    EXPECT_FALSE(s.alternate);
   }
 }
 

@@ -80,7 +80,7 @@ std::int64_t env_int(const char* name, std::int64_t otherwise) {
 
 FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m) {
   const int pairs = p.heads * p.batch;
-  const bool alternate = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ALT", 0) != 0;
+  const bool alternate = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ALT", 1) != 0;
   if (pairs <= 0) return {1, alternate};
   const std::int64_t row_blocks = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", kFwdL2SectionRowBlocks);
   if ((p.max_seqlen_q + block_m - 1) / block_m > row_blocks) return {pairs, alternate};

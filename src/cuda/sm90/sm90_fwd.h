@@ -109,16 +109,18 @@ bool fwd_snake_walk();
 // kFwdL2SectionRowBlocks row blocks (FLASHATTN_SM90_FWD_L2_SECTION_ROWS), as many query heads as
 // share the K/V of the kv heads that fit in FLASHATTN_SM90_FWD_L2_SECTION_MB MiB (default
 // kFwdL2SectionMiB; 0: no sections), at least one kv head's; elsewhere one section of every pair.
-// FLASHATTN_SM90_FWD_L2_SECTION_ALT=1 alternates the sections' directions. All three are read at
-// each call. Timed on the H200 (bf16, causal, L2 cleared, in one call, TFLOP/s one section /
-// sections): 512 keys d 64 190/194, d 128 267/284, d 256 229/244 (K/V read once instead of once
-// per row block: DRAM traffic 458 → 282 MB at d 128); 1k keys d 64 270/261, d 128 365/371, d 256
-// 330/323; 16k keys d 128 674/544 — with every section highest first, a section's end puts the
-// next section's longest tiles beside its shortest in one round, which the snake walk does not
-// even out over rounds that hold many row blocks each (the alternating directions are meant for
-// that; not yet timed).
+// Sections alternate their directions (the first rises, the last falls;
+// FLASHATTN_SM90_FWD_L2_SECTION_ALT=0: every section highest first). All three are read at each
+// call. With every section highest first, a section's end put the next section's longest tiles
+// beside its shortest in one round, which the snake walk does not even out over rounds that hold
+// many row blocks each: at 16k keys d 128 sections ran 544 TFLOP/s against 674 without.
+// Alternating directions keep each boundary's tiles of like length together. Timed on the H200
+// (bf16, causal, L2 cleared, one call, docs/benchmarks-sm90.md run F), TFLOP/s without sections /
+// alternating sections: 1k keys d 128 359/413, d 256 331/396; 2k d 128 449/529, d 256 498/533;
+// 4k d 64 400/414, d 128 578/621, d 256 598/639; at 8k–16k keys (64–128 row blocks of 128 rows)
+// 0.97–1.08 of the order without sections, within that call's spread: the limit stays at 32.
 inline constexpr int kFwdL2SectionMiB = 32;
-inline constexpr int kFwdL2SectionRowBlocks = 4;
+inline constexpr int kFwdL2SectionRowBlocks = 32;
 struct FwdSections {
   int pairs;       // pairs per section, ≥ 1
   bool alternate;  // directions alternate
