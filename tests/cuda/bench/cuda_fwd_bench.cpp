@@ -16,11 +16,18 @@
 // alternating (s/4 and 3s/4 where b = 1), FLOPs counted per sequence. --l2-flush 1 clears the L2
 // before every timed call of the grid too, as bench/compare.py's timing does.
 //
+// --env-variants "alt:FLASHATTN_SM90_FWD_L2_SECTION_ALT=1;off:FLASHATTN_SM90_FWD_L2_SECTION_MB=0"
+// times every grid case once per variant of the runtime knobs, back to back (name:VAR=V,VAR=V;
+// a name alone: none of the variables set), so that the GPU's drift over a long run falls on all
+// variants of a case alike; the JSON rows then name their variant. Every variable that any
+// variant names is unset before each variant's own are set.
+//
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 //                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X] [--alibi 0|1]
 //                  [--varlen equal|mixed]
 //                  [--tokens 16384] [--width 2048]
 //                  [--repeats 30] [--warmup 5] [--l2-flush 0|1] [--json FILE]
+//                  [--env-variants name:VAR=V,...;name:...]
 //                  [--decode 1:131072:0,32:32768:16,...] [--decode-sq 1] [--decode-heads 32:8]
 #include <cuda_runtime.h>
 
@@ -86,6 +93,11 @@ struct Args {
     int batch, context, page;
   };
   std::vector<Decode> decode;
+  struct EnvVariant {
+    std::string name;
+    std::vector<std::pair<std::string, std::string>> vars;
+  };
+  std::vector<EnvVariant> env_variants;  // empty: one run as the environment is
   int decode_sq = 1;
   int decode_heads = 32, decode_heads_k = 8;
 };
@@ -123,6 +135,21 @@ Args parse(int argc, char** argv) {
     else if (flag == "--warmup") a.warmup = std::stoi(v);
     else if (flag == "--l2-flush") a.l2_flush = v == "1";
     else if (flag == "--json") a.json = v;
+    else if (flag == "--env-variants") {
+      std::stringstream ss(v);
+      for (std::string item; std::getline(ss, item, ';');) {
+        const std::size_t colon = item.find(':');
+        Args::EnvVariant ev{item.substr(0, colon), {}};
+        if (ev.name.empty()) throw std::runtime_error("--env-variants: a variant without a name in " + v);
+        const std::string vars = colon == std::string::npos ? "" : item.substr(colon + 1);
+        for (const std::string& var : str_list(vars)) {
+          const std::size_t eq = var.find('=');
+          if (eq == std::string::npos || eq == 0) throw std::runtime_error("--env-variants takes VAR=VALUE, not " + var);
+          ev.vars.emplace_back(var.substr(0, eq), var.substr(eq + 1));
+        }
+        a.env_variants.push_back(ev);
+      }
+    }
     else if (flag == "--decode") {
       for (const std::string& item : str_list(v)) {
         const std::vector<int> f = colon_ints(item);
@@ -399,28 +426,42 @@ int main(int argc, char** argv) try {
               flashattn::cuda::forward(p, nullptr);
             }
           };
-          const double median = args.l2_flush ? median_ms(args.warmup, args.repeats, call, *grid_flush)
-                                              : median_ms(args.warmup, args.repeats, call, [] {});
+          // One timing per variant of the runtime knobs (one unnamed where none are asked for).
+          std::vector<std::pair<std::string, double>> medians;
+          for (std::size_t vi = 0; vi < std::max<std::size_t>(1, args.env_variants.size()); ++vi) {
+            std::string name;
+            if (!args.env_variants.empty()) {
+              for (const Args::EnvVariant& other : args.env_variants) {
+                for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
+              }
+              name = args.env_variants[vi].name;
+              for (const auto& kv : args.env_variants[vi].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+            }
+            medians.emplace_back(name, args.l2_flush ? median_ms(args.warmup, args.repeats, call, *grid_flush)
+                                                     : median_ms(args.warmup, args.repeats, call, [] {}));
+          }
           cudaFree(workspace);
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * h * sum_sq * d / (causal ? 2.0 : 1.0);
-          const double tflops = flops / (median * 1e-3) / 1e12;
           // The kernel family that ran (cuda/family.h).
           const char* family = flashattn::cuda::family_name(bwd ? flashattn::cuda::choose_backward_family(p).family
                                                                 : flashattn::cuda::choose_forward_family(p).family);
-          std::printf(
-              "flashattn %s %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g alibi=%d varlen=%s: %.3f ms, %.1f "
-              "TFLOP/s\n",
-              family, pass.c_str(), args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, args.dropout,
-              args.softcap, int(args.alibi), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
-          json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_" << family << "\", \"pass\": \"" << pass
-               << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
-               << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
-               << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
-               << ", \"softcap\": " << args.softcap << ", \"alibi\": " << (args.alibi ? "true" : "false")
-               << ", \"varlen\": \"" << (args.varlen.empty() ? "no" : args.varlen) << "\", \"l2_flush\": " << (args.l2_flush ? "true" : "false")
-               << ", \"ms\": " << median
-               << ", \"tflops\": " << tflops << "}";
-          first = false;
+          for (const auto& [variant, median] : medians) {
+            const double tflops = flops / (median * 1e-3) / 1e12;
+            std::printf(
+                "flashattn%s%s %s %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g alibi=%d varlen=%s: %.3f ms, %.1f "
+                "TFLOP/s\n",
+                variant.empty() ? "" : " variant ", variant.c_str(), family, pass.c_str(),
+                args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, args.dropout, args.softcap, int(args.alibi), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
+            json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_" << family << "\", \"pass\": \"" << pass
+                 << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
+                 << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
+                 << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
+                 << ", \"softcap\": " << args.softcap << ", \"alibi\": " << (args.alibi ? "true" : "false")
+                 << ", \"varlen\": \"" << (args.varlen.empty() ? "no" : args.varlen) << "\", \"l2_flush\": " << (args.l2_flush ? "true" : "false")
+                 << (variant.empty() ? "" : ", \"variant\": \"" + variant + "\"") << ", \"ms\": " << median
+                 << ", \"tflops\": " << tflops << "}";
+            first = false;
+          }
         }
       }
       check(cudaGetLastError(), "kernel");
