@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "cuda/sm90/sm90_bwd.h"
+#include "cuda/sm90/sm90_pipeline.cuh"
 
 namespace flashattn::cuda::sm90 {
 
@@ -52,8 +53,8 @@ struct BwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups: the register split assumes it");
-  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 64 * 1024,
-                "the register budget exceeds the register file");
+  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
+                "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle rows");
 
   // (M, N, K) of each product.

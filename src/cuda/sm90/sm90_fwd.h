@@ -54,17 +54,20 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
                                            : FwdTileShape{128, 64, 2});
 }
 
-// Q buffers of the forward's d 64 / d 128 kernels (-DFLASHATTN_SM90_FWD_Q_STAGES=2; d 256 has no
-// room and keeps one): with two, the producer loads the next tile's Q right after this tile's
-// first K/V stage, not after its last Q·Kᵀ, and O is staged in its tile's Q buffer instead of a
-// tile of its own — for the short tiles of causal masks at 512–2k keys, where each tile's start
-// waits for its Q (docs/benchmarks-sm90.md, run E).
+// Q buffers of the forward's d 64 / d 128 kernels (d 256 has no room and keeps one): with two,
+// the producer loads the next tile's Q right after this tile's first K/V stage, not after its last
+// Q·Kᵀ, and O is staged in its tile's Q buffer instead of a tile of its own. Two at d 64, one at
+// d 128 by default: on the H200 (bf16, L2 cleared, one call; docs/benchmarks-sm90.md, run G) two
+// buffers ran d 64 at 1.02–1.07× one (all but 8k–16k without a mask, 0.98–1.00) and d 128 at
+// 0.98–1.01×. -DFLASHATTN_SM90_FWD_Q_STAGES=1 or 2 sets every head dim alike.
 #ifndef FLASHATTN_SM90_FWD_Q_STAGES
-#define FLASHATTN_SM90_FWD_Q_STAGES 1
+#define FLASHATTN_SM90_FWD_Q_STAGES 0
 #endif
-static_assert(FLASHATTN_SM90_FWD_Q_STAGES == 1 || FLASHATTN_SM90_FWD_Q_STAGES == 2,
-              "FLASHATTN_SM90_FWD_Q_STAGES is 1 or 2");
-constexpr int fwd_q_stages() { return FLASHATTN_SM90_FWD_Q_STAGES; }
+static_assert(FLASHATTN_SM90_FWD_Q_STAGES >= 0 && FLASHATTN_SM90_FWD_Q_STAGES <= 2,
+              "FLASHATTN_SM90_FWD_Q_STAGES is 1 or 2 (0: per head dim)");
+constexpr int fwd_q_stages(int head_dim) {
+  return FLASHATTN_SM90_FWD_Q_STAGES != 0 ? FLASHATTN_SM90_FWD_Q_STAGES : head_dim <= 64 ? 2 : 1;
+}
 
 // O written by TMA (-DFLASHATTN_SM90_FWD_TMA_STORE=1; dense kernels only, whose tiles' rows past
 // the sequence are past the tensor too) where O is staged in its tile's Q bytes: d 256 always,
@@ -82,7 +85,7 @@ constexpr bool fwd_room_for_two_q(FwdTileShape t, int head_dim) {
   return 2 * (2 * t.block_m * head_dim + 2 * t.stages * t.block_n * head_dim) + 1024 <= 227 * 1024;
 }
 constexpr bool fwd_o_in_q(int head_dim) {
-  return fwd_q_stages() == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
+  return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
 }
 // Whether the dense kernel of this head dim writes O by TMA.
 constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store() && fwd_o_in_q(head_dim); }

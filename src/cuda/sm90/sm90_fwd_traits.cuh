@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "cuda/sm90/sm90_fwd.h"
+#include "cuda/sm90/sm90_pipeline.cuh"
 
 namespace flashattn::cuda::sm90 {
 
@@ -78,19 +79,20 @@ struct FwdTraits {
   // one's O is written out), else in Q's bytes (d 256: Q, K and V take 192 of the 227 KiB).
   using SmemLayoutO = SmemLayoutQ;
   static constexpr bool kRoomForTwoQ = fwd_room_for_two_q(FwdTileShape{kBlockM, kBlockN, kStages}, kHeadDim);
-  static constexpr int kQStages = fwd_q_stages() == 2 && kRoomForTwoQ ? 2 : 1;
+  static constexpr int kQStages = fwd_q_stages(kHeadDim) == 2 && kRoomForTwoQ ? 2 : 1;
   static constexpr bool kSeparateO = kQStages == 1 && kRoomForTwoQ;
   // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp.
   static constexpr bool kTmaStoreO = fwd_tma_store() && !kSeparateO && !kVarlen;
 
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
   // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDim / 2) per thread. The sums
-  // stay within the 64K-register file: 128 · kProducerRegs + kConsumerThreads · kConsumerRegs.
-  // With O stored by TMA the producer warpgroup walks the tiles twice (loads, stores): 32.
+  // stay within the CTA's registers (setmaxnreg_pool: 63K of 384 threads, 64K of 512):
+  // 128 · kProducerRegs + kConsumerThreads · kConsumerRegs. With O stored by TMA the producer
+  // warpgroup walks the tiles twice (loads, stores): 32, and the two consumer warpgroups 232.
   static constexpr int kProducerRegs = kConsumerWarpgroups == 2 && !kTmaStoreO ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
-  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 64 * 1024,
-                "the register budget exceeds the register file");
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? (kTmaStoreO ? 232 : 240) : 160;
+  static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
+                "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
 
   // Global views given to TMA: (rows, d, heads, batch) with the caller's strides.
   using ShapeRows = Shape<std::int32_t, std::int32_t, std::int32_t, std::int32_t>;

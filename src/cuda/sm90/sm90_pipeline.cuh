@@ -65,6 +65,13 @@ struct TmaPipeline {
   }
 };
 
+// The registers a CTA of `threads` threads holds at launch (one CTA per SM): each thread gets the
+// 64K-register file's share rounded down to the allocation unit of 8. setmaxnreg moves registers
+// between warpgroups inside that pool only: a warpgroup whose increase the pool cannot cover
+// waits in setmaxnreg for ever (a producer at 32 registers beside two consumer warpgroups at 240
+// asks 64K of a 384-thread CTA's 63K, and hung).
+constexpr int setmaxnreg_pool(int threads) { return threads * (64 * 1024 / threads / 8 * 8); }
+
 // Named barriers (ids 1…15; 0 is __syncthreads). `threads` must be the exact number of threads
 // that meet there, a multiple of 32.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {

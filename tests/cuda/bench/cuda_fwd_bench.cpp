@@ -17,10 +17,10 @@
 // before every timed call of the grid too, as bench/compare.py's timing does.
 //
 // --env-variants "alt:FLASHATTN_SM90_FWD_L2_SECTION_ALT=1;off:FLASHATTN_SM90_FWD_L2_SECTION_MB=0"
-// times every grid case once per variant of the runtime knobs, back to back (name:VAR=V,VAR=V;
-// a name alone: none of the variables set), so that the GPU's drift over a long run falls on all
-// variants of a case alike; the JSON rows then name their variant. Every variable that any
-// variant names is unset before each variant's own are set.
+// times every grid case under each setting of the runtime knobs (name:VAR=V,VAR=V; a name alone:
+// none of the variables set), the settings taking turns call by call, so that the GPU's drift
+// (clocks settling under a long load) falls on all of them alike; the JSON rows then name their
+// variant. Every variable that any variant names is unset before each variant's own are set.
 //
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 //                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X] [--alibi 0|1]
@@ -208,30 +208,50 @@ T* device_copy(const std::vector<T>& host) {
   return dev;
 }
 
-// Median of `repeats` CUDA-event timings of call() after `warmup` untimed calls; before_each()
-// runs before every timed call, outside the events.
-template <class Call, class Before>
-double median_ms(int warmup, int repeats, Call&& call, Before&& before_each) {
+// Medians of `repeats` CUDA-event timings of call() per variant after `warmup` untimed calls of
+// each: select(v) makes variant v current (a runtime knob set) before each of its calls, and the
+// variants take turns call by call, so that the GPU's drift (clocks settling under a long load)
+// falls on all of them alike. before_each() runs before every timed call, outside the events.
+template <class Call, class Select, class Before>
+std::vector<double> medians_ms(int warmup, int repeats, int variants, Call&& call, Select&& select,
+                               Before&& before_each) {
   // Every repeat between its own pair of events, all enqueued before the one synchronisation at
   // the end (as triton.testing.do_bench does): the host stays ahead of the GPU, so a call's launch
   // latency is not timed as idle GPU time after its start event.
-  std::vector<cudaEvent_t> events(2 * std::size_t(repeats));
+  const std::size_t timed = std::size_t(repeats) * std::size_t(variants);
+  std::vector<cudaEvent_t> events(2 * timed);
   for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
-  for (int i = 0; i < warmup; ++i) call();
-  for (int i = 0; i < repeats; ++i) {
+  for (int v = 0; v < variants; ++v) {
+    select(v);
+    for (int i = 0; i < warmup; ++i) call();
+  }
+  for (std::size_t i = 0; i < timed; ++i) {
+    select(int(i % std::size_t(variants)));
     before_each();
     check(cudaEventRecord(events[2 * i]), "cudaEventRecord");
     call();
     check(cudaEventRecord(events[2 * i + 1]), "cudaEventRecord");
   }
   check(cudaEventSynchronize(events.back()), "cudaEventSynchronize");
-  std::vector<float> ms(repeats);
-  for (int i = 0; i < repeats; ++i) {
-    check(cudaEventElapsedTime(&ms[i], events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
+  std::vector<std::vector<float>> ms(static_cast<std::size_t>(variants));
+  for (std::size_t i = 0; i < timed; ++i) {
+    float t = 0.0f;
+    check(cudaEventElapsedTime(&t, events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
+    ms[i % std::size_t(variants)].push_back(t);
   }
   for (cudaEvent_t e : events) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  std::vector<double> out;
+  for (std::vector<float>& m : ms) {
+    std::sort(m.begin(), m.end());
+    out.push_back(m[m.size() / 2]);
+  }
+  return out;
+}
+
+// The median of one call's timings (medians_ms of a single variant).
+template <class Call, class Before>
+double median_ms(int warmup, int repeats, Call&& call, Before&& before_each) {
+  return medians_ms(warmup, repeats, 1, call, [](int) {}, before_each)[0];
 }
 
 // A buffer larger than the L2 of any current GPU, cleared before a timed call so that the call
@@ -426,19 +446,23 @@ int main(int argc, char** argv) try {
               flashattn::cuda::forward(p, nullptr);
             }
           };
-          // One timing per variant of the runtime knobs (one unnamed where none are asked for).
-          std::vector<std::pair<std::string, double>> medians;
-          for (std::size_t vi = 0; vi < std::max<std::size_t>(1, args.env_variants.size()); ++vi) {
-            std::string name;
-            if (!args.env_variants.empty()) {
-              for (const Args::EnvVariant& other : args.env_variants) {
-                for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
-              }
-              name = args.env_variants[vi].name;
-              for (const auto& kv : args.env_variants[vi].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+          // One timing per variant of the runtime knobs (one unnamed where none are asked for),
+          // the variants taking turns call by call.
+          const int variants = std::max(1, int(args.env_variants.size()));
+          auto select = [&](int vi) {
+            if (args.env_variants.empty()) return;
+            for (const Args::EnvVariant& other : args.env_variants) {
+              for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
             }
-            medians.emplace_back(name, args.l2_flush ? median_ms(args.warmup, args.repeats, call, *grid_flush)
-                                                     : median_ms(args.warmup, args.repeats, call, [] {}));
+            for (const auto& kv : args.env_variants[std::size_t(vi)].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+          };
+          const std::vector<double> times =
+              args.l2_flush ? medians_ms(args.warmup, args.repeats, variants, call, select, *grid_flush)
+                            : medians_ms(args.warmup, args.repeats, variants, call, select, [] {});
+          std::vector<std::pair<std::string, double>> medians;
+          for (int vi = 0; vi < variants; ++vi) {
+            medians.emplace_back(args.env_variants.empty() ? "" : args.env_variants[std::size_t(vi)].name,
+                                 times[std::size_t(vi)]);
           }
           cudaFree(workspace);
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * h * sum_sq * d / (causal ? 2.0 : 1.0);
