@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
@@ -11,6 +12,8 @@
 #include <type_traits>
 
 namespace flashattn::cuda::sm90 {
+
+using namespace cute;
 
 // Position in a ring of kStages stages: the stage index and the phase parity of its barriers,
 // which flips each time the index wraps.
