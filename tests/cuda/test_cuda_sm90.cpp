@@ -182,7 +182,7 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
 }
 
 // The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
-// at most 32 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
+// at most 64 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
 // head's, alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them,
 // switch them off or keep every section highest first.
 TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
@@ -197,11 +197,11 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);  // 32 MiB / 256 KiB
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 128);   // 8 row blocks: still sections
   EXPECT_TRUE(fc::sm90::fwd_l2_sections(p, 128).alternate);
-  p.max_seqlen_q = 32 * 128;  // 32 row blocks of 128: the last length with sections
+  p.max_seqlen_q = 64 * 128;  // 64 row blocks of 128: the last length with sections
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);
-  p.max_seqlen_q += 1;  // 33 row blocks: one section of every pair
+  p.max_seqlen_q += 1;  // 65 row blocks: one section of every pair
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32 * 16);
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 256).pairs, 128);  // 17 row blocks of 256
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 256).pairs, 128);  // 33 row blocks of 256
   p.max_seqlen_q = 512;
   p.heads_k = 2;                                          // GQA 8: a kv head's K/V serves 8 pairs
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32 * 16);  // 128 kv heads' worth is more than all pairs

@@ -33,24 +33,10 @@ struct FwdTileShape {
 #endif
 inline constexpr int kD64Rows = FLASHATTN_SM90_FWD_D64_ROWS;
 static_assert(kD64Rows == 192 || kD64Rows == 128, "FLASHATTN_SM90_FWD_D64_ROWS is 192 or 128");
-// K/V stages of the d 64 (128-row tile) and d 128 kernels (-DFLASHATTN_SM90_FWD_D64_STAGES=2…4,
-// -DFLASHATTN_SM90_FWD_D128_STAGES=2 or 3): deeper rings let the producer load the next tile's
-// first K/V further ahead, for the short tiles of causal masks. At d 128, 3 stages leave no room
-// for O's own tile or a second Q buffer: O is then staged in Q's bytes (fwd_o_in_q). Not yet timed.
-#ifndef FLASHATTN_SM90_FWD_D64_STAGES
-#define FLASHATTN_SM90_FWD_D64_STAGES 2
-#endif
-#ifndef FLASHATTN_SM90_FWD_D128_STAGES
-#define FLASHATTN_SM90_FWD_D128_STAGES 2
-#endif
-static_assert(FLASHATTN_SM90_FWD_D64_STAGES >= 2 && FLASHATTN_SM90_FWD_D64_STAGES <= 4,
-              "FLASHATTN_SM90_FWD_D64_STAGES is 2, 3 or 4");
-static_assert(FLASHATTN_SM90_FWD_D128_STAGES == 2 || FLASHATTN_SM90_FWD_D128_STAGES == 3,
-              "FLASHATTN_SM90_FWD_D128_STAGES is 2 or 3");
 constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, 96, 2}
-                                           : FwdTileShape{128, 128, FLASHATTN_SM90_FWD_D64_STAGES})
-                        : (head_dim <= 128 ? FwdTileShape{128, 128, FLASHATTN_SM90_FWD_D128_STAGES}
+                                           : FwdTileShape{128, 128, 2})
+                        : (head_dim <= 128 ? FwdTileShape{128, 128, 2}
                                            : FwdTileShape{128, 64, 2});
 }
 
@@ -58,8 +44,8 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
 // the producer loads the next tile's Q right after this tile's first K/V stage, not after its last
 // Q·Kᵀ, and O is staged in its tile's Q buffer instead of a tile of its own. Two at d 64, one at
 // d 128 by default: on the H200 (bf16, L2 cleared, one call; docs/benchmarks-sm90.md, run G) two
-// buffers ran d 64 at 1.02–1.07× one (all but 8k–16k without a mask, 0.98–1.00) and d 128 at
-// 0.98–1.01×. -DFLASHATTN_SM90_FWD_Q_STAGES=1 or 2 sets every head dim alike.
+// buffers ran d 64 at 1.00–1.07× one (8k keys without a mask 0.98×) and d 128 at 0.98–1.01×.
+// -DFLASHATTN_SM90_FWD_Q_STAGES=1 or 2 sets every head dim alike.
 #ifndef FLASHATTN_SM90_FWD_Q_STAGES
 #define FLASHATTN_SM90_FWD_Q_STAGES 0
 #endif
@@ -69,15 +55,23 @@ constexpr int fwd_q_stages(int head_dim) {
   return FLASHATTN_SM90_FWD_Q_STAGES != 0 ? FLASHATTN_SM90_FWD_Q_STAGES : head_dim <= 64 ? 2 : 1;
 }
 
-// O written by TMA (-DFLASHATTN_SM90_FWD_TMA_STORE=1; dense kernels only, whose tiles' rows past
-// the sequence are past the tensor too) where O is staged in its tile's Q bytes: d 256 always,
-// d 64 / d 128 with two Q buffers. The consumers stage O there and go on to the next tile; a warp
-// of the producer warpgroup stores the tile with one TMA store and gives the buffer back once the
-// store has read it.
+// O written by TMA (dense kernels only, whose tiles' rows past the sequence are past the tensor
+// too) where O is staged in its tile's Q bytes: the consumers stage O there and go on to the next
+// tile; a warp of the producer warpgroup stores the tile with one TMA store and gives the buffer
+// back once the store has read it. By default at d 256 (where O is always in Q's bytes): on the
+// H200 (bf16, L2 cleared, one call; docs/benchmarks-sm90.md, run G) 1.00–1.15× the thread stores
+// (causal 512 keys 1.15×, 16k 1.00×), whose consumers spilled. Not at d 64 (0.93–1.01×) nor at
+// d 128, where it needs two Q buffers (with them, causal 1.00–1.05× but without a mask
+// 0.92–0.99×). -DFLASHATTN_SM90_FWD_TMA_STORE=0 or 1 sets every head dim alike (1: wherever O is
+// in Q's bytes).
 #ifndef FLASHATTN_SM90_FWD_TMA_STORE
-#define FLASHATTN_SM90_FWD_TMA_STORE 0
+#define FLASHATTN_SM90_FWD_TMA_STORE -1
 #endif
-constexpr bool fwd_tma_store() { return FLASHATTN_SM90_FWD_TMA_STORE != 0; }
+static_assert(FLASHATTN_SM90_FWD_TMA_STORE >= -1 && FLASHATTN_SM90_FWD_TMA_STORE <= 1,
+              "FLASHATTN_SM90_FWD_TMA_STORE is 0 or 1 (unset: per head dim)");
+constexpr bool fwd_tma_store(int head_dim) {
+  return FLASHATTN_SM90_FWD_TMA_STORE >= 0 ? FLASHATTN_SM90_FWD_TMA_STORE == 1 : head_dim > 128;
+}
 // Whether tile t at this (instantiated) head dim has room for a second Q-sized tile beside Q, K
 // and V (a second Q buffer, or O's own tile; 16-bit elements), and whether O is staged in Q's
 // bytes (FwdTraits::kQStages / kSeparateO decide the same).
@@ -88,7 +82,7 @@ constexpr bool fwd_o_in_q(int head_dim) {
   return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
 }
 // Whether the dense kernel of this head dim writes O by TMA.
-constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store() && fwd_o_in_q(head_dim); }
+constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store(head_dim) && fwd_o_in_q(head_dim); }
 // fwd_tma_store_o(head_dim) as the library was compiled (the knobs reach nvcc's translation units
 // only).
 bool fwd_tma_store_built(int head_dim);
@@ -120,10 +114,11 @@ bool fwd_snake_walk();
 // Alternating directions keep each boundary's tiles of like length together. Timed on the H200
 // (bf16, causal, L2 cleared, one call, docs/benchmarks-sm90.md run F), TFLOP/s without sections /
 // alternating sections: 1k keys d 128 359/413, d 256 331/396; 2k d 128 449/529, d 256 498/533;
-// 4k d 64 400/414, d 128 578/621, d 256 598/639; at 8k–16k keys (64–128 row blocks of 128 rows)
-// 0.97–1.08 of the order without sections, within that call's spread: the limit stays at 32.
+// 4k d 64 400/414, d 128 578/621, d 256 598/639. Timed again with the settings taking turns call
+// by call (run G, sections ÷ none): 512 keys–4k 1.01–1.19×; 8k 1.01–1.04× with the limit raised
+// past them; 16k 1.00×. Hence 64 row blocks: 8k queries at the 128-row tiles.
 inline constexpr int kFwdL2SectionMiB = 32;
-inline constexpr int kFwdL2SectionRowBlocks = 32;
+inline constexpr int kFwdL2SectionRowBlocks = 64;
 struct FwdSections {
   int pairs;       // pairs per section, ≥ 1
   bool alternate;  // directions alternate

@@ -82,7 +82,7 @@ struct FwdTraits {
   static constexpr int kQStages = fwd_q_stages(kHeadDim) == 2 && kRoomForTwoQ ? 2 : 1;
   static constexpr bool kSeparateO = kQStages == 1 && kRoomForTwoQ;
   // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp.
-  static constexpr bool kTmaStoreO = fwd_tma_store() && !kSeparateO && !kVarlen;
+  static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim) && !kSeparateO && !kVarlen;
 
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
   // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDim / 2) per thread. The sums
