@@ -27,6 +27,15 @@ inline constexpr bool kBwdStagger = FLASHATTN_SM90_BWD_STAGGER != 0;
 #else
 inline constexpr bool kBwdStagger = false;
 #endif
+// A diagnostic (-DFLASHATTN_SM90_BWD_TURN_WATCHDOG=1, off by default): a dQ writer that has waited
+// for its deterministic turn through 2^24 polls (seconds) prints where it is — tile, step, row
+// block, its turn and the turn the block is at — and traps, so that a hang ends in an error that
+// says which turn never came (BwdMainloop::write_dq).
+#ifdef FLASHATTN_SM90_BWD_TURN_WATCHDOG
+inline constexpr bool kBwdTurnWatchdog = FLASHATTN_SM90_BWD_TURN_WATCHDOG != 0;
+#else
+inline constexpr bool kBwdTurnWatchdog = false;
+#endif
 
 struct BwdTileShape {
   int block_m;

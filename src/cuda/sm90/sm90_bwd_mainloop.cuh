@@ -255,7 +255,16 @@ struct BwdMainloop {
                                  : params.dq_semaphores + stat_offset(params, t, head, m) / kBlockM;
       if (semaphore != nullptr && lane == 0) {
         const int turn = t.template turn_at<kBlockM, kBlockN>(m);
-        while (load_acquire(semaphore) != turn) {
+        for (std::uint32_t polls = 1; load_acquire(semaphore) != turn; ++polls) {
+          if constexpr (kBwdTurnWatchdog) {
+            if (polls == (1u << 24)) {
+              printf("flashattn sm90 backward: dQ turn stalled: batch %d, kv head %d, key tile %d (of %d), step %d of "
+                     "%d, head %d, row block %d (of %d): turn %d, the block at %d, staggered %d\n",
+                     t.batch, t.kv_head, t.n_block, int(gridDim.x), s, steps, head, m, t.walk.m_blocks, turn,
+                     load_acquire(semaphore), int(t.staggered));
+              __trap();
+            }
+          }
         }
         asm volatile("fence.proxy.async.global;" ::: "memory");  // the bulk additions come after
       }
