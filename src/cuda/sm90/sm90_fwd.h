@@ -56,14 +56,14 @@ constexpr int fwd_q_stages(int head_dim) {
 }
 
 // O written by TMA (dense kernels only, whose tiles' rows past the sequence are past the tensor
-// too) where O is staged in its tile's Q bytes: the consumers stage O there and go on to the next
-// tile; a warp of the producer warpgroup stores the tile with one TMA store and gives the buffer
-// back once the store has read it. By default at d 256 (where O is always in Q's bytes): on the
+// too): the consumers stage O (in its tile's Q bytes, or in O's own tile where there is room) and
+// go on to the next tile; a warp of the producer warpgroup stores the tile with one TMA store and
+// gives the buffer back once the store has read it. By default at d 256 (where O is always in Q's bytes): on the
 // H200 (bf16, L2 cleared, one call; docs/benchmarks-sm90.md, run G) 1.00–1.15× the thread stores
 // (causal 512 keys 1.15×, 16k 1.00×), whose consumers spilled. Not at d 64 (0.93–1.01×) nor at
 // d 128, where it needs two Q buffers (with them, causal 1.00–1.05× but without a mask
-// 0.92–0.99×). -DFLASHATTN_SM90_FWD_TMA_STORE=0 or 1 sets every head dim alike (1: wherever O is
-// in Q's bytes).
+// 0.92–0.99×; from O's own tile, with one Q buffer, not yet timed). -DFLASHATTN_SM90_FWD_TMA_STORE=0
+// or 1 sets every head dim alike.
 #ifndef FLASHATTN_SM90_FWD_TMA_STORE
 #define FLASHATTN_SM90_FWD_TMA_STORE -1
 #endif
@@ -82,7 +82,7 @@ constexpr bool fwd_o_in_q(int head_dim) {
   return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
 }
 // Whether the dense kernel of this head dim writes O by TMA.
-constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store(head_dim) && fwd_o_in_q(head_dim); }
+constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store(head_dim); }
 // fwd_tma_store_o(head_dim) as the library was compiled (the knobs reach nvcc's translation units
 // only).
 bool fwd_tma_store_built(int head_dim);

@@ -79,12 +79,12 @@ struct FwdEpilogue {
     // Registers → shared memory: O in 16 bits, stmatrix (8 × 8 blocks of 16-bit values per
     // instruction) into the GMMA-swizzled layout — conflict-free.
     const int barrier = int(FwdBarrier::kEpilogueWg0) + wg;
-    Element* o_smem;
-    if constexpr (Traits::kSeparateO) {
-      o_smem = ss.o.data();
+    Element* const o_smem = Traits::o_smem(ss, count);
+    if constexpr (Traits::kSeparateO && Traits::kTmaStoreO) {
+      // The previous tile's O has been read by its TMA store (the first use passes at once).
+      cutlass::arch::ClusterBarrier::wait(&ss.o_empty, (count & 1u) ^ 1u);
+    } else if constexpr (Traits::kSeparateO) {
       named_barrier_sync(barrier, kWgThreads);  // the previous tile's O has been read
-    } else {
-      o_smem = Traits::q_smem(ss, count);
     }
     Tensor acc_o_16 = make_tensor<Element>(acc_o.layout());
     convert_fragment<Element>(acc_o, acc_o_16);
@@ -110,9 +110,9 @@ struct FwdEpilogue {
   }
 
   // kTmaStoreO, one thread of warp kOStoreWarp: tile t (the CTA's `count`-th non-empty one) once
-  // its O is staged in its Q buffer — one TMA store of the whole tile (rows and columns past the
-  // tensor, i.e. past seqlen_q and dv, are not written), and the buffer given back to the
-  // producer once the store has read it.
+  // its O is staged (in its Q buffer, or in O's own tile where kSeparateO) — one TMA store of the
+  // whole tile (rows and columns past the tensor, i.e. past seqlen_q and dv, are not written), and
+  // the buffer given back (to the producer, or to the consumers' next O) once the store has read it.
   __device__ static void tma_store(const FwdParams<Traits>& params, typename Traits::SharedStorage& ss,
                                    const FwdTile& t, std::uint32_t count) {
     if constexpr (Traits::kTmaStoreO) {
@@ -121,12 +121,13 @@ struct FwdEpilogue {
       Tensor mO = params.tma_o.get_tma_tensor(params.shape_o);  // (sq, dv, h, b)
       Tensor gO = local_tile(mO(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(t.m_block, _0{}));  // (M, dv)
-      Tensor sO = make_tensor(make_smem_ptr(Traits::q_smem(ss, count)), typename Traits::SmemLayoutO{});
+      Tensor sO = make_tensor(make_smem_ptr(Traits::o_smem(ss, count)), typename Traits::SmemLayoutO{});
       auto tma_o = params.tma_o.get_slice(_0{});
       copy(params.tma_o, tma_o.partition_S(sO), tma_o.partition_D(gO));
       cute::tma_store_arrive();
       cute::tma_store_wait<0>();  // read out of shared memory (not yet landed)
-      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[buffer]);
+      // The buffer back: O's own tile to the consumers' next O, or Q's bytes to the producer.
+      cutlass::arch::ClusterBarrier::arrive(Traits::kSeparateO ? &ss.o_empty : &ss.q_empty[buffer]);
     }
   }
   // The stores land before the thread exits.

@@ -30,10 +30,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   if (threadIdx.x == 0) {
     for (int b = 0; b < Traits::kQStages; ++b) {
       cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full[b], 1);
-      // With O stored by TMA, the storing thread alone gives the buffer back.
-      cutlass::arch::ClusterBarrier::init(&ss.q_empty[b], Traits::kTmaStoreO ? 1 : Traits::kConsumerWarpgroups);
+      // With O stored by TMA from Q's bytes, the storing thread alone gives the buffer back.
+      cutlass::arch::ClusterBarrier::init(&ss.q_empty[b], Traits::kTmaStoreO && !Traits::kSeparateO
+                                                              ? 1 : Traits::kConsumerWarpgroups);
       cutlass::arch::ClusterBarrier::init(&ss.o_full[b], Traits::kConsumerWarpgroups);
     }
+    cutlass::arch::ClusterBarrier::init(&ss.o_empty, 1);  // kTmaStoreO with kSeparateO: the storer
     Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
     Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();

@@ -81,8 +81,9 @@ struct FwdTraits {
   static constexpr bool kRoomForTwoQ = fwd_room_for_two_q(FwdTileShape{kBlockM, kBlockN, kStages}, kHeadDim);
   static constexpr int kQStages = fwd_q_stages(kHeadDim) == 2 && kRoomForTwoQ ? 2 : 1;
   static constexpr bool kSeparateO = kQStages == 1 && kRoomForTwoQ;
-  // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp.
-  static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim) && !kSeparateO && !kVarlen;
+  // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp from
+  // Q's bytes or from O's own tile.
+  static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim) && !kVarlen;
 
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
   // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDim / 2) per thread. The sums
@@ -126,6 +127,7 @@ struct FwdTraits {
     alignas(16) std::uint64_t q_full[kQStages];  // transaction barrier of a tile's Q load
     std::uint64_t q_empty[kQStages];             // every consumer warpgroup is done with Q (and O, if it is Q's)
     std::uint64_t o_full[kQStages];              // kTmaStoreO: every consumer warpgroup has staged its O rows
+    std::uint64_t o_empty;                       // kTmaStoreO and kSeparateO: O's tile has been stored
     std::uint64_t k_full[kStages];     // a K stage has landed (TMA transaction)
     std::uint64_t k_empty[kStages];    // every consumer warpgroup is done with a K stage
     std::uint64_t v_full[kStages];
@@ -138,6 +140,14 @@ struct FwdTraits {
   __host__ __device__ static constexpr std::uint32_t q_parity(std::uint32_t count) { return (count / kQStages) & 1u; }
   __device__ static Element* q_smem(SharedStorage& ss, std::uint32_t count) {
     return ss.q.data() + q_buffer(count) * cosize_v<SmemLayoutQ>;
+  }
+  // Where the CTA's `count`-th non-empty tile stages its O: O's own tile, or that tile's Q buffer.
+  __device__ static Element* o_smem(SharedStorage& ss, std::uint32_t count) {
+    if constexpr (kSeparateO) {
+      return ss.o.data();
+    } else {
+      return q_smem(ss, count);
+    }
   }
   static_assert(kSmemBytes <= 227 * 1024, "the tile exceeds the 227 KiB of shared memory per block of sm90");
 };
