@@ -1,6 +1,7 @@
 // src/cuda/sm90/sm90_fwd_epilogue.cuh — the Hopper forward's epilogue: O normalised in registers,
-// lse from the row statistics, O staged through shared memory (stmatrix into the swizzled tile
-// that held Q) and written with 16-byte stores of whole rows, skipping rows past the sequence.
+// lse from the row statistics, O staged through shared memory (stmatrix into a swizzled tile: O's
+// own, or the one that held Q) and written with 16-byte stores of whole rows, skipping rows past the
+// sequence, or by one TMA store per tile from the producer warpgroup (Traits::kTmaStoreO).
 #pragma once
 
 #include <cute/tensor.hpp>
