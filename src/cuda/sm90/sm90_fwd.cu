@@ -49,7 +49,7 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
   // O stored by TMA (fwd_tma_store; the dense kernels): its strides as for the loads, and the
   // 16-byte alignment of its address and strides that a TMA descriptor needs.
-  if (fwd_tma_store_o(head_dim) && !fwd_varlen_kernel(p)) {
+  if (fwd_tma_store(head_dim) && !fwd_varlen_kernel(p)) {
     const std::string problem = tma_layout_problem("out", p.out, rows_q, p.heads, batch, element_bytes);
     if (!problem.empty()) return problem;
     const auto misaligned = [&](std::int64_t stride, std::int64_t extent) {
@@ -93,7 +93,7 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m) {
   return {int(std::min<std::int64_t>(pairs, kv_heads * p.group_size())), alternate};
 }
 
-bool fwd_tma_store_built(int head_dim) { return fwd_tma_store_o(head_dim); }
+bool fwd_tma_store_built(int head_dim) { return fwd_tma_store(head_dim); }
 
 bool fwd_snake_walk() {
   const char* env = std::getenv("FLASHATTN_SM90_FWD_WALK");

@@ -20,16 +20,17 @@ struct FwdTileShape {
   int stages;
 };
 // Tiles per head dim (bf16/fp16), 64 query rows per consumer warpgroup:
-//   d 64:  128 × 128, 2 stages — 96 KiB (Q 16 + K 32 + V 32) + O 16. The alternative, 192 × 96
-//          (three consumer warpgroups at 160 registers; -DFLASHATTN_SM90_FWD_D64_ROWS=192), timed
-//          in the same GPU call on the H200 (bf16, L2 cleared, TFLOP/s 128 × 128 / 192 × 96):
+//   d 64:  128 × 128, 2 stages — 96 KiB (Q 16 + K 32 + V 32) + a second Q buffer 16, which also
+//          stages O. The alternative, 192 × 96 (three consumer warpgroups at 160 registers;
+//          -DFLASHATTN_SM90_FWD_D64_ROWS=192), timed in the same GPU call on the H200 (bf16, L2
+//          cleared, TFLOP/s 128 × 128 / 192 × 96):
 //          s 512 325/272, 1k 392/308, 2k 436/386, 4k 465/365, 8k 480/496, 16k 468/482; causal
 //          192/174, 270/241, 340/346, 398/400, 402/425, 435/430 — 128 rows win by up to 27% up to
-//          4k keys, 192 rows by 3–6% at 8k–16k.
+//          4k keys, 192 rows by 3–6% at 8k–16k. The 192-row tile's key tile: 96
+//          (-DFLASHATTN_SM90_FWD_D64_KEYS=128 for 128 keys, FlashAttention-3's under a causal
+//          mask; not yet timed).
 //   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
 //   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes
-//          The 192-row tile's key tile: 96 (-DFLASHATTN_SM90_FWD_D64_KEYS=128 for 128 keys, as
-//          FlashAttention-3 takes under a causal mask; not yet timed).
 #ifndef FLASHATTN_SM90_FWD_D64_ROWS
 #define FLASHATTN_SM90_FWD_D64_ROWS 128
 #endif
@@ -62,12 +63,13 @@ constexpr int fwd_q_stages(int head_dim) {
   return FLASHATTN_SM90_FWD_Q_STAGES != 0 ? FLASHATTN_SM90_FWD_Q_STAGES : head_dim <= 64 ? 2 : 1;
 }
 
-// O written by TMA (dense kernels only, whose tiles' rows past the sequence are past the tensor
-// too): the consumers stage O (in its tile's Q bytes, or in O's own tile where there is room) and
-// go on to the next tile; a warp of the producer warpgroup stores the tile with one TMA store and
-// gives the buffer back once the store has read it. By default at d 256 (where O is always in Q's bytes): on the
-// H200 (bf16, L2 cleared, one call; docs/benchmarks-sm90.md, run G) 1.00–1.15× the thread stores
-// (causal 512 keys 1.15×, 16k 1.00×), whose consumers spilled. Not at d 64 (0.93–1.01×) nor at
+// Whether the dense kernel of this head dim writes O by TMA (its tiles' rows past the sequence are
+// past the tensor too; varlen kernels never do): the consumers stage O (in its tile's Q bytes, or
+// in O's own tile where there is room) and go on to the next tile; a warp of the producer
+// warpgroup stores the tile with one TMA store and gives the buffer back once the store has read
+// it. By default at d 256 (where O is always in Q's bytes): on the H200 (bf16, L2 cleared, one
+// call; docs/benchmarks-sm90.md, run G) 1.00–1.15× the thread stores (causal 512 keys 1.15×, 16k
+// 1.00×), whose consumers spilled. Not at d 64 (0.93–1.01×) nor at
 // d 128, where it needs two Q buffers (with them, causal 1.00–1.05× but without a mask
 // 0.92–0.99×; from O's own tile, with one Q buffer, not yet timed). -DFLASHATTN_SM90_FWD_TMA_STORE=0
 // or 1 sets every head dim alike.
@@ -88,9 +90,7 @@ constexpr bool fwd_room_for_two_q(FwdTileShape t, int head_dim) {
 constexpr bool fwd_o_in_q(int head_dim) {
   return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
 }
-// Whether the dense kernel of this head dim writes O by TMA.
-constexpr bool fwd_tma_store_o(int head_dim) { return fwd_tma_store(head_dim); }
-// fwd_tma_store_o(head_dim) as the library was compiled (the knobs reach nvcc's translation units
+// fwd_tma_store(head_dim) as the library was compiled (the knobs reach nvcc's translation units
 // only).
 bool fwd_tma_store_built(int head_dim);
 

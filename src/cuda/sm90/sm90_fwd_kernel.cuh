@@ -35,7 +35,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
                                                               ? 1 : Traits::kConsumerWarpgroups);
       cutlass::arch::ClusterBarrier::init(&ss.o_full[b], Traits::kConsumerWarpgroups);
     }
-    cutlass::arch::ClusterBarrier::init(&ss.o_empty, 1);  // kTmaStoreO with kSeparateO: the storer
+    if constexpr (Traits::kTmaStoreO && Traits::kSeparateO) {
+      cutlass::arch::ClusterBarrier::init(&ss.o_empty, 1);  // the storer gives O's own tile back
+    }
     Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
     Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();

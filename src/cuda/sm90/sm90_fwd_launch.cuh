@@ -22,7 +22,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   constexpr int kHeadDim = Traits::kHeadDim;
   using Element = typename Traits::Element;
   // The host's view (fwd_unsupported checks out for the TMA store) agrees with the kernel's.
-  static_assert(Traits::kTmaStoreO == (fwd_tma_store_o(kHeadDim) && !Traits::kVarlen));
+  static_assert(Traits::kTmaStoreO == (fwd_tma_store(kHeadDim) && !Traits::kVarlen));
   static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim));
   FwdParams<Traits> params;
   params.p = p;
