@@ -200,7 +200,7 @@ TEST_P(CudaBackward, DeterministicIsBitwiseReproducible) {
   for (const char* family : families_here()) {
     const FamilyOverride forced(family);
     for (bool causal : {false, true}) {
-      for (int d : {64, 128}) {
+      for (int d : {64, 128, 256}) {
         AttnConfig cfg = base(d, 500, 700);
         cfg.heads = 8;
         cfg.heads_k = 2;

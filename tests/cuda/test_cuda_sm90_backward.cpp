@@ -1,7 +1,7 @@
 // tests/cuda/test_cuda_sm90_backward.cpp — the Hopper (sm90) backward family: forced
 // (FLASHATTN_CUDA_FAMILY=sm90), its dQ, dK, dV and softmax_d match the fp64 reference by the
-// accuracy rule of SPEC §7 (check_backward) over the shape grid it serves (head dims up to 128,
-// d ≠ dv, GQA, causal), windows, strided layouts, several key tiles and row blocks, rows and keys
+// accuracy rule of SPEC §7 (check_backward) over the shape grid (every head dim: up to 128 the
+// warpgroups split the keys, above it d — sm90_bwd_traits.cuh; d ≠ dv, GQA, causal), windows, strided layouts, several key tiles and row blocks, rows and keys
 // that see nothing; the ordered choice takes it for the calls it serves and says why not for the
 // others. Gradients are poisoned and the workspace filled with NaN bytes before each call (see
 // run_cuda_backward). Without an sm90 GPU the tests say they were not run.
@@ -11,6 +11,7 @@
 
 #include "cuda/family.h"
 #include "cuda/sm90/sm90_bwd.h"
+#include "cuda/sm90/sm90_registry.h"
 #include "cuda_grid.h"
 #include "cuda_test_util.h"
 
@@ -59,9 +60,10 @@ TEST(CudaSm90BackwardHost, ServedFeaturesAndTheReasonsForTheOthers) {
   sinks.sinks = true;
   const std::string why = fc::sm90::bwd_unsupported(backward_params_of(make_problem(sinks)), 128);
   EXPECT_NE(why.find("sinks"), std::string::npos) << why;
-  EXPECT_NE(fc::sm90::bwd_unsupported(backward_params_of(make_problem(feature_config(DType::bf16, 256, 64, 64))), 256)
-                .find("above 128"),
-            std::string::npos);
+  AttnConfig wide = feature_config(DType::bf16, 256, 64, 64);  // split d
+  wide.opt.causal = true;
+  wide.opt.deterministic = true;
+  EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(wide)), 256), "");
 }
 
 TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
@@ -92,6 +94,9 @@ TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   }
   EXPECT_LE(end, r.head_stride);
   static_assert(fc::sm90::bwd_tile(64).block_m == 128 && fc::sm90::bwd_tile(128).block_m == 64);
+  static_assert(fc::sm90::bwd_tile(256).block_m == 64 && fc::sm90::bwd_tile(256).block_n == 64);
+  EXPECT_EQ(fc::sm90::bwd_workspace(p, 256).rows.padded_rows, 128);
+  EXPECT_GE(fc::sm90::bwd_workspace(p, 256).dq_accum_bytes, std::size_t(2 * 4 * 128 * 256 * 4));
 }
 
 // --- the ordered choice -------------------------------------------------------------------------
@@ -102,25 +107,28 @@ TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
   const fc::FamilyChoice served = fc::choose_backward_family(plain);
   EXPECT_TRUE(served.served);
   EXPECT_EQ(served.family, fc::Family::sm90);
-  AttnConfig scored = feature_config(DType::bf16, 256, 100, 100);  // d 256: sm80's
-  if (!kernel_built(fc::sm80::Family::bwd, c::Storage::bf16, 256, 256)) return;
-  const fc::FamilyChoice other = fc::choose_backward_family(backward_params_of(make_problem(scored)));
+  if (fc::sm90::compiled_head_dim(fc::sm90::Family::bwd, c::Storage::bf16, 256) == 256) {
+    const fc::FamilyChoice wide = fc::choose_backward_family(
+        backward_params_of(make_problem(feature_config(DType::bf16, 256, 100, 100))));
+    EXPECT_TRUE(wide.served);
+    EXPECT_EQ(wide.family, fc::Family::sm90);
+  }
+  AttnConfig sinks = feature_config(DType::bf16, 128, 100, 100);  // sinks: sm80's
+  sinks.sinks = true;
+  if (!kernel_built(fc::sm80::Family::bwd, c::Storage::bf16, 128, 128)) return;
+  const fc::FamilyChoice other = fc::choose_backward_family(backward_params_of(make_problem(sinks)));
   EXPECT_TRUE(other.served);
   EXPECT_EQ(other.family, fc::Family::sm80);
   const FamilyOverride family("sm90");
-  const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(scored)));
+  const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(sinks)));
   EXPECT_FALSE(refused.served);
-  EXPECT_NE(refused.why_not.find("head dim 256"), std::string::npos) << refused.why_not;
+  EXPECT_NE(refused.why_not.find("sinks"), std::string::npos) << refused.why_not;
 }
 
 // --- the shape grid -----------------------------------------------------------------------------
 
 std::vector<GridCase> sm90_backward_cases() {
-  std::vector<GridCase> cases;
-  for (const GridCase& g : grid_cases({{1, 1}, {113, 203}, {239, 1}, {3, 799}, {517, 517}})) {
-    if (g.d <= 128 && g.dv <= 128) cases.push_back(g);
-  }
-  return cases;
+  return grid_cases({{1, 1}, {113, 203}, {239, 1}, {3, 799}, {517, 517}});
 }
 
 class CudaSm90BackwardGrid : public testing::TestWithParam<GridCase> {};
@@ -139,7 +147,7 @@ class CudaSm90BackwardFeatures : public testing::TestWithParam<DType> {};
 TEST_P(CudaSm90BackwardFeatures, SlidingWindow) {
   FA_SKIP_WITHOUT_SM90();
   for (const AttnConfig& cfg : window_configs(GetParam())) {
-    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+    expect_sm90_backward_matches(cfg);
   }
 }
 
@@ -153,7 +161,7 @@ TEST_P(CudaSm90BackwardFeatures, StridedLayouts) {
 // rows that see no key (zero dQ).
 TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 256}) {
     for (auto [sq, sk] : {std::pair{300, 717}, std::pair{717, 300}, std::pair{640, 640}}) {
       for (bool causal : {false, true}) {
         AttnConfig cfg = feature_config(GetParam(), d, sq, sk);
@@ -178,9 +186,9 @@ TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
 TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
   FA_SKIP_WITHOUT_SM90();
   for (const AttnConfig& cfg : softcap_configs(GetParam())) {
-    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+    expect_sm90_backward_matches(cfg);
   }
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 256}) {
     for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
       for (bool causal : {false, true}) {
         AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
@@ -199,9 +207,9 @@ TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
 TEST_P(CudaSm90BackwardFeatures, Dropout) {
   FA_SKIP_WITHOUT_SM90();
   for (const AttnConfig& cfg : dropout_configs(GetParam())) {
-    if (cfg.head_dim <= 128) expect_sm90_backward_matches(cfg);
+    expect_sm90_backward_matches(cfg);
   }
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 256}) {
     AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
     cfg.varlen_q = {130, 0, 47};
     cfg.varlen_k = {100, 30, 260};
@@ -221,7 +229,7 @@ TEST_P(CudaSm90BackwardFeatures, Dropout) {
 // in the others).
 TEST_P(CudaSm90BackwardFeatures, Varlen) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 256}) {
     for (int variant = 0; variant < 5; ++variant) {
       AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
       cfg.varlen_q = {300, 0, 129, 1, 77};

@@ -10,7 +10,6 @@
 namespace flashattn::cuda::sm90 {
 
 std::string bwd_unsupported(const common::AttentionParams& p, int head_dim) {
-  if (head_dim > 128) return "head dims above 128 are not in this family's backward yet";
   if (p.seqused_k != nullptr && !p.is_varlen()) return "seqused_k without cu_seqlens is not in this family's backward";
   if (p.max_seqlen_q == 0) return "no query rows: nothing for the TMA loads (dK and dV are zeros elsewhere)";
   // The forward's TMA rules hold for q, k and v; dO is read the same way as q.

@@ -20,6 +20,9 @@ namespace flashattn::cuda::sm90 {
 // registers (GQA needs no fp32 dK/dV buffers) and written once.
 //   d 64:  128 keys × 128 rows, 2 stages — K 16 + V 16 + Q 32 + dO 32 + dS 2 × 32 KiB
 //   d 128: 128 keys × 64 rows,  2 stages — K 32 + V 32 + Q 32 + dO 32 + dS 2 × 16 KiB
+//   d 256: 64 keys × 64 rows,   1 stage  — K 32 + V 32 + Q 32 + dO 32 + dS and Pᵀ 2 × 8 each +
+//          the dQ staging 64 KiB: the warpgroups split the rows of Sᵀ and d of the updates
+//          (sm90_bwd_traits.cuh, split d); FlashAttention-3 also keeps one Q/dO stage there
 // Deterministic mode, unmasked: staggered walks (BwdTile::of_block, common::StaggeredWalk) or
 // descending turns from row block 0 (0, the default).
 #ifdef FLASHATTN_SM90_BWD_STAGGER
@@ -43,7 +46,7 @@ struct BwdTileShape {
   int stages;
 };
 constexpr BwdTileShape bwd_tile(int head_dim) {
-  return head_dim <= 64 ? BwdTileShape{128, 128, 2} : BwdTileShape{64, 128, 2};
+  return head_dim <= 64 ? BwdTileShape{128, 128, 2} : head_dim <= 128 ? BwdTileShape{64, 128, 2} : BwdTileShape{64, 64, 1};
 }
 
 // The rows of the backward's scratch: per query head `head_stride` rows, in which sequence b's

@@ -297,7 +297,7 @@ struct BwdMainloop {
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   }
 
-  // --- consumers: two warpgroups of 64 keys each ----------------------------------------------
+  // --- consumers: two warpgroups of 64 keys each (split d: of half the rows, then half of d) ----
   // thread: index among the consumer threads. Leaves dK and dV (fp32, dS already scaled by
   // softmax_scale) in acc_dk / acc_dv.
   template <class AccKV>
@@ -322,6 +322,7 @@ struct BwdMainloop {
     Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sP = make_tensor(make_smem_ptr(ss.p_tile()), typename Traits::SmemLayoutdS{});  // split d only
 
     Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // descriptors
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
@@ -331,6 +332,9 @@ struct BwdMainloop {
     Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
     Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, MMA_M, MMA_K, buffer)
     Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+    // Split d: Pᵀ and dSᵀ of both warpgroups' rows as the A operands of dV and dK.
+    Tensor tVrP = thr_dkv.partition_fragment_A(sP);     // (MMA, MMA_M, MMA_K, buffer)
+    Tensor tKrdS = thr_dkv.partition_fragment_A(sdS);
 
     constexpr auto kShapeSdP = select<0, 1>(typename Traits::TileShapeSdP{});
     Tensor acc_s = partition_fragment_C(mma_sdp, kShapeSdP);
@@ -346,6 +350,8 @@ struct BwdMainloop {
     auto thr_r2s_ds = r2s_ds.get_thread_slice(thread);
     Tensor r2s_ds_src = thr_r2s_ds.retile_S(ds_flat);  // dSᵀ in 16 bits, the accumulator layout
     Tensor r2s_ds_dst = thr_r2s_ds.partition_D(sdS);   // (CPY, CPY_M, CPY_N, buffer)
+    Tensor r2s_p_src = thr_r2s_ds.retile_S(p_flat);    // split d: Pᵀ the same way
+    Tensor r2s_p_dst = thr_r2s_ds.partition_D(sP);
 
     Tensor c_s = thr_sdp.partition_C(make_identity_tensor(kShapeSdP));
     Tensor c_rc = make_tensor(c_s.data(), rowcol_layout(c_s.layout()));  // (key, row) of each element
@@ -353,7 +359,8 @@ struct BwdMainloop {
     constexpr int kRows = decltype(size<1>(s_rc))::value;
 
     const int key0 = t.n_block * kBlockN;
-    const int wg_key_b = key0 + wg * Traits::kKeysPerWarpgroup;
+    // The keys of this warpgroup's Sᵀ: its 64 of the tile, or (split d) all of them.
+    const int wg_key_b = key0 + (Traits::kSplitD ? 0 : wg * Traits::kKeysPerWarpgroup);
     const int wg_key_e = wg_key_b + Traits::kKeysPerWarpgroup;
     const float scale = p.softmax_scale;
     const int group = p.group_size();
@@ -472,7 +479,9 @@ struct BwdMainloop {
           for (int w = 0; w < (2 * kRows + 31) / 32; ++w) keep[w] = 0;
           CUTE_UNROLL
           for (int q = 0; q < kRows / 4; ++q) {  // 16 query rows: columns 4q … 4q + 3 of s_rc
-            const std::uint32_t own = common::dropout_keep_bits(dropout, stream, (row0 >> 4) + q, key_block, lane);
+            // The thread's first row is its warpgroup's first (split d: 0 or block_m / 2) + 2 · (lane % 4).
+          const int row_block = Traits::kSplitD ? (row0 + get<1>(c_rc(0, 0))) >> 4 : row0 >> 4;
+          const std::uint32_t own = common::dropout_keep_bits(dropout, stream, row_block + q, key_block, lane);
             const std::uint32_t lanes[2] = {
                 __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 0, 0).lane),
                 __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 1, 0).lane)};
@@ -493,7 +502,8 @@ struct BwdMainloop {
         }
       }
       auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
-      // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued (after dSᵀ, below).
+      // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued (after dSᵀ, below); split d: Pᵀ
+      // to shared memory, the product issued once both warpgroups' rows are there.
       auto issue_dv = [&] {
         if constexpr (Traits::kScoreMod) {
           if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
@@ -511,7 +521,11 @@ struct BwdMainloop {
         } else {
           convert_fragment<Element>(acc_s, p_flat);
         }
-        wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
+        if constexpr (Traits::kSplitD) {
+          copy(r2s_ds, r2s_p_src, r2s_p_dst(_, _, _, buffer));
+        } else {
+          wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
+        }
       };
       cute::warpgroup_wait<0>();  // dPᵀ has landed
       CUTE_UNROLL
@@ -548,8 +562,12 @@ struct BwdMainloop {
       copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();
 
-      wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
+      if constexpr (!Traits::kSplitD) wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
       named_barrier_sync(int(BwdBarrier::kDsWritten), Traits::kConsumerThreads);
+      if constexpr (Traits::kSplitD) {  // this warpgroup's half of d, every row and key of the tile
+        wgmma<false>(mma_dkv, tVrP(_, _, _, buffer), tVrdOt(_, _, _, st.index), acc_dv);
+        wgmma<false>(mma_dkv, tKrdS(_, _, _, buffer), tKrQt(_, _, _, st.index), acc_dk);
+      }
       wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
       cute::warpgroup_wait<0>();
       q_pipe.consumer_release(st, true);  // every thread (the row statistics are read by each)

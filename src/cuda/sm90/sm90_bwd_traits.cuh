@@ -11,6 +11,13 @@
 // and, with both warpgroups' dSᵀ in shared memory, its half of dQ = dS·K (block_m × d, summed over
 // the 128 keys), staged in shared memory and added to the fp32 accumulator in global memory by the
 // producer warpgroup's warp 1 (a bulk reduce-add).
+//
+// Above d 128 the accumulators of 64 keys' dK and dV (d fp32 per thread) do not fit a thread's
+// registers, so the tile splits the other way ("split d"): the CTA owns 64 keys, each warpgroup
+// computes Sᵀ and dPᵀ for half of the block's rows (64 keys × block_m / 2), both write Pᵀ and dSᵀ
+// to shared memory, and each then takes half of d in all three updates:
+//   dV[:, half] += Pᵀ·dO[:, half],  dK[:, half] += dSᵀ·Q[:, half],  dQ[:, half] = dS·K[:, half]
+// (all operands in shared memory), so that a thread keeps 2 · 64 · d / 2 / 128 fp32 of dK and dV.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,6 +27,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_pipeline.cuh"
@@ -27,6 +35,8 @@
 namespace flashattn::cuda::sm90 {
 
 using namespace cute;
+
+struct NoPTile {};  // the SharedStorage of a tile that keeps Pᵀ in registers
 
 // kScoreMod: softcap, ALiBi and dropout compiled in (device::TileScoreMod on each Sᵀ tile,
 // softcap's derivative 1 − tanh² in dSᵀ, the forward's Philox mask), each taken when the call
@@ -43,8 +53,12 @@ struct BwdTraits {
   static constexpr bool kScoreMod = kScoreMod_;
   static constexpr bool kVarlen = kVarlen_;
 
+  // Split d (above d 128, see the header): 64 keys per CTA, the warpgroups split the rows of Sᵀ
+  // and dPᵀ and the columns of dK, dV and dQ.
+  static constexpr bool kSplitD = kHeadDim > 128;
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
-  static constexpr int kConsumerWarpgroups = kBlockN / kKeysPerWarpgroup;
+  static constexpr int kConsumerWarpgroups = kSplitD ? 2 : kBlockN / kKeysPerWarpgroup;
+  static_assert(!kSplitD || kBlockN == kKeysPerWarpgroup, "split d: the CTA's keys are one wgmma's M");
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
   static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
@@ -66,15 +80,26 @@ struct BwdTraits {
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
   using TileShapedQAtom = Shape<Int<kBlockM / kdQWarpgroupsM>, Int<kHeadDim / kdQWarpgroupsN>, Int<kBlockN>>;
 
-  using AtomLayoutKeys = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;  // warpgroups along the keys
+  // Warpgroups along the keys, or (split d) along the second coordinate: the rows of Sᵀ and dPᵀ,
+  // the columns of dK and dV.
+  using AtomLayoutWgs = std::conditional_t<kSplitD, Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>,
+                                           Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>>;
+  static constexpr int kSdPRowsPerWarpgroup = kSplitD ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kdKVColsPerWarpgroup = kSplitD ? kHeadDim / kConsumerWarpgroups : kHeadDim;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Element, Element, float, Shape<Int<kKeysPerWarpgroup>, Int<kBlockM>, Int<kHeadDim>>>(),
-      AtomLayoutKeys{}));
-  // dV += Pᵀ·dO: A from registers; B = dO read as (d, rows), d contiguous ("MN-major").
+      SM90::GMMA::ss_op_selector<Element, Element, float,
+                                 Shape<Int<kKeysPerWarpgroup>, Int<kSdPRowsPerWarpgroup>, Int<kHeadDim>>>(),
+      AtomLayoutWgs{}));
+  // dV += Pᵀ·dO: A from registers (split d: Pᵀ from shared memory, both warpgroups' rows); B = dO
+  // read as (d, rows), d contiguous ("MN-major"). dK += dSᵀ·Q the same way.
+  using ShapedKVAtom = Shape<Int<kKeysPerWarpgroup>, Int<kdKVColsPerWarpgroup>, Int<kBlockM>>;
   using TiledMmadKV = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<Element, Element, float, Shape<Int<kKeysPerWarpgroup>, Int<kHeadDim>, Int<kBlockM>>,
-                                 GMMA::Major::K, GMMA::Major::MN>(),
-      AtomLayoutKeys{}));
+      std::conditional_t<kSplitD,
+                         decltype(SM90::GMMA::ss_op_selector<Element, Element, float, ShapedKVAtom, GMMA::Major::K,
+                                                             GMMA::Major::MN>()),
+                         decltype(SM90::GMMA::rs_op_selector<Element, Element, float, ShapedKVAtom, GMMA::Major::K,
+                                                             GMMA::Major::MN>())>{},
+      AtomLayoutWgs{}));
   // dQ = dS·K: A = dS stored as dSᵀ (keys, rows) with rows contiguous; B = K read as (d, keys).
   using TiledMmadQ = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Element, Element, float, TileShapedQAtom, GMMA::Major::MN, GMMA::Major::MN>(),
@@ -131,6 +156,16 @@ struct BwdTraits {
     std::uint64_t q_empty[kStages];
     std::uint64_t do_full[kStages];     // a dO stage and its softmax_d
     std::uint64_t do_empty[kStages];
+    // Split d only: Pᵀ, laid out as dSᵀ (last, so that the other tiles' offsets do not depend on it).
+    std::conditional_t<kSplitD, cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024>, NoPTile> p;
+    // Where Pᵀ is (split d); elsewhere dSᵀ's address, never read as Pᵀ.
+    __device__ Element* p_tile() {
+      if constexpr (kSplitD) {
+        return p.data();
+      } else {
+        return ds.data();
+      }
+    }
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "the tile exceeds the 227 KiB of shared memory per block of sm90");

@@ -51,6 +51,11 @@ const KernelEntry kKernels[] = {
 #else
     {Family::bwd, common::Storage::f16, 128, false},
 #endif
+#ifdef FLASHATTN_SM90_BWD_F16_256
+    {Family::bwd, common::Storage::f16, 256, true},
+#else
+    {Family::bwd, common::Storage::f16, 256, false},
+#endif
 #ifdef FLASHATTN_SM90_BWD_BF16_64
     {Family::bwd, common::Storage::bf16, 64, true},
 #else
@@ -60,6 +65,11 @@ const KernelEntry kKernels[] = {
     {Family::bwd, common::Storage::bf16, 128, true},
 #else
     {Family::bwd, common::Storage::bf16, 128, false},
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_256
+    {Family::bwd, common::Storage::bf16, 256, true},
+#else
+    {Family::bwd, common::Storage::bf16, 256, false},
 #endif
 };
 const int kKernelCount = int(sizeof(kKernels) / sizeof(kKernels[0]));
@@ -77,7 +87,7 @@ const char* family_title(Family family) {
 int largest_head_dim(Family family) {
   switch (family) {
     case Family::fwd: return 256;
-    case Family::bwd: return 128;
+    case Family::bwd: return 256;
   }
   return 0;
 }
@@ -161,6 +171,11 @@ cudaError_t dispatch_bwd(common::Storage storage,
     return run_bwd<common::Storage::f16, 128>(p, scratch, rng_state, stream);
   }
 #endif
+#ifdef FLASHATTN_SM90_BWD_F16_256
+  if (storage == common::Storage::f16 && head_dim == 256) {
+    return run_bwd<common::Storage::f16, 256>(p, scratch, rng_state, stream);
+  }
+#endif
 #ifdef FLASHATTN_SM90_BWD_BF16_64
   if (storage == common::Storage::bf16 && head_dim == 64) {
     return run_bwd<common::Storage::bf16, 64>(p, scratch, rng_state, stream);
@@ -169,6 +184,11 @@ cudaError_t dispatch_bwd(common::Storage storage,
 #ifdef FLASHATTN_SM90_BWD_BF16_128
   if (storage == common::Storage::bf16 && head_dim == 128) {
     return run_bwd<common::Storage::bf16, 128>(p, scratch, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_256
+  if (storage == common::Storage::bf16 && head_dim == 256) {
+    return run_bwd<common::Storage::bf16, 256>(p, scratch, rng_state, stream);
   }
 #endif
   (void)storage;
