@@ -434,18 +434,6 @@ int main(int argc, char** argv) try {
         flashattn::cuda::forward(p, nullptr);  // out and lse for the backward
         for (const std::string& pass : args.passes) {
           const bool bwd = pass == "bwd";
-          void* workspace = nullptr;
-          if (bwd) {
-            check(cudaMalloc(&workspace, flashattn::cuda::backward_workspace_size(p, std::int64_t(b) * s)),
-                  "cudaMalloc");
-          }
-          auto call = [&] {
-            if (bwd) {
-              flashattn::cuda::backward(p, std::int64_t(b) * s, workspace, nullptr);
-            } else {
-              flashattn::cuda::forward(p, nullptr);
-            }
-          };
           // One timing per variant of the runtime knobs (one unnamed where none are asked for),
           // the variants taking turns call by call.
           const int variants = std::max(1, int(args.env_variants.size()));
@@ -455,6 +443,24 @@ int main(int argc, char** argv) try {
               for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
             }
             for (const auto& kv : args.env_variants[std::size_t(vi)].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+          };
+          // The backward's workspace for every variant (one may choose another kernel family,
+          // FLASHATTN_CUDA_FAMILY, whose scratch is laid out and sized differently).
+          void* workspace = nullptr;
+          if (bwd) {
+            std::size_t bytes = 0;
+            for (int vi = 0; vi < variants; ++vi) {
+              select(vi);
+              bytes = std::max(bytes, flashattn::cuda::backward_workspace_size(p, std::int64_t(b) * s));
+            }
+            check(cudaMalloc(&workspace, bytes), "cudaMalloc");
+          }
+          auto call = [&] {
+            if (bwd) {
+              flashattn::cuda::backward(p, std::int64_t(b) * s, workspace, nullptr);
+            } else {
+              flashattn::cuda::forward(p, nullptr);
+            }
           };
           const std::vector<double> times =
               args.l2_flush ? medians_ms(args.warmup, args.repeats, variants, call, select, *grid_flush)
