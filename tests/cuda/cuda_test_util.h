@@ -311,6 +311,13 @@ inline BackwardResult run_cuda_backward(const AttnProblem& p, const ForwardResul
   const std::int64_t rows = p.is_varlen() ? p.total_q : std::int64_t(p.cfg.batch) * p.total_q;
   const std::vector<std::uint8_t> poison(flashattn::cuda::backward_workspace_size(dp, rows), 0xff);
   void* workspace = dev.upload(poison.data(), poison.size());
+  // The uploads are cudaMemcpy from pageable memory on the legacy default stream, which may return
+  // before their last DMA has landed; a non-blocking stream is not ordered after them. Without this
+  // wait the poison could land after the call's own memsets on such a stream: deterministic
+  // turn counters of −1 (0xff bytes) that never come round (a hang), NaN in the dQ accumulator.
+  // Only the legacy stream is waited for: a call already running on another stream stays beside
+  // this one (the determinism test's two streams at once).
+  if (stream != nullptr) FA_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 
   flashattn::cuda::backward(dp, rows, workspace, stream, d_rng);
   if (alongside) alongside();
