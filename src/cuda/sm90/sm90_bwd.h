@@ -30,6 +30,15 @@ inline constexpr bool kBwdStagger = FLASHATTN_SM90_BWD_STAGGER != 0;
 #else
 inline constexpr bool kBwdStagger = false;
 #endif
+// Q and dO given back once dV and dK (their last readers) are done, while dQ = dS·K still runs
+// (-DFLASHATTN_SM90_BWD_EARLY_RELEASE=1, off by default: not yet timed), so that the producer loads
+// the next row block under the dQ product and its staging — most of all where the ring has one
+// stage (d 256).
+#ifdef FLASHATTN_SM90_BWD_EARLY_RELEASE
+inline constexpr bool kBwdEarlyRelease = FLASHATTN_SM90_BWD_EARLY_RELEASE != 0;
+#else
+inline constexpr bool kBwdEarlyRelease = false;
+#endif
 // A diagnostic (-DFLASHATTN_SM90_BWD_TURN_WATCHDOG=1, off by default): a dQ writer that has waited
 // for its deterministic turn through 2^24 polls (seconds) prints where it is — tile, step, row
 // block, its turn and the turn the block is at — and traps, so that a hang ends in an error that

@@ -569,9 +569,16 @@ struct BwdMainloop {
         wgmma<false>(mma_dkv, tKrdS(_, _, _, buffer), tKrQt(_, _, _, st.index), acc_dk);
       }
       wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
-      cute::warpgroup_wait<0>();
-      q_pipe.consumer_release(st, true);  // every thread (the row statistics are read by each)
-      do_pipe.consumer_release(st, true);
+      if constexpr (kBwdEarlyRelease) {
+        cute::warpgroup_wait<1>();  // dV and dK have landed (groups retire in order); dQ runs
+        q_pipe.consumer_release(st, true);
+        do_pipe.consumer_release(st, true);
+        cute::warpgroup_wait<0>();
+      } else {
+        cute::warpgroup_wait<0>();
+        q_pipe.consumer_release(st, true);  // every thread (the row statistics are read by each)
+        do_pipe.consumer_release(st, true);
+      }
       st.advance();
 
       // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
