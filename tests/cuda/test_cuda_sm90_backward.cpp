@@ -1,8 +1,8 @@
 // tests/cuda/test_cuda_sm90_backward.cpp — the Hopper (sm90) backward family: forced
 // (FLASHATTN_CUDA_FAMILY=sm90), its dQ, dK, dV and softmax_d match the fp64 reference by the
 // accuracy rule of SPEC §7 (check_backward) over the shape grid (every head dim: up to 128 the
-// warpgroups split the keys, above it d — sm90_bwd_traits.cuh; d ≠ dv, GQA, causal), windows, strided layouts, several key tiles and row blocks, rows and keys
-// that see nothing; the ordered choice takes it for the calls it serves and says why not for the
+// warpgroups split the keys, above it d — sm90_bwd_traits.cuh; d ≠ dv, GQA, causal), windows,
+// strided layouts, several key tiles and row blocks, rows and keys that see nothing; the ordered choice takes it for the calls it serves and says why not for the
 // others. Gradients are poisoned and the workspace filled with NaN bytes before each call (see
 // run_cuda_backward). Without an sm90 GPU the tests say they were not run.
 #include <string>

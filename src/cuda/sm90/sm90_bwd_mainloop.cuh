@@ -475,13 +475,14 @@ struct BwdMainloop {
           const int lane = thread % 32;
           const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
           const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + s / m_blocks);
+          // The 16-row block of the thread's first row: its warpgroup's first (split d: 0 or
+          // block_m / 2) + 2 · (lane % 4).
+          const int row_block = Traits::kSplitD ? (row0 + get<1>(c_rc(0, 0))) >> 4 : row0 >> 4;
           CUTE_UNROLL
           for (int w = 0; w < (2 * kRows + 31) / 32; ++w) keep[w] = 0;
           CUTE_UNROLL
           for (int q = 0; q < kRows / 4; ++q) {  // 16 query rows: columns 4q … 4q + 3 of s_rc
-            // The thread's first row is its warpgroup's first (split d: 0 or block_m / 2) + 2 · (lane % 4).
-          const int row_block = Traits::kSplitD ? (row0 + get<1>(c_rc(0, 0))) >> 4 : row0 >> 4;
-          const std::uint32_t own = common::dropout_keep_bits(dropout, stream, row_block + q, key_block, lane);
+            const std::uint32_t own = common::dropout_keep_bits(dropout, stream, row_block + q, key_block, lane);
             const std::uint32_t lanes[2] = {
                 __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 0, 0).lane),
                 __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 1, 0).lane)};

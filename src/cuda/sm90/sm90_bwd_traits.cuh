@@ -53,12 +53,11 @@ struct BwdTraits {
   static constexpr bool kScoreMod = kScoreMod_;
   static constexpr bool kVarlen = kVarlen_;
 
-  // Split d (above d 128, see the header): 64 keys per CTA, the warpgroups split the rows of Sᵀ
-  // and dPᵀ and the columns of dK, dV and dQ.
-  static constexpr bool kSplitD = kHeadDim > 128;
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
+  // Split d (bwd_tile's choice above d 128, see the header): a CTA of one wgmma's M of keys, the
+  // two warpgroups splitting the rows of Sᵀ and dPᵀ and the columns of dK, dV and dQ.
+  static constexpr bool kSplitD = kBlockN == kKeysPerWarpgroup;
   static constexpr int kConsumerWarpgroups = kSplitD ? 2 : kBlockN / kKeysPerWarpgroup;
-  static_assert(!kSplitD || kBlockN == kKeysPerWarpgroup, "split d: the CTA's keys are one wgmma's M");
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
   static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
