@@ -23,21 +23,23 @@ namespace flashattn::cuda::sm90 {
 //   d 256: 64 keys × 64 rows,   1 stage  — K 32 + V 32 + Q 32 + dO 32 + dS and Pᵀ 2 × 8 each +
 //          the dQ staging 64 KiB: the warpgroups split the rows of Sᵀ and d of the updates
 //          (sm90_bwd_traits.cuh, split d); FlashAttention-3 also keeps one Q/dO stage there
-// Deterministic mode, unmasked: staggered walks (BwdTile::of_block, common::StaggeredWalk) or
-// descending turns from row block 0 (0, the default).
+// Deterministic mode, unmasked: staggered walks (BwdTile::of_block, common::StaggeredWalk; 1, the
+// default) or descending turns from row block 0 (-DFLASHATTN_SM90_BWD_STAGGER=0).
 #ifdef FLASHATTN_SM90_BWD_STAGGER
 inline constexpr bool kBwdStagger = FLASHATTN_SM90_BWD_STAGGER != 0;
 #else
-inline constexpr bool kBwdStagger = false;
+inline constexpr bool kBwdStagger = true;
 #endif
-// Q and dO given back once dV and dK (their last readers) are done, while dQ = dS·K still runs
-// (-DFLASHATTN_SM90_BWD_EARLY_RELEASE=1, off by default: not yet timed), so that the producer loads
-// the next row block under the dQ product and its staging — most of all where the ring has one
-// stage (d 256).
-#ifdef FLASHATTN_SM90_BWD_EARLY_RELEASE
-inline constexpr bool kBwdEarlyRelease = FLASHATTN_SM90_BWD_EARLY_RELEASE != 0;
+// The order of the last two products at d ≤ 128 (-DFLASHATTN_SM90_BWD_STAGE_UNDER_DK, 1 by default):
+// dQ = dS·K issued before dK += dSᵀ·Q, so that dO is given back once dV and dQ have landed and dQ is
+// staged for the writer warp while dK still runs (FlashAttention-3's order); H200, bf16: d 128
+// ×1.00–1.04, d 64 ×0.99–1.01. 0: dK first, issued before the warpgroups meet over dSᵀ, then dQ,
+// both waited for before dQ is staged. Split d (d 256) keeps dK, then dQ: the other order ran it at
+// ×0.76–0.89 (src/cuda/README.md, tuning knobs).
+#ifdef FLASHATTN_SM90_BWD_STAGE_UNDER_DK
+inline constexpr bool kBwdStageUnderDk = FLASHATTN_SM90_BWD_STAGE_UNDER_DK != 0;
 #else
-inline constexpr bool kBwdEarlyRelease = false;
+inline constexpr bool kBwdStageUnderDk = true;
 #endif
 // A diagnostic (-DFLASHATTN_SM90_BWD_TURN_WATCHDOG=1, off by default): a dQ writer that has waited
 // for its deterministic turn through 2^24 polls (seconds) prints where it is — tile, step, row

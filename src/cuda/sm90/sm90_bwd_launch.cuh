@@ -46,7 +46,7 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   // A staggered tile may wait for one of its (kv head, batch) launched after it (BwdTile::of_block):
   // with at most a quarter of the SMs' worth of key tiles per group (at one CTA per SM), all of a
   // group fits beside other groups and kernels in flight (4k keys at 128 keys per tile on an H200).
-  // Off unless built with FLASHATTN_SM90_BWD_STAGGER=1 (src/cuda/README.md, tuning knobs).
+  // Off when built with FLASHATTN_SM90_BWD_STAGGER=0 (src/cuda/README.md, tuning knobs).
   params.stagger_tiles = kBwdStagger ? current_sm_count() / 4 : 0;
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;

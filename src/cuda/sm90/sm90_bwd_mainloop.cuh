@@ -247,9 +247,9 @@ struct BwdMainloop {
       // its successor's (j − 1)-th or earlier under causal and sliding-window masks (whose walks
       // start later for later tiles): the CTAs run side by side instead of each a step behind
       // the previous one, as an ascending order makes them (a wavefront over the key tiles).
-      // Built with FLASHATTN_SM90_BWD_STAGGER=1, unmasked walks are staggered instead where they
-      // can be (BwdTile::staggered): a descending chain there makes each tile wait for the one
-      // before it at every row block.
+      // Unmasked walks are staggered instead where they can be (BwdTile::staggered; not when
+      // built with FLASHATTN_SM90_BWD_STAGGER=0): a descending chain there makes each tile wait
+      // for the one before it at every row block.
       int* const semaphore = params.dq_semaphores == nullptr
                                  ? nullptr
                                  : params.dq_semaphores + stat_offset(params, t, head, m) / kBlockM;
@@ -563,38 +563,55 @@ struct BwdMainloop {
       copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
       cutlass::arch::fence_view_async_shared();
 
-      if constexpr (!Traits::kSplitD) wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
+      // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
+      // thread l at (v · 128 + l) · 4: conflict-free, and the order the accumulator keeps).
+      auto stage_dq = [&] {
+        constexpr int kDqThreads = Traits::kWarpgroupThreads + 32;
+        if (s > 0) named_barrier_sync(int(BwdBarrier::kDqEmptyWg0) + wg, kDqThreads);
+        float4* const slice = reinterpret_cast<float4*>(ss.dq[wg]);
+        const int lane = thread % Traits::kWarpgroupThreads;
+        CUTE_UNROLL
+        for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
+          slice[v * Traits::kWarpgroupThreads + lane] =
+              make_float4(acc_dq(4 * v), acc_dq(4 * v + 1), acc_dq(4 * v + 2), acc_dq(4 * v + 3));
+        }
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_arrive(int(BwdBarrier::kDqFullWg0) + wg, kDqThreads);
+      };
+      // dK += dSᵀ·Q: dSᵀ from registers, or (split d) both warpgroups' from shared memory.
+      auto issue_dk = [&] {
+        if constexpr (Traits::kSplitD) {
+          wgmma<false>(mma_dkv, tKrdS(_, _, _, buffer), tKrQt(_, _, _, st.index), acc_dk);
+        } else {
+          wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
+        }
+      };
+      if constexpr (!kBwdStageUnderDk && !Traits::kSplitD) issue_dk();  // under the barrier's wait
       named_barrier_sync(int(BwdBarrier::kDsWritten), Traits::kConsumerThreads);
       if constexpr (Traits::kSplitD) {  // this warpgroup's half of d, every row and key of the tile
         wgmma<false>(mma_dkv, tVrP(_, _, _, buffer), tVrdOt(_, _, _, st.index), acc_dv);
-        wgmma<false>(mma_dkv, tKrdS(_, _, _, buffer), tKrQt(_, _, _, st.index), acc_dk);
       }
-      wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
-      if constexpr (kBwdEarlyRelease) {
-        cute::warpgroup_wait<1>();  // dV and dK have landed (groups retire in order); dQ runs
-        q_pipe.consumer_release(st, true);
-        do_pipe.consumer_release(st, true);
+      if constexpr (kBwdStageUnderDk && !Traits::kSplitD) {
+        // dQ before dK (FlashAttention-3's order): once dV and dQ have landed (groups retire in
+        // order) dO is given back and dQ staged while dK, the last product, still runs. Split d
+        // keeps dK, then dQ: there this order ran at 0.76–0.89 of it (sm90_bwd.h).
+        wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
+        issue_dk();
+        cute::warpgroup_wait<1>();
+        do_pipe.consumer_release(st, true);  // every thread (each read softmax_d)
+        stage_dq();
         cute::warpgroup_wait<0>();
+        q_pipe.consumer_release(st, true);
+        st.advance();
       } else {
+        if constexpr (Traits::kSplitD) issue_dk();
+        wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
         cute::warpgroup_wait<0>();
         q_pipe.consumer_release(st, true);  // every thread (the row statistics are read by each)
         do_pipe.consumer_release(st, true);
+        st.advance();
+        stage_dq();
       }
-      st.advance();
-
-      // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
-      // thread l at (v · 128 + l) · 4: conflict-free, and the order the accumulator keeps).
-      constexpr int kDqThreads = Traits::kWarpgroupThreads + 32;
-      if (s > 0) named_barrier_sync(int(BwdBarrier::kDqEmptyWg0) + wg, kDqThreads);
-      float4* const slice = reinterpret_cast<float4*>(ss.dq[wg]);
-      const int lane = thread % Traits::kWarpgroupThreads;
-      CUTE_UNROLL
-      for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
-        slice[v * Traits::kWarpgroupThreads + lane] =
-            make_float4(acc_dq(4 * v), acc_dq(4 * v + 1), acc_dq(4 * v + 2), acc_dq(4 * v + 3));
-      }
-      cutlass::arch::fence_view_async_shared();
-      named_barrier_arrive(int(BwdBarrier::kDqFullWg0) + wg, kDqThreads);
     }
   }
 

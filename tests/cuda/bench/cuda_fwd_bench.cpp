@@ -21,6 +21,11 @@
 // none of the variables set), the settings taking turns call by call, so that the GPU's drift
 // (clocks settling under a long load) falls on all of them alike; the JSON rows then name their
 // variant. Every variable that any variant names is unset before each variant's own are set.
+// A variant may change the call's features too, through FLASHATTN_BENCH_DETERMINISTIC=0|1,
+// FLASHATTN_BENCH_SOFTCAP=X, FLASHATTN_BENCH_ALIBI=0|1 and FLASHATTN_BENCH_DROPOUT=P (over the
+// command line's), e.g. "plain:;det:FLASHATTN_BENCH_DETERMINISTIC=1" times the deterministic
+// backward beside the plain one; the output and lse that the backward reads stay the forward's of
+// the command line's features.
 //
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 //                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X] [--alibi 0|1]
@@ -101,6 +106,12 @@ struct Args {
   int decode_sq = 1;
   int decode_heads = 32, decode_heads_k = 8;
 };
+
+// A variant's setting of one of the call's features (FLASHATTN_BENCH_*), else the fallback.
+float env_or(const char* name, float fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0' ? fallback : std::stof(v);
+}
 
 // "a:b:c" as three ints.
 std::vector<int> colon_ints(const std::string& s) {
@@ -390,7 +401,7 @@ int main(int argc, char** argv) try {
       std::int32_t* cu_dev = lengths.empty() ? nullptr : device_copy(cu);
       std::vector<float> slopes(static_cast<std::size_t>(h));
       for (int i = 0; i < h; ++i) slopes[std::size_t(i)] = std::exp2(-8.0f * float(i + 1) / float(h));
-      float* slopes_dev = args.alibi ? device_copy(slopes) : nullptr;
+      float* slopes_dev = device_copy(slopes);
       for (int causal : args.causal) {
         c::AttentionParams p;
         p.storage = args.storage;
@@ -412,16 +423,18 @@ int main(int argc, char** argv) try {
         p.dk.data = grads[1];
         p.dv.data = grads[2];
         p.softmax_d = softmax_d;
-        p.deterministic = args.deterministic;
-        p.softcap = args.softcap;
-        if (args.dropout > 0.0f) {  // as flashattn's validation sets it (src/api/validate.cpp)
-          p.dropout_p = args.dropout;
+        // The call's features: the command line's, or (set_features, below) a variant's.
+        auto set_features = [&](bool deterministic, float softcap, bool alibi, float dropout) {
+          p.deterministic = deterministic;
+          p.softcap = softcap;
+          p.alibi_slopes = alibi ? slopes_dev : nullptr;
+          p.dropout_p = dropout;  // as flashattn's validation sets it (src/api/validate.cpp)
           p.dropout.seed = 1234;
-          p.dropout.keep_threshold = c::dropout_keep_threshold(args.dropout);
-          p.dropout.keep_scale = 1.0f / (1.0f - args.dropout);
-        }
+          p.dropout.keep_threshold = c::dropout_keep_threshold(dropout);
+          p.dropout.keep_scale = dropout > 0.0f ? 1.0f / (1.0f - dropout) : 1.0f;
+        };
+        set_features(args.deterministic, args.softcap, args.alibi, args.dropout);
         set_lse_and_scale(p, lse, h, s, d);
-        p.alibi_slopes = slopes_dev;
         if (cu_dev != nullptr) {  // one packed batch: lse (h, b·s), rows from cu_seqlens
           p.batch = int(lengths.size());
           p.cu_seqlens_q = p.cu_seqlens_k = cu_dev;
@@ -443,6 +456,10 @@ int main(int argc, char** argv) try {
               for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
             }
             for (const auto& kv : args.env_variants[std::size_t(vi)].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+            set_features(env_or("FLASHATTN_BENCH_DETERMINISTIC", args.deterministic ? 1.0f : 0.0f) != 0.0f,
+                         env_or("FLASHATTN_BENCH_SOFTCAP", args.softcap),
+                         env_or("FLASHATTN_BENCH_ALIBI", args.alibi ? 1.0f : 0.0f) != 0.0f,
+                         env_or("FLASHATTN_BENCH_DROPOUT", args.dropout));
           };
           // The backward's workspace for every variant (one may choose another kernel family,
           // FLASHATTN_CUDA_FAMILY, whose scratch is laid out and sized differently).
