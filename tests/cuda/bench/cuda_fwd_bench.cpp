@@ -10,6 +10,8 @@
 // dim of --dims; reported in GB/s of the minimum traffic (K and V read once, q read, out written),
 // with the L2 cleared before every timed call.
 //
+// --gqa G gives the grid G query heads per key/value head (h / G of them; GQA, or MQA where G = h),
+// FLOPs counted per query head as for MHA, so that a GQA row reads against the MHA row of its shape.
 // --dropout P and --softcap X time the grid with those on (the kernels' full variant); --alibi 1
 // with ALiBi slopes per head. --varlen equal|mixed times the same tokens as one varlen batch:
 // `equal` b sequences of s (the dense shape through the varlen path), `mixed` lengths s/2 and 3s/2
@@ -30,7 +32,7 @@
 //   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
 //                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X] [--alibi 0|1]
 //                  [--varlen equal|mixed]
-//                  [--tokens 16384] [--width 2048]
+//                  [--tokens 16384] [--width 2048] [--gqa 1]
 //                  [--repeats 30] [--warmup 5] [--l2-flush 0|1] [--json FILE]
 //                  [--env-variants name:VAR=V,...;name:...]
 //                  [--decode 1:131072:0,32:32768:16,...] [--decode-sq 1] [--decode-heads 32:8]
@@ -90,6 +92,7 @@ struct Args {
   std::string varlen;  // "", "equal" or "mixed"
   int tokens = 16384;
   int width = 2048;
+  int gqa = 1;  // query heads per key/value head in the grid (GQA/MQA); must divide the heads
   int repeats = 30;
   int warmup = 5;
   bool l2_flush = false;  // the grid; decoding always clears it
@@ -142,6 +145,7 @@ Args parse(int argc, char** argv) {
     }
     else if (flag == "--tokens") a.tokens = std::stoi(v);
     else if (flag == "--width") a.width = std::stoi(v);
+    else if (flag == "--gqa") a.gqa = std::stoi(v);
     else if (flag == "--repeats") a.repeats = std::stoi(v);
     else if (flag == "--warmup") a.warmup = std::stoi(v);
     else if (flag == "--l2-flush") a.l2_flush = v == "1";
@@ -377,10 +381,15 @@ int main(int argc, char** argv) try {
   for (int d : args.decode.empty() ? args.dims : std::vector<int>{}) {
     for (int s : args.seqlens) {
       const int b = std::max(1, args.tokens / s), h = std::max(1, args.width / d);
-      const std::size_t n = std::size_t(b) * s * h * d;
+      if (args.gqa < 1 || h % args.gqa != 0) {
+        throw std::runtime_error("--gqa " + std::to_string(args.gqa) + " does not divide the " + std::to_string(h) +
+                                 " heads of d " + std::to_string(d));
+      }
+      const int hk = h / args.gqa;
+      const std::size_t n = std::size_t(b) * s * h * d, nk = std::size_t(b) * s * hk * d;
       void* q = random_device(n, args.storage, 1);
-      void* k = random_device(n, args.storage, 2);
-      void* v = random_device(n, args.storage, 3);
+      void* k = random_device(nk, args.storage, 2);
+      void* v = random_device(nk, args.storage, 3);
       void* dout = random_device(n, args.storage, 4);
       void* o = nullptr;
       float* lse = nullptr;
@@ -389,7 +398,7 @@ int main(int argc, char** argv) try {
       check(cudaMalloc(&o, n * sizeof(std::uint16_t)), "cudaMalloc");
       check(cudaMalloc(reinterpret_cast<void**>(&lse), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
       check(cudaMalloc(reinterpret_cast<void**>(&softmax_d), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
-      for (void*& g : grads) check(cudaMalloc(&g, n * sizeof(std::uint16_t)), "cudaMalloc");
+      for (int g = 0; g < 3; ++g) check(cudaMalloc(&grads[g], (g == 0 ? n : nk) * sizeof(std::uint16_t)), "cudaMalloc");
       const std::vector<int> lengths = args.varlen.empty() ? std::vector<int>{} : varlen_lengths(args.varlen, b, s);
       std::vector<std::int32_t> cu(1, 0);
       double sum_sq = 0;  // Σ len² over the sequences (b·s² when dense)
@@ -406,19 +415,22 @@ int main(int argc, char** argv) try {
         c::AttentionParams p;
         p.storage = args.storage;
         p.batch = b;
-        p.heads = p.heads_k = h;
+        p.heads = h;
+        p.heads_k = hk;
         p.head_dim = p.head_dim_v = d;
         p.max_seqlen_q = p.max_seqlen_k = s;
-        // (b, s, h, d) contiguous.
-        for (auto [t, data] : {std::pair{&p.q, q}, std::pair{&p.k, k}, std::pair{&p.v, v}, std::pair{&p.out, o}}) {
+        // (b, s, h, d) contiguous; k and v (b, s, hk, d).
+        for (auto [t, data, heads] : {std::tuple{&p.q, q, h}, std::tuple{&p.k, k, hk}, std::tuple{&p.v, v, hk},
+                                      std::tuple{&p.out, o, h}}) {
           t->data = data;
-          t->batch_stride = std::int64_t(s) * h * d;
-          t->row_stride = std::int64_t(h) * d;
+          t->batch_stride = std::int64_t(s) * heads * d;
+          t->row_stride = std::int64_t(heads) * d;
           t->head_stride = d;
         }
         p.dout = p.out;
         p.dout.data = dout;
-        p.dq = p.dk = p.dv = p.out;
+        p.dq = p.out;
+        p.dk = p.dv = p.k;
         p.dq.data = grads[0];
         p.dk.data = grads[1];
         p.dv.data = grads[2];
@@ -495,13 +507,13 @@ int main(int argc, char** argv) try {
           for (const auto& [variant, median] : medians) {
             const double tflops = flops / (median * 1e-3) / 1e12;
             std::printf(
-                "flashattn%s%s %s %s %s d=%d s=%d b=%d h=%d causal=%d dropout=%g softcap=%g alibi=%d varlen=%s: %.3f ms, %.1f "
+                "flashattn%s%s %s %s %s d=%d s=%d b=%d h=%d hk=%d causal=%d dropout=%g softcap=%g alibi=%d varlen=%s: %.3f ms, %.1f "
                 "TFLOP/s\n",
                 variant.empty() ? "" : " variant ", variant.c_str(), family, pass.c_str(),
-                args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, causal, args.dropout, args.softcap, int(args.alibi), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
+                args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, hk, causal, args.dropout, args.softcap, int(args.alibi), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
             json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_" << family << "\", \"pass\": \"" << pass
                  << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
-                 << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h
+                 << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h << ", \"heads_k\": " << hk
                  << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
                  << ", \"softcap\": " << args.softcap << ", \"alibi\": " << (args.alibi ? "true" : "false")
                  << ", \"varlen\": \"" << (args.varlen.empty() ? "no" : args.varlen) << "\", \"l2_flush\": " << (args.l2_flush ? "true" : "false")
