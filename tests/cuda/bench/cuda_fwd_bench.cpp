@@ -494,28 +494,29 @@ int main(int argc, char** argv) try {
           const std::vector<double> times =
               args.l2_flush ? medians_ms(args.warmup, args.repeats, variants, call, select, *grid_flush)
                             : medians_ms(args.warmup, args.repeats, variants, call, select, [] {});
-          std::vector<std::pair<std::string, double>> medians;
-          for (int vi = 0; vi < variants; ++vi) {
-            medians.emplace_back(args.env_variants.empty() ? "" : args.env_variants[std::size_t(vi)].name,
-                                 times[std::size_t(vi)]);
-          }
           cudaFree(workspace);
           const double flops = (bwd ? 2.5 : 1.0) * 4.0 * h * sum_sq * d / (causal ? 2.0 : 1.0);
-          // The kernel family that ran (cuda/family.h).
-          const char* family = flashattn::cuda::family_name(bwd ? flashattn::cuda::choose_backward_family(p).family
-                                                                : flashattn::cuda::choose_forward_family(p).family);
-          for (const auto& [variant, median] : medians) {
+          for (int vi = 0; vi < variants; ++vi) {
+            // The variant's own settings: its features and the kernel family that ran (cuda/family.h).
+            select(vi);
+            const std::string variant = args.env_variants.empty() ? "" : args.env_variants[std::size_t(vi)].name;
+            const double median = times[std::size_t(vi)];
+            const char* family = flashattn::cuda::family_name(bwd ? flashattn::cuda::choose_backward_family(p).family
+                                                                  : flashattn::cuda::choose_forward_family(p).family);
+            const bool alibi = p.alibi_slopes != nullptr;
             const double tflops = flops / (median * 1e-3) / 1e12;
             std::printf(
-                "flashattn%s%s %s %s %s d=%d s=%d b=%d h=%d hk=%d causal=%d dropout=%g softcap=%g alibi=%d varlen=%s: %.3f ms, %.1f "
-                "TFLOP/s\n",
+                "flashattn%s%s %s %s %s d=%d s=%d b=%d h=%d hk=%d causal=%d dropout=%g softcap=%g alibi=%d "
+                "deterministic=%d varlen=%s: %.3f ms, %.1f TFLOP/s\n",
                 variant.empty() ? "" : " variant ", variant.c_str(), family, pass.c_str(),
-                args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, hk, causal, args.dropout, args.softcap, int(args.alibi), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
+                args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, hk, causal, p.dropout_p, p.softcap,
+                int(alibi), int(p.deterministic), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
             json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_" << family << "\", \"pass\": \"" << pass
                  << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
                  << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h << ", \"heads_k\": " << hk
-                 << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << args.dropout
-                 << ", \"softcap\": " << args.softcap << ", \"alibi\": " << (args.alibi ? "true" : "false")
+                 << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << p.dropout_p
+                 << ", \"softcap\": " << p.softcap << ", \"alibi\": " << (alibi ? "true" : "false")
+                 << ", \"deterministic\": " << (p.deterministic ? "true" : "false")
                  << ", \"varlen\": \"" << (args.varlen.empty() ? "no" : args.varlen) << "\", \"l2_flush\": " << (args.l2_flush ? "true" : "false")
                  << (variant.empty() ? "" : ", \"variant\": \"" + variant + "\"") << ", \"ms\": " << median
                  << ", \"tflops\": " << tflops << "}";
