@@ -181,6 +181,26 @@ TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
   }
 }
 
+// Softcap alone and ALiBi alone take kernel variants of their own (sm90_bwd.h, bwd_lean_mods); with
+// FLASHATTN_SM90_BWD_LEAN_MODS=0 they take the variant with all three features, which must agree too.
+TEST_P(CudaSm90BackwardFeatures, SingleFeatureOnTheFullVariant) {
+  FA_SKIP_WITHOUT_SM90();
+  const EnvOverride full("FLASHATTN_SM90_BWD_LEAN_MODS", "0");
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
+      cfg.opt.causal = causal;
+      cfg.opt.softcap = 1.5f;
+      cfg.qk_amplitude = 3.0f;
+      expect_sm90_backward_matches(cfg);
+      cfg.opt.softcap = 0.0f;
+      cfg.qk_amplitude = 1.0f;
+      cfg.alibi = Alibi::per_head;
+      expect_sm90_backward_matches(cfg);
+    }
+  }
+}
+
 // Softcap 1.5 with scores well past it (the derivative 1 − tanh² far from 1), ALiBi per head and
 // per (batch, head), both together, causal or not, GQA (the slope is the query head's).
 TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {

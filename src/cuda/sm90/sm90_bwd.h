@@ -51,6 +51,12 @@ inline constexpr bool kBwdTurnWatchdog = FLASHATTN_SM90_BWD_TURN_WATCHDOG != 0;
 inline constexpr bool kBwdTurnWatchdog = false;
 #endif
 
+// Whether a call with softcap alone or ALiBi alone takes the kernel variant compiled with that one
+// feature (the default) rather than the one with softcap, ALiBi and dropout, whose registers every
+// call of it pays for (d 64: 356 bytes of spills in the dense kernel). FLASHATTN_SM90_BWD_LEAN_MODS=0
+// (a runtime knob read per call) sends them to the full variant, for comparison in one process.
+bool bwd_lean_mods();
+
 struct BwdTileShape {
   int block_m;
   int block_n;

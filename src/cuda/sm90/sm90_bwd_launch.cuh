@@ -62,16 +62,17 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   return cudaGetLastError();
 }
 
-// The variants of one (dtype, head dim): softcap and ALiBi compiled in or not, dense or varlen.
-template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen>
+// The variants of one (dtype, head dim): which of softcap, ALiBi and dropout are compiled in
+// (kMods: none, softcap alone, ALiBi alone, or all three), dense or varlen.
+template <class Element, int kHeadDim, int kMods, bool kVarlen>
 using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
-                              bwd_tile(kHeadDim).stages, kScoreMod, kVarlen>;
+                              bwd_tile(kHeadDim).stages, kMods, kVarlen>;
 
-template <class Element, int kHeadDim, bool kScoreMod>
+template <class Element, int kHeadDim, int kMods>
 cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                                cudaStream_t stream) {
-  return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, true>>(p, ws, rng_state, stream)
-                       : launch_bwd<BwdTraitsOf<Element, kHeadDim, kScoreMod, false>>(p, ws, rng_state, stream);
+  return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, true>>(p, ws, rng_state, stream)
+                       : launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, false>>(p, ws, rng_state, stream);
 }
 
 template <common::Storage kStorage, int kHeadDim>
@@ -90,13 +91,17 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.max_seqlen_k > 0) {
-    const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
-    err = score_mod ? launch_bwd_variant<Element, kHeadDim, true>(p, ws, rng_state, stream)
-                    : launch_bwd_variant<Element, kHeadDim, false>(p, ws, rng_state, stream);
+    const int mods = (p.softcap > 0.0f ? kBwdModSoftcap : 0) | (p.alibi_slopes != nullptr ? kBwdModAlibi : 0) |
+                     (p.dropout_p > 0.0f ? kBwdModDropout : 0);
+    const bool lean = bwd_lean_mods();
+    err = mods == 0                             ? launch_bwd_variant<Element, kHeadDim, 0>(p, ws, rng_state, stream)
+          : mods == kBwdModSoftcap && lean      ? launch_bwd_variant<Element, kHeadDim, kBwdModSoftcap>(p, ws, rng_state, stream)
+          : mods == kBwdModAlibi && lean        ? launch_bwd_variant<Element, kHeadDim, kBwdModAlibi>(p, ws, rng_state, stream)
+                                                : launch_bwd_variant<Element, kHeadDim, kBwdModsAll>(p, ws, rng_state, stream);
     if (err != cudaSuccess) return err;
   }
   if (row_blocks > 0) {
-    using Traits = BwdTraitsOf<Element, kHeadDim, false, false>;  // the variants share the dQ layout
+    using Traits = BwdTraitsOf<Element, kHeadDim, 0, false>;  // the variants share the dQ layout
     bwd_postprocess_kernel<Traits><<<dim3(ws.rows.padded_rows / Traits::kBlockM, p.heads, p.batch),
                                      Traits::kConsumerThreads, 0, stream>>>(p, ws.dq_accum, ws.rows);
     err = cudaGetLastError();

@@ -378,29 +378,29 @@ struct BwdMainloop {
       }
     }
     PipelineState<kStages> st;
-    // Dropout (kScoreMod kernels; SPEC §3, docs/dropout.md): the forward's mask, bit for bit. The
+    // Dropout (kDropout kernels; SPEC §3, docs/dropout.md): the forward's mask, bit for bit. The
     // Sᵀ fragment is the transpose of the forward's accumulator, so a thread's 8 scores of a
     // 16 × 16 block belong to two of the forward's lanes: each thread draws its own lane's 8 bits
     // (one Philox call per block) and takes the two it needs from their lanes by shuffles.
     [[maybe_unused]] common::DropoutParams dropout = p.dropout;
-    [[maybe_unused]] const bool use_dropout = Traits::kScoreMod && p.dropout_p > 0.0f;
-    if constexpr (Traits::kScoreMod) {
+    [[maybe_unused]] const bool use_dropout = Traits::kDropout && p.dropout_p > 0.0f;
+    if constexpr (Traits::kDropout) {
       if (use_dropout && params.rng_state != nullptr) {
         dropout.seed = params.rng_state[0];
         dropout.offset = params.rng_state[1];
       }
     }
     static_assert(kKeys == 2 && kRows % 4 == 0, "a thread's keys are g and g + 8 of its warp's 16");
-    [[maybe_unused]] std::uint32_t keep[Traits::kScoreMod ? (2 * kRows + 31) / 32 : 1];  // bit 2·col + key
-    // Softcap's derivative per score (kScoreMod kernels only), as fp16 pairs: it multiplies dSᵀ,
+    [[maybe_unused]] std::uint32_t keep[Traits::kDropout ? (2 * kRows + 31) / 32 : 1];  // bit 2·col + key
+    // Softcap's derivative per score (kSoftcap kernels only), as fp16 pairs: it multiplies dSᵀ,
     // which is rounded to 16 bits itself, and 1 − tanh² ∈ [0, 1] keeps 11 bits there (fp32 took
     // 32 more registers, spilled).
-    [[maybe_unused]] __half2 dtanh[Traits::kScoreMod ? kKeys * kRows / 2 : 1];
+    [[maybe_unused]] __half2 dtanh[Traits::kSoftcap ? kKeys * kRows / 2 : 1];
     for (int s = 0; s < t.steps(group); ++s) {
       const int m = t.block_at(s);
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
-      // Softcap and ALiBi (kScoreMod): raw scores in device::TileScoreMod's units, whose
+      // Softcap and ALiBi (kSoftcap, kAlibi): raw scores in device::TileScoreMod's units, whose
       // out_scale · log2 e is the exponent's multiplier; ALiBi's slope is the head's.
       [[maybe_unused]] const device::TileScoreMod mod(
           p.template score_mod_for<float>(t.batch, t.kv_head * group + s / m_blocks, t.seqlen_q, t.seqlen_k),
@@ -427,7 +427,7 @@ struct BwdMainloop {
       const float* const dpsum = ss.dpsum[st.index];
       cute::warpgroup_wait<1>();  // Sᵀ has landed; dPᵀ still runs
 
-      if constexpr (Traits::kScoreMod) {
+      if constexpr (Traits::kSoftcap) {
         if (mod.softcap) {
           CUTE_UNROLL
           for (int e = 0; e < size(acc_s); e += 2) {
@@ -436,6 +436,8 @@ struct BwdMainloop {
             dtanh[e / 2] = __floats2half2_rn(fmaf(-acc_s(e), acc_s(e), 1.0f), fmaf(-acc_s(e + 1), acc_s(e + 1), 1.0f));
           }
         }
+      }
+      if constexpr (Traits::kAlibi) {
         if (mod.alibi) {  // distance |i + sk − sq − j| of row i and key j
           const int key_first = key0 + get<0>(c_rc(0, 0));
           CUTE_UNROLL
@@ -470,7 +472,7 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
       }
-      if constexpr (Traits::kScoreMod) {
+      if constexpr (Traits::kDropout) {
         if (use_dropout) {
           const int lane = thread % 32;
           const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
@@ -506,7 +508,7 @@ struct BwdMainloop {
       // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued (after dSᵀ, below); split d: Pᵀ
       // to shared memory, the product issued once both warpgroups' rows are there.
       auto issue_dv = [&] {
-        if constexpr (Traits::kScoreMod) {
+        if constexpr (Traits::kDropout) {
           if (use_dropout) {  // dV takes the dropped P, scaled by 1 / (1 − p)
             Tensor p_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));
             CUTE_UNROLL
@@ -535,13 +537,13 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int r = 0; r < kKeys; ++r) {
           float dp = dp_rc(r, c);
-          if constexpr (Traits::kScoreMod) {
+          if constexpr (Traits::kDropout) {
             if (use_dropout) dp = kept(r, c) ? dp * dropout.keep_scale : 0.0f;  // dP of the dropped P
           }
           dp_rc(r, c) = s_rc(r, c) * (dp - d) * scale;
         }
       }
-      if constexpr (Traits::kScoreMod) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)
+      if constexpr (Traits::kSoftcap) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)
         if (mod.softcap) {
           CUTE_UNROLL
           for (int e = 0; e < size(acc_dp); e += 2) {

@@ -38,19 +38,28 @@ using namespace cute;
 
 struct NoPTile {};  // the SharedStorage of a tile that keeps Pᵀ in registers
 
-// kScoreMod: softcap, ALiBi and dropout compiled in (device::TileScoreMod on each Sᵀ tile,
-// softcap's derivative 1 − tanh² in dSᵀ, the forward's Philox mask), each taken when the call
-// asks for it.
+inline constexpr int kBwdModSoftcap = 1, kBwdModAlibi = 2, kBwdModDropout = 4;
+inline constexpr int kBwdModsAll = kBwdModSoftcap | kBwdModAlibi | kBwdModDropout;
+
+// kMods: which of softcap (kBwdModSoftcap), ALiBi (kBwdModAlibi) and dropout (kBwdModDropout) are
+// compiled in (device::TileScoreMod on each Sᵀ tile, softcap's derivative 1 − tanh² in dSᵀ, the
+// forward's Philox mask), each taken when the call asks for it. The launcher instantiates none,
+// softcap alone, ALiBi alone and all three: a call with one of the first two pays neither the
+// registers nor the code of the others (sm90_bwd_launch.cuh).
 // kVarlen: varlen batches (seqused_k included): tiles offset by cu_seqlens, rows past a sequence
 // zeroed in shared memory.
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kScoreMod_, bool kVarlen_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kMods_, bool kVarlen_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per step
   static constexpr int kBlockN = kBlockN_;  // keys of the CTA
   static constexpr int kStages = kStages_;  // Q/dO ring
-  static constexpr bool kScoreMod = kScoreMod_;
+  static constexpr int kMods = kMods_;
+  static constexpr bool kSoftcap = (kMods & kBwdModSoftcap) != 0;
+  static constexpr bool kAlibi = (kMods & kBwdModAlibi) != 0;
+  static constexpr bool kDropout = (kMods & kBwdModDropout) != 0;
+  static constexpr bool kScoreMod = kSoftcap || kAlibi;  // device::TileScoreMod's scores
   static constexpr bool kVarlen = kVarlen_;
 
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
