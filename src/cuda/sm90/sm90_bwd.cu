@@ -2,6 +2,7 @@
 // (host code).
 #include "cuda/sm90/sm90_bwd.h"
 
+#include <cstdlib>
 #include <string>
 
 #include "cuda/cuda_common.h"
@@ -17,6 +18,11 @@ std::string bwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (!why.empty()) return why;
   const bool varlen = p.is_varlen();
   return tma_layout_problem("dout", p.dout, varlen ? p.total_q : p.max_seqlen_q, p.heads, varlen ? 1 : p.batch, 2);
+}
+
+bool bwd_tile_major() {
+  const char* env = std::getenv("FLASHATTN_SM90_BWD_TILE_MAJOR");
+  return env != nullptr && *env != '\0' && std::string(env) != "0";
 }
 
 BwdRows bwd_rows(const common::AttentionParams& p, int head_dim) {
