@@ -201,6 +201,32 @@ TEST_P(CudaSm90BackwardFeatures, SingleFeatureOnTheFullVariant) {
   }
 }
 
+// The tile-major launch order (FLASHATTN_SM90_BWD_TILE_MAJOR=1: one-dimensional grid, key tiles
+// slowest): every block must still find its (key tile, kv head, batch) — several of each, GQA 4:1
+// and MQA, causal or not, dense and varlen (the sequences' own key tiles); a deterministic call
+// keeps the default order (and its turns) and still matches.
+TEST_P(CudaSm90BackwardFeatures, TileMajorLaunchOrder) {
+  FA_SKIP_WITHOUT_SM90();
+  const EnvOverride order("FLASHATTN_SM90_BWD_TILE_MAJOR", "1");
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), d, 333, 517);
+      cfg.batch = 3;
+      cfg.heads = 8;
+      cfg.heads_k = causal ? 2 : 1;
+      cfg.opt.causal = causal;
+      expect_sm90_backward_matches(cfg);
+      cfg.opt.deterministic = true;
+      expect_sm90_backward_matches(cfg);
+    }
+    AttnConfig varlen = feature_config(GetParam(), d, 0, 0);
+    varlen.varlen_q = {200, 1, 333};
+    varlen.varlen_k = {517, 64, 333};
+    varlen.opt.causal = true;
+    expect_sm90_backward_matches(varlen);
+  }
+}
+
 // Softcap 1.5 with scores well past it (the derivative 1 − tanh² far from 1), ALiBi per head and
 // per (batch, head), both together, causal or not, GQA (the slope is the query head's).
 TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {

@@ -25,6 +25,11 @@ bool bwd_lean_mods() {
   return env == nullptr || *env == '\0' || std::string(env) != "0";
 }
 
+bool bwd_tile_major() {
+  const char* env = std::getenv("FLASHATTN_SM90_BWD_TILE_MAJOR");
+  return env != nullptr && *env != '\0' && std::string(env) != "0";
+}
+
 BwdRows bwd_rows(const common::AttentionParams& p, int head_dim) {
   BwdRows r;
   r.block_m = bwd_tile(head_dim).block_m;

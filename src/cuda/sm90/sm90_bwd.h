@@ -57,6 +57,16 @@ inline constexpr bool kBwdTurnWatchdog = false;
 // (a runtime knob read per call) sends them to the full variant, for comparison in one process.
 bool bwd_lean_mods();
 
+// The main kernel's launch order, where the call is not deterministic: false (the default), key tiles
+// fastest — each (kv head, batch) launches all its key tiles before the next pair starts, and they
+// share its Q and dO in L2; true (FLASHATTN_SM90_BWD_TILE_MAJOR=1, a runtime knob read per call),
+// key tiles slowest — every pair's first key tile launches before any second one. Under a causal
+// mask the first tiles are the longest (every row sees them), and with few CTAs per SM (GQA: a CTA
+// walks all query heads of its group) the later pairs' long tiles otherwise start a wave late
+// (docs/benchmarks-sm90.md, GQA 8:1). Not yet timed; deterministic calls keep the default order,
+// on which their turns and the staggered walks rely.
+bool bwd_tile_major();
+
 struct BwdTileShape {
   int block_m;
   int block_n;

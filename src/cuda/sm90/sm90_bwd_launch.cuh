@@ -48,6 +48,7 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   // group fits beside other groups and kernels in flight (4k keys at 128 keys per tile on an H200).
   // Off when built with FLASHATTN_SM90_BWD_STAGGER=0 (src/cuda/README.md, tuning knobs).
   params.stagger_tiles = kBwdStagger ? current_sm_count() / 4 : 0;
+  params.tile_major = ws.dq_semaphores == nullptr && bwd_tile_major();
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
@@ -56,8 +57,11 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
   // Key tiles fastest: under a causal mask the first (the longest: every row sees them) go first,
-  // except in the deterministic order, last first (BwdTile::of_block).
-  const dim3 grid((p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN, p.heads_k, p.batch);
+  // except in the deterministic order, last first; or (tile_major) key tiles slowest, every
+  // (kv head, batch)'s first tile before any second one (BwdTile::of_block).
+  const int n_tiles = (p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const dim3 grid = params.tile_major ? dim3(unsigned(n_tiles) * unsigned(p.heads_k) * unsigned(p.batch), 1, 1)
+                                      : dim3(n_tiles, p.heads_k, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }

@@ -36,6 +36,7 @@ struct BwdParams {
   const float* dpsum;                   // (h, rows.head_stride)
   int* dq_semaphores;                   // deterministic: one per row block, else nullptr
   int stagger_tiles;  // deterministic: staggered walks where the grid has at most this many key tiles
+  bool tile_major;    // grid order: key tile slowest, (kv head, batch) fastest (bwd_tile_major)
   BwdRows rows;
   float scale_log2;                // softmax_scale · log2 e
   const std::uint64_t* rng_state;  // dropout's (seed, offset) read at run time, or nullptr
@@ -88,13 +89,25 @@ struct BwdTile {
   // stagger_tiles: with reversed, the walks may be staggered where the grid has at most this many
   // key tiles per (kv head, batch), few enough that all of them are resident at once: a staggered
   // tile, past its walk's wrap, may wait for one launched after it.
+  // tile_major (never with reversed): a one-dimensional grid whose blocks take the key tiles
+  // slowest, so that every (kv head, batch)'s first tile launches before any second one; else the
+  // grid is (key tiles, kv heads, batch).
   template <int kBlockM, int kBlockN>
   __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows, bool reversed,
-                                     int stagger_tiles) {
+                                     int stagger_tiles, bool tile_major) {
     BwdTile t;
-    t.n_block = reversed ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
-    t.kv_head = int(blockIdx.y);
-    t.batch = int(blockIdx.z);
+    const int n_tiles = (p.max_seqlen_k + kBlockN - 1) / kBlockN;
+    if (tile_major) {
+      const int pairs = p.heads_k * p.batch;
+      const int pair = int(blockIdx.x) % pairs;
+      t.n_block = int(blockIdx.x) / pairs;
+      t.kv_head = pair % p.heads_k;
+      t.batch = pair / p.heads_k;
+    } else {
+      t.n_block = reversed ? n_tiles - 1 - int(blockIdx.x) : int(blockIdx.x);
+      t.kv_head = int(blockIdx.y);
+      t.batch = int(blockIdx.z);
+    }
     t.seqlen_q = p.seqlen_q(t.batch);
     t.seqlen_k = p.seqlen_k(t.batch);  // seqused_k where given
     t.q_row0 = int(p.q_row0(t.batch));
@@ -105,7 +118,7 @@ struct BwdTile {
     const int col_e = min(col_b + kBlockN, t.seqlen_k);
     t.m_block_min = t.m_block_max = 0;
     t.walk = {(t.seqlen_k + kBlockN - 1) / kBlockN, (t.seqlen_q + kBlockM - 1) / kBlockM};
-    t.staggered = reversed && int(gridDim.x) <= stagger_tiles && t.mask.window_left < 0 && t.mask.window_right < 0 &&
+    t.staggered = reversed && !tile_major && n_tiles <= stagger_tiles && t.mask.window_left < 0 && t.mask.window_right < 0 &&
                   t.walk.n_tiles <= t.walk.m_blocks;
     if (col_b >= col_e || t.seqlen_q == 0) return t;
     const int row_b = t.mask.block_row_begin(col_b);
@@ -260,7 +273,7 @@ struct BwdMainloop {
             if (polls == (1u << 24)) {
               printf("flashattn sm90 backward: dQ turn stalled: batch %d, kv head %d, key tile %d (of %d), step %d of "
                      "%d, head %d, row block %d (of %d): turn %d, the block at %d, staggered %d\n",
-                     t.batch, t.kv_head, t.n_block, int(gridDim.x), s, steps, head, m, t.walk.m_blocks, turn,
+                     t.batch, t.kv_head, t.n_block, t.walk.n_tiles, s, steps, head, m, t.walk.m_blocks, turn,
                      load_acquire(semaphore), int(t.staggered));
               __trap();
             }
