@@ -66,6 +66,30 @@ TEST(CudaSm90BackwardHost, ServedFeaturesAndTheReasonsForTheOthers) {
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(wide)), 256), "");
 }
 
+// The launch order (sm90_bwd.h, bwd_tile_major): key tiles slowest only for a masked call whose grid
+// fills at most two waves, never for a deterministic one; FLASHATTN_SM90_BWD_TILE_MAJOR forces it.
+TEST(CudaSm90BackwardHost, TileMajorOnlyForMaskedGridsOfAtMostTwoWaves) {
+  {
+    const EnvOverride unset("FLASHATTN_SM90_BWD_TILE_MAJOR", "");
+    EXPECT_TRUE(fc::sm90::bwd_tile_major(true, false, 256, 132));   // GQA 8:1 causal 4k, d 128
+    EXPECT_TRUE(fc::sm90::bwd_tile_major(true, false, 264, 132));   // two waves exactly
+    EXPECT_FALSE(fc::sm90::bwd_tile_major(true, false, 265, 132));
+    EXPECT_FALSE(fc::sm90::bwd_tile_major(true, false, 2048, 132));  // MHA causal: 16 waves
+    EXPECT_FALSE(fc::sm90::bwd_tile_major(false, false, 256, 132));  // unmasked: equal tiles
+    EXPECT_FALSE(fc::sm90::bwd_tile_major(true, true, 256, 132));    // deterministic
+    EXPECT_FALSE(fc::sm90::bwd_tile_major(true, false, 8, 0));       // occupancy unknown
+  }
+  {
+    const EnvOverride on("FLASHATTN_SM90_BWD_TILE_MAJOR", "1");
+    EXPECT_TRUE(fc::sm90::bwd_tile_major(false, false, 4096, 132));
+    EXPECT_FALSE(fc::sm90::bwd_tile_major(true, true, 8, 132));
+  }
+  {
+    const EnvOverride off("FLASHATTN_SM90_BWD_TILE_MAJOR", "0");
+    EXPECT_FALSE(fc::sm90::bwd_tile_major(true, false, 8, 132));
+  }
+}
+
 TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 65, 10);  // 65 rows: two row blocks of 64
   const c::AttentionParams p = backward_params_of(make_problem(cfg));
@@ -181,28 +205,8 @@ TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
   }
 }
 
-// Softcap alone and ALiBi alone take kernel variants of their own (sm90_bwd.h, bwd_lean_mods); with
-// FLASHATTN_SM90_BWD_LEAN_MODS=0 they take the variant with all three features, which must agree too.
-TEST_P(CudaSm90BackwardFeatures, SingleFeatureOnTheFullVariant) {
-  FA_SKIP_WITHOUT_SM90();
-  const EnvOverride full("FLASHATTN_SM90_BWD_LEAN_MODS", "0");
-  for (int d : {64, 128, 256}) {
-    for (bool causal : {false, true}) {
-      AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
-      cfg.opt.causal = causal;
-      cfg.opt.softcap = 1.5f;
-      cfg.qk_amplitude = 3.0f;
-      expect_sm90_backward_matches(cfg);
-      cfg.opt.softcap = 0.0f;
-      cfg.qk_amplitude = 1.0f;
-      cfg.alibi = Alibi::per_head;
-      expect_sm90_backward_matches(cfg);
-    }
-  }
-}
-
-// The tile-major launch order (FLASHATTN_SM90_BWD_TILE_MAJOR=1: one-dimensional grid, key tiles
-// slowest): every block must still find its (key tile, kv head, batch) — several of each, GQA 4:1
+// The tile-major launch order forced everywhere (FLASHATTN_SM90_BWD_TILE_MAJOR=1: one-dimensional
+// grid, key tiles slowest; by default only masked grids of at most two waves take it): every block must still find its (key tile, kv head, batch) — several of each, GQA 4:1
 // and MQA, causal or not, dense and varlen (the sequences' own key tiles); a deterministic call
 // keeps the default order (and its turns) and still matches.
 TEST_P(CudaSm90BackwardFeatures, TileMajorLaunchOrder) {

@@ -20,14 +20,11 @@ std::string bwd_unsupported(const common::AttentionParams& p, int head_dim) {
   return tma_layout_problem("dout", p.dout, varlen ? p.total_q : p.max_seqlen_q, p.heads, varlen ? 1 : p.batch, 2);
 }
 
-bool bwd_lean_mods() {
-  const char* env = std::getenv("FLASHATTN_SM90_BWD_LEAN_MODS");
-  return env == nullptr || *env == '\0' || std::string(env) != "0";
-}
-
-bool bwd_tile_major() {
+bool bwd_tile_major(bool masked, bool deterministic, long long ctas, long long resident) {
+  if (deterministic) return false;
   const char* env = std::getenv("FLASHATTN_SM90_BWD_TILE_MAJOR");
-  return env != nullptr && *env != '\0' && std::string(env) != "0";
+  if (env != nullptr && *env != '\0') return std::string(env) != "0";
+  return masked && resident > 0 && ctas <= 2 * resident;
 }
 
 BwdRows bwd_rows(const common::AttentionParams& p, int head_dim) {

@@ -51,21 +51,19 @@ inline constexpr bool kBwdTurnWatchdog = FLASHATTN_SM90_BWD_TURN_WATCHDOG != 0;
 inline constexpr bool kBwdTurnWatchdog = false;
 #endif
 
-// Whether a call with softcap alone or ALiBi alone takes the kernel variant compiled with that one
-// feature (the default) rather than the one with softcap, ALiBi and dropout, whose registers every
-// call of it pays for (d 64: 356 bytes of spills in the dense kernel). FLASHATTN_SM90_BWD_LEAN_MODS=0
-// (a runtime knob read per call) sends them to the full variant, for comparison in one process.
-bool bwd_lean_mods();
-
-// The main kernel's launch order, where the call is not deterministic: false (the default), key tiles
-// fastest — each (kv head, batch) launches all its key tiles before the next pair starts, and they
-// share its Q and dO in L2; true (FLASHATTN_SM90_BWD_TILE_MAJOR=1, a runtime knob read per call),
-// key tiles slowest — every pair's first key tile launches before any second one. Under a causal
-// mask the first tiles are the longest (every row sees them), and with few CTAs per SM (GQA: a CTA
-// walks all query heads of its group) the later pairs' long tiles otherwise start a wave late
-// (docs/benchmarks-sm90.md, GQA 8:1). Not yet timed; deterministic calls keep the default order,
-// on which their turns and the staggered walks rely.
-bool bwd_tile_major();
+// The main kernel's launch order (BwdTile::of_block). False: key tiles fastest — each (kv head,
+// batch) launches all its key tiles before the next pair starts, and they share its Q and dO in L2.
+// True: key tiles slowest — every pair's first key tile launches before any second one. Under a
+// causal mask or a window the tiles are unequal (with causal, the first are the longest: every row
+// sees them); where the grid fills at most two waves (`ctas` blocks, `resident` of them at once on
+// the device), key tiles fastest starts the later pairs' longest tiles a wave late, and taking
+// them first is the better schedule (GQA 8:1, d 128, causal, 4k keys: ×1.34; 16k: ×1.00); with
+// more waves the tail is a small part of the call while the lost L2 sharing is not (MHA causal,
+// d 128, 1k keys, 16 waves: ×0.79), and unmasked tiles are equal (docs/benchmarks-sm90.md, "Lean
+// feature variants and the tile-major order"). A deterministic call always keeps key tiles
+// fastest: its dQ turns and staggered walks rely on it. FLASHATTN_SM90_BWD_TILE_MAJOR=1 or 0 (a
+// runtime knob read per call) forces either order on the other calls, for tests and comparisons.
+bool bwd_tile_major(bool masked, bool deterministic, long long ctas, long long resident);
 
 struct BwdTileShape {
   int block_m;

@@ -48,7 +48,6 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   // group fits beside other groups and kernels in flight (4k keys at 128 keys per tile on an H200).
   // Off when built with FLASHATTN_SM90_BWD_STAGGER=0 (src/cuda/README.md, tuning knobs).
   params.stagger_tiles = kBwdStagger ? current_sm_count() / 4 : 0;
-  params.tile_major = ws.dq_semaphores == nullptr && bwd_tile_major();
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
@@ -60,6 +59,19 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   // except in the deterministic order, last first; or (tile_major) key tiles slowest, every
   // (kv head, batch)'s first tile before any second one (BwdTile::of_block).
   const int n_tiles = (p.max_seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  // Blocks of this kernel resident per SM, asked once per variant (after the shared-memory opt-in).
+  static const int per_sm = [&] {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Traits::kThreads, Traits::kSmemBytes) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return blocks;
+  }();
+  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
+  params.tile_major = bwd_tile_major(masked, ws.dq_semaphores != nullptr,
+                                     (long long)n_tiles * p.heads_k * p.batch, (long long)per_sm * current_sm_count());
   const dim3 grid = params.tile_major ? dim3(unsigned(n_tiles) * unsigned(p.heads_k) * unsigned(p.batch), 1, 1)
                                       : dim3(n_tiles, p.heads_k, p.batch);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
@@ -97,11 +109,10 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
   if (p.max_seqlen_k > 0) {
     const int mods = (p.softcap > 0.0f ? kBwdModSoftcap : 0) | (p.alibi_slopes != nullptr ? kBwdModAlibi : 0) |
                      (p.dropout_p > 0.0f ? kBwdModDropout : 0);
-    const bool lean = bwd_lean_mods();
-    err = mods == 0                             ? launch_bwd_variant<Element, kHeadDim, 0>(p, ws, rng_state, stream)
-          : mods == kBwdModSoftcap && lean      ? launch_bwd_variant<Element, kHeadDim, kBwdModSoftcap>(p, ws, rng_state, stream)
-          : mods == kBwdModAlibi && lean        ? launch_bwd_variant<Element, kHeadDim, kBwdModAlibi>(p, ws, rng_state, stream)
-                                                : launch_bwd_variant<Element, kHeadDim, kBwdModsAll>(p, ws, rng_state, stream);
+    err = mods == 0                ? launch_bwd_variant<Element, kHeadDim, 0>(p, ws, rng_state, stream)
+          : mods == kBwdModSoftcap ? launch_bwd_variant<Element, kHeadDim, kBwdModSoftcap>(p, ws, rng_state, stream)
+          : mods == kBwdModAlibi   ? launch_bwd_variant<Element, kHeadDim, kBwdModAlibi>(p, ws, rng_state, stream)
+                                   : launch_bwd_variant<Element, kHeadDim, kBwdModsAll>(p, ws, rng_state, stream);
     if (err != cudaSuccess) return err;
   }
   if (row_blocks > 0) {
