@@ -33,7 +33,7 @@ Outputs are allocated here with torch.empty and written by the C++ core in place
 read through DLPack (capsules, _dl) with their strides, without copies. So is the workspace the core asks for
 (none for CPU tensors): a uint8 tensor from PyTorch's allocator, so that device scratch lives in
 the caching allocator and the library never allocates memory itself. The entry point asks for it
-through workspace_alloc (_alloc_on) with the size it needs, in the same call: a separate size
+through workspace_alloc (_launch) with the size it needs, in the same call: a separate size
 query would convert and check every argument a second time. The fake implementations need no
 workspace: it is internal to each op.
 
@@ -72,24 +72,6 @@ def _call(fn, *args, **kwargs):
     return fn(*[_dl(a) for a in args], **{name: _dl(a) for name, a in kwargs.items() if a is not None})
 
 
-# The current stream's handle without a torch.cuda.Stream object (microseconds less per call; the
-# function inductor's generated code uses), where this PyTorch has it.
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream(device: torch.device) -> int:
-    if device.type == "cuda":
-        if _RAW_STREAM is not None and device.index is not None:
-            return _RAW_STREAM(device.index)
-        return torch.cuda.current_stream(device).cuda_stream
-    return 0
-
-
-def _num_threads(device: torch.device) -> int:
-    # The CPU backend follows torch.set_num_threads, as PyTorch's own CPU kernels do.
-    return torch.get_num_threads() if device.type == "cpu" else 0
-
-
 def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     """A 1-D uint8 scratch tensor of nbytes on device, WORKSPACE_ALIGNMENT-aligned; None when the
     core needs none."""
@@ -105,16 +87,34 @@ def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     return buf[start:start + nbytes]
 
 
-# One allocator per device, made on first use rather than a new closure on every call.
-_ALLOCATORS: dict = {}
+# Per device, made on first use: its type, its index and its workspace_alloc for the _C entry
+# points (nbytes → a workspace on the device, as a capsule). torch.device.type costs about
+# 0.2 µs on every access, more than this lookup.
+_DEVICES: dict = {}
+# The current stream's handle without a torch.cuda.Stream object (microseconds less per call; the
+# function inductor's generated code uses), where this PyTorch has it.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _alloc_on(device: torch.device):
-    """workspace_alloc for the _C entry points: nbytes → a workspace on device, as a capsule."""
-    alloc = _ALLOCATORS.get(device)
-    if alloc is None:
-        alloc = _ALLOCATORS[device] = lambda nbytes: to_dlpack(_workspace(nbytes, device))
-    return alloc
+def _launch(device: torch.device):
+    """(num_threads, workspace_alloc, stream) of a call on device: the CPU backend's threads (it
+    follows torch.set_num_threads, as PyTorch's own CPU kernels do; 0 elsewhere), the allocator
+    of its scratch, and the current CUDA stream's handle (0 off CUDA)."""
+    entry = _DEVICES.get(device)
+    if entry is None:
+        entry = _DEVICES[device] = (device.type, device.index, lambda nbytes: to_dlpack(_workspace(nbytes, device)))
+    kind, index, alloc = entry
+    if kind == "cpu":
+        return torch.get_num_threads(), alloc, 0
+    if kind != "cuda":
+        return 0, alloc, 0
+    if _RAW_STREAM is not None and index is not None:
+        return 0, alloc, _RAW_STREAM(index)
+    return 0, alloc, torch.cuda.current_stream(device).cuda_stream
+
+
+def _stream(device: torch.device) -> int:
+    return _launch(device)[2]
 
 
 def _row_stats(shape, device) -> Tensor:
@@ -165,12 +165,12 @@ def _require_rng_state(rng_state: Optional[Tensor], dropout_p: float) -> Optiona
     return rng_state.detach()
 
 
-def _options(device, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
+def _options(num_threads, softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic=False,
              num_splits=0, dropout_row_offset=0, dropout_col_offset=0):
     """The call's Options, shared with other calls of the same values (never modified: the C++
     side copies it; see shared_options)."""
     return shared_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic,
-                          _num_threads(device), num_splits, dropout_row_offset, dropout_col_offset)
+                          num_threads, num_splits, dropout_row_offset, dropout_col_offset)
 
 
 # --- batch mode ------------------------------------------------------------------------------
@@ -207,7 +207,8 @@ def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, 
         out = torch.empty(b, sq, h, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = _row_stats((b, h, sq), q.device) if need_lse else None
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    num_threads, alloc, stream = _launch(q.device)
+    opt = _options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.forward,
@@ -215,8 +216,8 @@ def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, 
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=state if dropout_p > 0.0 else None,
-        workspace_alloc=_alloc_on(q.device),
-        stream=_stream(q.device),
+        workspace_alloc=alloc,
+        stream=stream,
         sinks=sinks,
     )
     return out, lse, state
@@ -262,7 +263,8 @@ def _bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((b, h, sq), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
-    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    num_threads, alloc, stream = _launch(q.device)
+    opt = _options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     _call(
         _C.backward,
@@ -270,8 +272,8 @@ def _bwd(
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=_require_rng_state(rng_state, dropout_p),
-        workspace_alloc=_alloc_on(q.device),
-        stream=_stream(q.device),
+        workspace_alloc=alloc,
+        stream=stream,
     )
     return dq, dk, dv, softmax_d
 
@@ -337,7 +339,8 @@ def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_se
         out = torch.empty(total_q, h, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = _row_stats((h, total_q), q.device) if need_lse else None
     state = _rng_state_for(rng_state, dropout_p, q.device)
-    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    num_threads, alloc, stream = _launch(q.device)
+    opt = _options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
@@ -347,8 +350,8 @@ def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_se
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=state if dropout_p > 0.0 else None,
-        workspace_alloc=_alloc_on(q.device),
-        stream=_stream(q.device),
+        workspace_alloc=alloc,
+        stream=stream,
         sinks=sinks,
         **varlen,
     )
@@ -402,7 +405,8 @@ def _varlen_bwd(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     softmax_d = _row_stats((h, total_q), q.device)
     inputs = (dout, q, k, v, out, softmax_lse)
-    opt = _options(q.device, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
+    num_threads, alloc, stream = _launch(q.device)
+    opt = _options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
                    deterministic, dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -412,8 +416,8 @@ def _varlen_bwd(
         options=opt,
         alibi_slopes=alibi_slopes,
         rng_state=_require_rng_state(rng_state, dropout_p),
-        workspace_alloc=_alloc_on(q.device),
-        stream=_stream(q.device),
+        workspace_alloc=alloc,
+        stream=stream,
         **varlen,
     )
     return dq, dk, dv, softmax_d
@@ -488,7 +492,8 @@ def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
     if out is None:
         out = torch.empty(b, sq, h, v_cache.shape[-1], dtype=q.dtype, device=device)
     lse = _row_stats((b, h, sq), device) if need_lse else None
-    opt = _options(device, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
+    num_threads, alloc, stream = _launch(device)
+    opt = _options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0,
                    num_splits=num_splits)
     # Spelled out rather than through _call: a decoding step passes few of the eleven optional
     # tensors, and this is its whole Python cost beside the checks (bench/host_overhead.py).
@@ -501,8 +506,8 @@ def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
         _dl(q), _dl(k_cache), _dl(v_cache), _dl(out), None if lse is None else to_dlpack(lse),
         options=opt,
         rotary_interleaved=rotary_interleaved,
-        workspace_alloc=_alloc_on(device),
-        stream=_stream(device),
+        workspace_alloc=alloc,
+        stream=stream,
         **optional,
     )
     return out, lse
