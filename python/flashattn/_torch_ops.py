@@ -488,11 +488,6 @@ def _fwd_kvcache(
                              cache_leftpad, sinks)
 
 
-# The optional tensors of _C.forward_kvcache (keyword arguments, None by default).
-_KVCACHE_OPTIONAL = ("k", "v", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "rotary_cos",
-                     "rotary_sin", "alibi_slopes", "sinks")
-
-
 def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, cache_batch_idx,
                       block_table, alibi_slopes, softmax_scale, causal, window_size_left, window_size_right,
                       softcap, rotary_interleaved, num_splits, cache_leftpad=None, sinks=None, *, need_lse=True):
@@ -506,21 +501,26 @@ def _fwd_kvcache_into(out, q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos,
     num_threads, alloc, stream = _launch(device)
     opt = shared_options(softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0, False, num_threads,
                          num_splits)
-    # Spelled out rather than through _call: a decoding step passes few of the eleven optional
-    # tensors, and this is its whole Python cost beside the checks (bench/host_overhead.py). Every
-    # tensor here is a torch.Tensor (the op's schema, or the checks of flash_attn_with_kvcache).
-    optional = {}
-    for name, x in zip(_KVCACHE_OPTIONAL, (k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                                           rotary_cos, rotary_sin, alibi_slopes, sinks)):
-        if x is not None:
-            optional[name] = to_dlpack(x)
+    # Spelled out rather than through _call, whose list and dict cost more than the binding's
+    # conversion of the optional tensors left None: this is a decoding step's whole Python cost
+    # beside the checks (bench/host_overhead.py). Every tensor here is a torch.Tensor (the op's
+    # schema, or the checks of flash_attn_with_kvcache, say so).
     _C.forward_kvcache(
         to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(out), None if lse is None else to_dlpack(lse),
         options=opt,
+        k=None if k is None else to_dlpack(k),
+        v=None if v is None else to_dlpack(v),
+        cache_seqlens=None if cache_seqlens is None else to_dlpack(cache_seqlens),
+        cache_batch_idx=None if cache_batch_idx is None else to_dlpack(cache_batch_idx),
+        cache_leftpad=None if cache_leftpad is None else to_dlpack(cache_leftpad),
+        block_table=None if block_table is None else to_dlpack(block_table),
+        rotary_cos=None if rotary_cos is None else to_dlpack(rotary_cos),
+        rotary_sin=None if rotary_sin is None else to_dlpack(rotary_sin),
         rotary_interleaved=rotary_interleaved,
+        alibi_slopes=None if alibi_slopes is None else to_dlpack(alibi_slopes),
         workspace_alloc=alloc,
         stream=stream,
-        **optional,
+        sinks=None if sinks is None else to_dlpack(sinks),
     )
     return out, lse
 
