@@ -29,12 +29,12 @@ returned rng_state is what backward needs to regenerate the same mask. Under tor
 rng_state explicitly (the autograd functions of this package do), so that the op stays a pure
 function of its inputs.
 
-Outputs are allocated here with torch.empty and written by the C++ core in place; inputs are
-read through DLPack (capsules, _dl) with their strides, without copies. So is the workspace the core asks for
-(none for CPU tensors): a uint8 tensor from PyTorch's allocator, so that device scratch lives in
-the caching allocator and the library never allocates memory itself. The entry point asks for it
-through workspace_alloc (_launch) with the size it needs, in the same call: a separate size
-query would convert and check every argument a second time. The fake implementations need no
+Outputs are allocated here (torch.empty, torch.empty_like) and written by the C++ core in place;
+inputs are read through DLPack (capsules, _dl) with their strides, without copies. So is the
+workspace the core asks for (none for CPU tensors): a uint8 tensor from PyTorch's allocator, so
+that device scratch lives in the caching allocator and the library never allocates memory
+itself. The entry point asks for it through workspace_alloc (_launch) with the size it needs, in
+the same call: a separate size query would convert and check every argument a second time. The fake implementations need no
 workspace: it is internal to each op.
 
 `call(name, *args)` is how the flash_attn_* functions invoke these ops: the implementation runs
