@@ -9,9 +9,14 @@ call where that is longer than the host's). Beside it, on CUDA and in the same p
 FlashAttention-2 and cuDNN backends on the same q against the cache's keys (their dispatch path),
 and FlashAttention-3's flash_attn_with_kvcache where its flash_attn_interface module is importable.
 --device cpu times this library's call alone (the CPU backend's dispatch), as CI does to keep the
-script running.
+script running. --breakdown adds a row `flashattn_C`: _C.forward_kvcache alone on the same tensors
+and options (its DLPack conversions included), the extension's share of a call; the rest is the
+Python layer's (and torch.empty's for the result). The shape flags change the problem, e.g. the
+small CPU call of python/README.md ("Per-call overhead"):
 
   python bench/host_overhead.py [--device cuda|cpu] [--calls 2000] [--repeats 7] [--json out.json]
+  python bench/host_overhead.py --device cpu --heads 4 --heads-k 4 --headdim 64 --context 16 \
+      --dtype float32 --threads 1 --breakdown
 """
 
 from __future__ import annotations
@@ -46,6 +51,25 @@ def per_call_us(fn, calls, repeats, sync, busy=None):
     return statistics.median(samples)
 
 
+def extension_call(q, k_cache, v_cache, seqlens):
+    """The call's _C.forward_kvcache alone, as flash_attn_with_kvcache makes it (the same options,
+    workspace allocator and stream; no softmax_lse), into one out tensor allocated here."""
+    from torch.utils.dlpack import to_dlpack
+
+    from flashattn import _C, _torch_ops
+    from flashattn._common import shared_options
+
+    out = torch.empty_like(q)
+    num_threads, alloc, stream = _torch_ops._launch(q.device)
+    opt = shared_options(q.shape[-1] ** -0.5, False, -1, -1, 0.0, 0.0, False, num_threads, 0)
+
+    def call():
+        _C.forward_kvcache(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(out), None,
+                           options=opt, cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True,
+                           workspace_alloc=alloc, stream=stream)
+    return call
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -54,13 +78,21 @@ def main():
                     help="calls per loop while the GPU is busy (their kernels must fit the launch queue)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--heads-k", type=int, default=8)
+    ap.add_argument("--headdim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (the CPU backend's threads)")
+    ap.add_argument("--breakdown", action="store_true", help="also time _C.forward_kvcache alone (flashattn_C)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no GPU here (--device cpu times the CPU backend's dispatch)")
-    dtype = torch.bfloat16
-    b, h, hk, d, ctx = 1, 32, 8, 128, args.context
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    b, h, hk, d, ctx = 1, args.heads, args.heads_k, args.headdim, args.context
     g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(b, 1, h, d, device=dev, dtype=dtype, generator=g)
     k_cache = torch.randn(b, ctx, hk, d, device=dev, dtype=dtype, generator=g)
@@ -86,6 +118,8 @@ def main():
         print(text, flush=True)
 
     record("flashattn", lambda: flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
+    if args.breakdown:
+        record("flashattn_C", extension_call(q, k_cache, v_cache, seqlens))
     if dev.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

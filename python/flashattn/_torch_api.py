@@ -405,7 +405,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
     # caller's caches afterwards.
     padded = head_dim % HEAD_DIM_MULTIPLE != 0 or head_dim_v % HEAD_DIM_MULTIPLE != 0
     k_cache_p, v_cache_p = (_pad_head_dim(k_cache), _pad_head_dim(v_cache)) if padded else (k_cache, v_cache)
-    q = _pad_head_dim(q)
+    # (Unpadded, a contiguous tensor's last stride is 1: _pad_head_dim would return it as it is,
+    # and is_contiguous costs a fraction of its stride(-1).)
+    if padded or not q.is_contiguous():
+        q = _pad_head_dim(q)
     if k is not None:
         k = _pad_head_dim(k)
     if v is not None:
@@ -422,6 +425,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, c
             for cache, cache_p in ((k_cache, k_cache_p), (v_cache, v_cache_p)):
                 if cache_p is not cache:
                     cache.copy_(cache_p[..., :cache.shape[-1]])
-    if out is None and res.shape[-1] != head_dim_v:  # (a view only where padding is cut off)
+    if padded and out is None and res.shape[-1] != head_dim_v:  # (a view only where padding is cut off)
         res = res[..., :head_dim_v]
     return (res, lse) if return_softmax_lse else res

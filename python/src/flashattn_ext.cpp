@@ -55,9 +55,12 @@ std::string dlpack_dtype_name(nb::dlpack::dtype t) {
   return base + std::to_string(int(t.bits));
 }
 
+// The argument names below are C strings, made into a std::string only for an error message: a
+// call converts up to 16 arrays, most of them absent.
+
 // How the element type of an array maps onto flashattn::DType. NumPy has no bfloat16, so the
 // NumPy layer passes bfloat16 data as uint16 bit patterns with bf16_bits = true.
-DType dtype_of(const std::string& name, nb::dlpack::dtype t, bool bf16_bits) {
+DType dtype_of(const char* name, nb::dlpack::dtype t, bool bf16_bits) {
   using Code = nb::dlpack::dtype_code;
   if (t.lanes == 1) {
     if (t.code == uint8_t(Code::Float) && t.bits == 16) return DType::f16;
@@ -66,25 +69,25 @@ DType dtype_of(const std::string& name, nb::dlpack::dtype t, bool bf16_bits) {
     if (t.code == uint8_t(Code::Int) && t.bits == 32) return DType::i32;
     if (bf16_bits && t.code == uint8_t(Code::UInt) && t.bits == 16) return DType::bf16;
   }
-  throw Error(name + ": unsupported element type; expected float16, bfloat16, float32 (or int32 for index "
+  throw Error(std::string(name) + ": unsupported element type; expected float16, bfloat16, float32 (or int32 for index "
               "tensors), got " + dlpack_dtype_name(t));
 }
 
-flashattn::Device device_of(const std::string& name, int device_type, int device_id) {
+flashattn::Device device_of(const char* name, int device_type, int device_id) {
   switch (device_type) {
     case kDlpackCpu:
     case kDlpackCudaHost: return {flashattn::DeviceType::cpu, 0};
     case kDlpackCuda: return {flashattn::DeviceType::cuda, device_id};
     default:
-      throw Error(name + ": unsupported device; expected a CPU or CUDA tensor, got DLPack device type " +
+      throw Error(std::string(name) + ": unsupported device; expected a CPU or CUDA tensor, got DLPack device type " +
                   std::to_string(device_type));
   }
 }
 
 template <class Array>
-TensorView view_of(const std::string& name, const Array& a, bool bf16_bits) {
+TensorView view_of(const char* name, const Array& a, bool bf16_bits) {
   if (a.ndim() < 1 || a.ndim() > std::size_t(flashattn::kMaxDims)) {
-    throw Error(name + ": rank out of range; expected 1 to " + std::to_string(flashattn::kMaxDims) + ", got " +
+    throw Error(std::string(name) + ": rank out of range; expected 1 to " + std::to_string(flashattn::kMaxDims) + ", got " +
                 std::to_string(a.ndim()));
   }
   TensorView v;
@@ -100,7 +103,7 @@ TensorView view_of(const std::string& name, const Array& a, bool bf16_bits) {
 }
 
 template <class Array>
-TensorView maybe_view(const std::string& name, const std::optional<Array>& a, bool bf16_bits) {
+TensorView maybe_view(const char* name, const std::optional<Array>& a, bool bf16_bits) {
   return a ? view_of(name, *a, bf16_bits) : TensorView{};
 }
 

@@ -26,3 +26,16 @@ def test_cpu_run_reports_time_per_call(tmp_path):
     assert [r["impl"] for r in rows] == ["flashattn"]
     assert rows[0]["us_per_call"] > 0 and rows[0]["context"] == 64 and rows[0]["heads"] == 32
     assert "µs per call" in run.stdout
+
+
+def test_cpu_breakdown_times_the_extension_call_alone(tmp_path):
+    """--breakdown adds _C.forward_kvcache alone (flashattn_C) on the problem the shape flags name."""
+    out = tmp_path / "host.json"
+    cmd = [sys.executable, BENCH, "--device", "cpu", "--calls", "5", "--repeats", "2", "--context", "16",
+           "--heads", "4", "--heads-k", "2", "--headdim", "64", "--dtype", "float32", "--threads", "1",
+           "--breakdown", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())
+    assert [r["impl"] for r in rows] == ["flashattn", "flashattn_C"]
+    assert all(r["us_per_call"] > 0 and (r["heads"], r["heads_k"], r["d"]) == (4, 2, 64) for r in rows)
