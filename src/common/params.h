@@ -91,6 +91,8 @@ struct AttentionParams {
   // --- per-sequence accessors -------------------------------------------------------------------
   FA_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FA_HOST_DEVICE bool is_paged() const { return block_table != nullptr; }
+  // A causal mask or a window: key tiles of unequal work (the kernels' tile orders ask).
+  FA_HOST_DEVICE bool has_mask() const { return causal || window_left >= 0 || window_right >= 0; }
   FA_HOST_DEVICE int group_size() const { return heads / heads_k; }
   // Device code only (index_error points to device memory).
   FA_HOST_DEVICE bool index_check_failed() const { return index_error != nullptr && *index_error != 0; }

@@ -69,8 +69,7 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
     }
     return blocks;
   }();
-  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
-  params.tile_major = bwd_tile_major(masked, ws.dq_semaphores != nullptr,
+  params.tile_major = bwd_tile_major(p.has_mask(), ws.dq_semaphores != nullptr,
                                      (long long)n_tiles * p.heads_k * p.batch, (long long)per_sm * current_sm_count());
   const dim3 grid = params.tile_major ? dim3(unsigned(n_tiles) * unsigned(p.heads_k) * unsigned(p.batch), 1, 1)
                                       : dim3(n_tiles, p.heads_k, p.batch);

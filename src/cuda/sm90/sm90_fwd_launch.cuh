@@ -52,7 +52,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   }
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
-  params.snake = fwd_snake_walk() && (p.causal || p.window_left >= 0 || p.window_right >= 0);
+  params.snake = fwd_snake_walk() && p.has_mask();
   const FwdSections sections = fwd_l2_sections(p, Traits::kBlockM);
   params.section = sections.pairs;
   params.section_rising = common::MaskedTileOrder::rising_parity_of(p.heads * p.batch, sections.pairs, sections.alternate);

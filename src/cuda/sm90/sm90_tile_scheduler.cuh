@@ -69,7 +69,7 @@ struct PersistentTileScheduler {
   __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section,
                                                  int rising_parity) {
     const int m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
-    const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
+    const bool masked = p.has_mask();
     FwdTile t;
     int head_batch;
     if (masked) {
