@@ -90,6 +90,29 @@ TEST(CudaSm90BackwardHost, TileMajorOnlyForMaskedGridsOfAtMostTwoWaves) {
   }
 }
 
+TEST(CudaSm90BackwardHost, StaggerTilesDefaultsToAQuarterOfTheSms) {
+  {
+    const EnvOverride unset("FLASHATTN_SM90_BWD_STAGGER_TILES", "");
+    EXPECT_EQ(fc::sm90::bwd_stagger_tiles(132), fc::sm90::kBwdStagger ? 33 : 0);
+  }
+  {
+    const EnvOverride set("FLASHATTN_SM90_BWD_STAGGER_TILES", "66");
+    EXPECT_EQ(fc::sm90::bwd_stagger_tiles(132), 66);
+  }
+  {
+    const EnvOverride off("FLASHATTN_SM90_BWD_STAGGER_TILES", "0");
+    EXPECT_EQ(fc::sm90::bwd_stagger_tiles(132), 0);
+  }
+  {
+    const EnvOverride past("FLASHATTN_SM90_BWD_STAGGER_TILES", "1000");  // more than can be resident
+    EXPECT_EQ(fc::sm90::bwd_stagger_tiles(132), 132);
+  }
+  for (const char* bad : {"-1", "12x", "many"}) {
+    const EnvOverride junk("FLASHATTN_SM90_BWD_STAGGER_TILES", bad);
+    EXPECT_EQ(fc::sm90::bwd_stagger_tiles(132), fc::sm90::kBwdStagger ? 33 : 0) << bad;
+  }
+}
+
 TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 65, 10);  // 65 rows: two row blocks of 64
   const c::AttentionParams p = backward_params_of(make_problem(cfg));
@@ -253,22 +276,39 @@ TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
 }
 
 // Dropout: the forward's Philox mask drawn in the transposed layout of Sᵀ (two of the forward's
-// lanes per thread and block), dense and varlen (positions within each sequence), with softcap.
+// lanes per thread and block), dense and varlen (positions within each sequence), alone (the
+// dropout-only variant where it is built: FLASHATTN_SM90_BWD_LEAN_DROPOUT), with softcap or with
+// ALiBi (the variant with all three), GQA and deterministic.
 TEST_P(CudaSm90BackwardFeatures, Dropout) {
   FA_SKIP_WITHOUT_SM90();
   for (const AttnConfig& cfg : dropout_configs(GetParam())) {
     expect_sm90_backward_matches(cfg);
   }
   for (int d : {64, 128, 256}) {
-    AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
-    cfg.varlen_q = {130, 0, 47};
-    cfg.varlen_k = {100, 30, 260};
-    cfg.opt.dropout_p = 0.25f;
-    cfg.opt.dropout_seed = 99;
-    cfg.opt.dropout_offset = 3;
-    cfg.opt.causal = true;
-    cfg.opt.softcap = 10.0f;
-    expect_sm90_backward_matches(cfg);
+    for (bool softcap : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+      cfg.varlen_q = {130, 0, 47};
+      cfg.varlen_k = {100, 30, 260};
+      cfg.opt.dropout_p = 0.25f;
+      cfg.opt.dropout_seed = 99;
+      cfg.opt.dropout_offset = 3;
+      cfg.opt.causal = true;
+      if (softcap) cfg.opt.softcap = 10.0f;
+      expect_sm90_backward_matches(cfg);
+    }
+    AttnConfig alibi = feature_config(GetParam(), d, 150, 333);
+    alibi.alibi = Alibi::per_head;
+    alibi.opt.dropout_p = 0.1f;
+    alibi.opt.dropout_seed = 7;
+    expect_sm90_backward_matches(alibi);
+    AttnConfig gqa = feature_config(GetParam(), d, 200, 257);
+    gqa.heads = 8;
+    gqa.heads_k = 2;
+    gqa.opt.dropout_p = 0.3f;
+    gqa.opt.dropout_seed = 0xfeedull;
+    gqa.opt.dropout_offset = 11;
+    gqa.opt.deterministic = true;
+    expect_sm90_backward_matches(gqa);
   }
 }
 

@@ -27,6 +27,16 @@ bool bwd_tile_major(bool masked, bool deterministic, long long ctas, long long r
   return masked && resident > 0 && ctas <= 2 * resident;
 }
 
+int bwd_stagger_tiles(int sm_count) {
+  const int fallback = kBwdStagger ? sm_count / 4 : 0;
+  const char* env = std::getenv("FLASHATTN_SM90_BWD_STAGGER_TILES");
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (*end != '\0' || n < 0) return fallback;  // not a count: the default
+  return int(n < sm_count ? n : sm_count);      // more than one tile per SM could not all be resident
+}
+
 BwdRows bwd_rows(const common::AttentionParams& p, int head_dim) {
   BwdRows r;
   r.block_m = bwd_tile(head_dim).block_m;

@@ -41,6 +41,22 @@ inline constexpr bool kBwdStageUnderDk = FLASHATTN_SM90_BWD_STAGE_UNDER_DK != 0;
 #else
 inline constexpr bool kBwdStageUnderDk = true;
 #endif
+// Dropout alone (-DFLASHATTN_SM90_BWD_LEAN_DROPOUT=1; 0, the default, until it has run on a GPU):
+// a kernel variant with dropout and neither softcap nor ALiBi compiled in, as softcap alone and
+// ALiBi alone have (sm_90a, bf16, d 64 dense: 356 → 72 bytes of spill stores against the variant
+// with all three). Its steps draw their keep bits right after issuing Sᵀ and dPᵀ
+// (-DFLASHATTN_SM90_BWD_EARLY_DROPOUT, 1 by default; 0 draws them after the exponentials, as the
+// variant with all three does), so that the Philox multiplies run under the tensor cores' work.
+#ifdef FLASHATTN_SM90_BWD_LEAN_DROPOUT
+inline constexpr bool kBwdLeanDropout = FLASHATTN_SM90_BWD_LEAN_DROPOUT != 0;
+#else
+inline constexpr bool kBwdLeanDropout = false;
+#endif
+#ifdef FLASHATTN_SM90_BWD_EARLY_DROPOUT
+inline constexpr bool kBwdEarlyDropout = FLASHATTN_SM90_BWD_EARLY_DROPOUT != 0;
+#else
+inline constexpr bool kBwdEarlyDropout = true;
+#endif
 // A diagnostic (-DFLASHATTN_SM90_BWD_TURN_WATCHDOG=1, off by default): a dQ writer that has waited
 // for its deterministic turn through 2^24 polls (seconds) prints where it is — tile, step, row
 // block, its turn and the turn the block is at — and traps, so that a hang ends in an error that
@@ -64,6 +80,15 @@ inline constexpr bool kBwdTurnWatchdog = false;
 // fastest: its dQ turns and staggered walks rely on it. FLASHATTN_SM90_BWD_TILE_MAJOR=1 or 0 (a
 // runtime knob read per call) forces either order on the other calls, for tests and comparisons.
 bool bwd_tile_major(bool masked, bool deterministic, long long ctas, long long resident);
+
+// The most key tiles per (kv head, batch) at which a deterministic, unmasked call staggers its
+// walks (BwdTile::of_block): a staggered tile may wait for one of its pair launched after it, so
+// all of a pair's tiles must fit on the device beside other pairs and kernels in flight. The
+// default is a quarter of the SMs (`sm_count`; 4k keys at 128 keys per tile on an H200), 0 when
+// built with FLASHATTN_SM90_BWD_STAGGER=0. FLASHATTN_SM90_BWD_STAGGER_TILES=N (a runtime knob read
+// per call; 0 … sm_count, larger values are taken as sm_count, anything else as unset) sets it,
+// to time longer staggered spans against the descending turns.
+int bwd_stagger_tiles(int sm_count);
 
 struct BwdTileShape {
   int block_m;

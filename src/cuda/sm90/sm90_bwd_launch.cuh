@@ -43,11 +43,8 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;
   params.dq_semaphores = ws.dq_semaphores;
-  // A staggered tile may wait for one of its (kv head, batch) launched after it (BwdTile::of_block):
-  // with at most a quarter of the SMs' worth of key tiles per group (at one CTA per SM), all of a
-  // group fits beside other groups and kernels in flight (4k keys at 128 keys per tile on an H200).
-  // Off when built with FLASHATTN_SM90_BWD_STAGGER=0 (src/cuda/README.md, tuning knobs).
-  params.stagger_tiles = kBwdStagger ? current_sm_count() / 4 : 0;
+  // A staggered tile may wait for one of its (kv head, batch) launched after it: bwd_stagger_tiles.
+  params.stagger_tiles = ws.dq_semaphores != nullptr ? bwd_stagger_tiles(current_sm_count()) : 0;
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
@@ -78,7 +75,8 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
 }
 
 // The variants of one (dtype, head dim): which of softcap, ALiBi and dropout are compiled in
-// (kMods: none, softcap alone, ALiBi alone, or all three), dense or varlen.
+// (kMods: none, softcap alone, ALiBi alone, dropout alone where built with
+// FLASHATTN_SM90_BWD_LEAN_DROPOUT=1, or all three), dense or varlen.
 template <class Element, int kHeadDim, int kMods, bool kVarlen>
 using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
                               bwd_tile(kHeadDim).stages, kMods, kVarlen>;
@@ -89,6 +87,10 @@ cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratc
   return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, true>>(p, ws, rng_state, stream)
                        : launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, false>>(p, ws, rng_state, stream);
 }
+
+// The variant that serves dropout alone: its own where built with FLASHATTN_SM90_BWD_LEAN_DROPOUT=1
+// (sm90_bwd.h), else the one with all three.
+inline constexpr int kBwdDropoutOnly = kBwdLeanDropout ? kBwdModDropout : kBwdModsAll;
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
@@ -111,6 +113,7 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
     err = mods == 0                ? launch_bwd_variant<Element, kHeadDim, 0>(p, ws, rng_state, stream)
           : mods == kBwdModSoftcap ? launch_bwd_variant<Element, kHeadDim, kBwdModSoftcap>(p, ws, rng_state, stream)
           : mods == kBwdModAlibi   ? launch_bwd_variant<Element, kHeadDim, kBwdModAlibi>(p, ws, rng_state, stream)
+          : mods == kBwdModDropout ? launch_bwd_variant<Element, kHeadDim, kBwdDropoutOnly>(p, ws, rng_state, stream)
                                    : launch_bwd_variant<Element, kHeadDim, kBwdModsAll>(p, ws, rng_state, stream);
     if (err != cudaSuccess) return err;
   }

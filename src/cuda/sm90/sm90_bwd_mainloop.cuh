@@ -404,11 +404,47 @@ struct BwdMainloop {
       }
     }
     static_assert(kKeys == 2 && kRows % 4 == 0, "a thread's keys are g and g + 8 of its warp's 16");
+    // The dropout-only kernels draw a step's keep bits right after issuing Sᵀ and dPᵀ, the Philox
+    // multiplies under the tensor cores' work instead of between the products (sm90_bwd.h).
+    constexpr bool kEarlyDraw = Traits::kMods == kBwdModDropout && kBwdEarlyDropout;
     [[maybe_unused]] std::uint32_t keep[Traits::kDropout ? (2 * kRows + 31) / 32 : 1];  // bit 2·col + key
     // Softcap's derivative per score (kSoftcap kernels only), as fp16 pairs: it multiplies dSᵀ,
     // which is rounded to 16 bits itself, and 1 − tanh² ∈ [0, 1] keeps 11 bits there (fp32 took
     // 32 more registers, spilled).
     [[maybe_unused]] __half2 dtanh[Traits::kSoftcap ? kKeys * kRows / 2 : 1];
+    // The keep bits of step s's tile (row block row0): one Philox call per 16 × 16 block.
+    [[maybe_unused]] auto draw_keep = [&](int row0, int s) {
+      if constexpr (Traits::kDropout) {
+        const int lane = thread % 32;
+        const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
+        const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + s / m_blocks);
+        // The 16-row block of the thread's first row: its warpgroup's first (split d: 0 or
+        // block_m / 2) + 2 · (lane % 4).
+        const int row_block = Traits::kSplitD ? (row0 + get<1>(c_rc(0, 0))) >> 4 : row0 >> 4;
+        CUTE_UNROLL
+        for (int w = 0; w < (2 * kRows + 31) / 32; ++w) keep[w] = 0;
+        CUTE_UNROLL
+        for (int q = 0; q < kRows / 4; ++q) {  // 16 query rows: columns 4q … 4q + 3 of s_rc
+          const std::uint32_t own = common::dropout_keep_bits(dropout, stream, row_block + q, key_block, lane);
+          const std::uint32_t lanes[2] = {
+              __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 0, 0).lane),
+              __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 1, 0).lane)};
+          CUTE_UNROLL
+          for (int b = 0; b < 2; ++b) {      // row 2t + b (+ 8c) of the block
+            CUTE_UNROLL
+            for (int c = 0; c < 2; ++c) {
+              CUTE_UNROLL
+              for (int a = 0; a < 2; ++a) {  // key g + 8a
+                const int col = 4 * q + 2 * c + b;  // s_rc's column: (pair b, 8-column group 2q + c)
+                const std::uint32_t bit = (lanes[b] >> common::dropout_transposed_source(lane, a, b, c).element) & 1u;
+                const int at = 2 * col + a;
+                keep[at / 32] |= bit << (at % 32);
+              }
+            }
+          }
+        }
+      }
+    };
     for (int s = 0; s < t.steps(group); ++s) {
       const int m = t.block_at(s);
       const int buffer = s & 1;
@@ -435,6 +471,10 @@ struct BwdMainloop {
       wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
       if constexpr (!Traits::kVarlen) do_pipe.consumer_wait(st);
       wgmma<true>(mma_sdp, tPrV, tPrdO(_, _, _, st.index), acc_dp);
+      // The keep bits depend on positions only: drawn while both products run (kEarlyDraw).
+      if constexpr (kEarlyDraw) {
+        if (use_dropout) draw_keep(row0, s);
+      }
       // The row statistics are read from shared memory where they are used (registers are short).
       const float* const lse_log2 = ss.lse_log2[st.index];
       const float* const dpsum = ss.dpsum[st.index];
@@ -485,37 +525,8 @@ struct BwdMainloop {
         CUTE_UNROLL
         for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
       }
-      if constexpr (Traits::kDropout) {
-        if (use_dropout) {
-          const int lane = thread % 32;
-          const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
-          const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + s / m_blocks);
-          // The 16-row block of the thread's first row: its warpgroup's first (split d: 0 or
-          // block_m / 2) + 2 · (lane % 4).
-          const int row_block = Traits::kSplitD ? (row0 + get<1>(c_rc(0, 0))) >> 4 : row0 >> 4;
-          CUTE_UNROLL
-          for (int w = 0; w < (2 * kRows + 31) / 32; ++w) keep[w] = 0;
-          CUTE_UNROLL
-          for (int q = 0; q < kRows / 4; ++q) {  // 16 query rows: columns 4q … 4q + 3 of s_rc
-            const std::uint32_t own = common::dropout_keep_bits(dropout, stream, row_block + q, key_block, lane);
-            const std::uint32_t lanes[2] = {
-                __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 0, 0).lane),
-                __shfl_sync(0xffffffffu, own, common::dropout_transposed_source(lane, 0, 1, 0).lane)};
-            CUTE_UNROLL
-            for (int b = 0; b < 2; ++b) {      // row 2t + b (+ 8c) of the block
-              CUTE_UNROLL
-              for (int c = 0; c < 2; ++c) {
-                CUTE_UNROLL
-                for (int a = 0; a < 2; ++a) {  // key g + 8a
-                  const int col = 4 * q + 2 * c + b;  // s_rc's column: (pair b, 8-column group 2q + c)
-                  const std::uint32_t bit = (lanes[b] >> common::dropout_transposed_source(lane, a, b, c).element) & 1u;
-                  const int at = 2 * col + a;
-                  keep[at / 32] |= bit << (at % 32);
-                }
-              }
-            }
-          }
-        }
+      if constexpr (Traits::kDropout && !kEarlyDraw) {
+        if (use_dropout) draw_keep(row0, s);
       }
       auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
       // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued (after dSᵀ, below); split d: Pᵀ

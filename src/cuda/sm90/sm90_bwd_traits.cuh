@@ -44,8 +44,9 @@ inline constexpr int kBwdModsAll = kBwdModSoftcap | kBwdModAlibi | kBwdModDropou
 // kMods: which of softcap (kBwdModSoftcap), ALiBi (kBwdModAlibi) and dropout (kBwdModDropout) are
 // compiled in (device::TileScoreMod on each Sᵀ tile, softcap's derivative 1 − tanh² in dSᵀ, the
 // forward's Philox mask), each taken when the call asks for it. The launcher instantiates none,
-// softcap alone, ALiBi alone and all three: a call with one of the first two pays neither the
-// registers nor the code of the others (sm90_bwd_launch.cuh).
+// softcap alone, ALiBi alone, all three and, where built with FLASHATTN_SM90_BWD_LEAN_DROPOUT=1,
+// dropout alone: a call with one of these pays neither the registers nor the code of the others
+// (sm90_bwd_launch.cuh).
 // kVarlen: varlen batches (seqused_k included): tiles offset by cu_seqlens, rows past a sequence
 // zeroed in shared memory.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kMods_, bool kVarlen_>
