@@ -108,12 +108,13 @@ bool synchronous_index_check(const Options& opt) {
 }
 
 // Before a CUDA call's kernels: an earlier call's violation, then the check of this call's index
-// tensors, whose flag every kernel of the call reads at its start.
-void start_index_check(Problem& pr, void* stream) {
+// tensors, whose flag every kernel of the call reads at its start. launch false: the call's first
+// kernel launches the check or folds it into its prologue (forward_kvcache: cuda::kvcache_append).
+void start_index_check(Problem& pr, void* stream, bool launch = true) {
   raise_pending_index_violation();
   if (!pr.index_bounds.any()) return;
   pr.params.index_error = cuda::index_error_flag();
-  cuda::check_indices(pr.index_bounds, stream);
+  if (launch) cuda::check_indices(pr.index_bounds, stream);
 }
 
 // After them: when asked for, wait and throw this call's violation.
@@ -326,8 +327,8 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
         p.batch, in.q.numel(), dtype_size(in.q.dtype), in.k_new.defined(), in.rotary_cos.defined());
     // Only the KV-cache region is required; the split-KV part after it is optional.
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
-    start_index_check(pr, stream.handle);
-    cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle);
+    start_index_check(pr, stream.handle, false);
+    cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle, pr.index_bounds);
     p.k_leftpad = leftpad;
     // The rotated q is a contiguous copy in the workspace, whose layout the family choice also
     // reads: chosen again for it.

@@ -1,9 +1,12 @@
 // src/cuda/index_check.cu — the device-side index check (see index_check.h).
 #include "cuda/index_check.h"
 
+#include "cuda/index_check.cuh"
+
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -15,13 +18,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMaxDevices = 64;
 
-// One violation, as plain data (a __device__ variable cannot have constructors). state: 0 none,
-// 1 recorded (set by the first thread that finds one; the others leave the record alone).
-struct Record {
-  int state;
-  int rule, side, batch, entry, api;
-  long long value, bound;
-};
+using Record = IndexRecord;
 
 // Per device (a __device__ variable exists once per device context), zero at load.
 __device__ Record g_record;
@@ -55,15 +52,7 @@ __global__ void __launch_bounds__(kThreads) check_indices_kernel(const common::I
   const int b = blockIdx.x * kThreads + threadIdx.x;
   if (b >= ib.batch) return;
   const common::IndexViolation v = common::check_sequence_indices(ib, b);
-  if (!v || atomicCAS(&g_record.state, 0, 1) != 0) return;
-  const Record r{1, int(v.rule), int(v.side), v.batch, v.entry, int(ib.api), v.value, v.bound};
-  g_record = r;
-  // The host reads the mirror without synchronising: its fields first, then the state.
-  Record* m = mirror;
-  m->rule = r.rule, m->side = r.side, m->batch = r.batch, m->entry = r.entry, m->api = r.api;
-  m->value = r.value, m->bound = r.bound;
-  __threadfence_system();
-  *reinterpret_cast<volatile int*>(&m->state) = 1;
+  if (v) record_index_violation(&g_record, mirror, v, int(ib.api));
 }
 
 common::IndexViolation violation_of(const Record& r) {
@@ -93,20 +82,36 @@ common::IndexViolation take(int device) {
   return r.state != 0 ? violation_of(r) : common::IndexViolation{};
 }
 
-}  // namespace
-
-const int* index_error_flag() {
-  static std::atomic<const int*> flags[kMaxDevices];  // static storage: null = not asked yet
+// The current device's record in device memory.
+Record* device_record() {
+  static std::atomic<Record*> records[kMaxDevices];  // static storage: null = not asked yet
   const int device = current_device();
-  const int* known = flags[device].load(std::memory_order_relaxed);
+  Record* known = records[device].load(std::memory_order_relaxed);
   if (known != nullptr) return known;
   void* address = nullptr;
   if (cudaGetSymbolAddress(&address, g_record) != cudaSuccess) {
     throw Error(std::string("flashattn (CUDA): index check: ") + cudaGetErrorString(cudaGetLastError()));
   }
-  const int* flag = &static_cast<const Record*>(address)->state;
-  flags[device].store(flag, std::memory_order_relaxed);
-  return flag;
+  records[device].store(static_cast<Record*>(address), std::memory_order_relaxed);
+  return static_cast<Record*>(address);
+}
+
+}  // namespace
+
+const int* index_error_flag() { return &device_record()->state; }
+
+bool index_check_foldable(const common::IndexBounds& ib) {
+  if (ib.block_table != nullptr || ib.batch > kIndexFoldMaxBatch) return false;
+  const char* env = std::getenv("FLASHATTN_INDEX_CHECK_FOLD");
+  return env != nullptr && env[0] == '1' && env[1] == '\0';
+}
+
+IndexFold fold_index_check(const common::IndexBounds& ib) {
+  IndexFold f;
+  f.bounds = ib;
+  f.record = device_record();
+  f.mirror = mirror_of(current_device());
+  return f;
 }
 
 void check_indices(const common::IndexBounds& ib, void* stream) {

@@ -16,6 +16,39 @@
 
 namespace flashattn::cuda {
 
+// One violation as the device records it, plain data (a __device__ variable cannot have
+// constructors). state: 0 none, 1 recorded (set by the first thread that finds one; the others
+// leave the record alone).
+struct IndexRecord {
+  int state;
+  int rule, side, batch, entry, api;
+  long long value, bound;
+};
+
+// The check folded into the prologue of the call's first kernel instead of a kernel of its own
+// (one launch less, which is most of the check's cost on a decoding step): every block of that
+// kernel checks every sequence (index_check.cuh: index_check_passes) and reads or writes nothing
+// when one fails, and the kernels after it read the flag as usual. Inactive (record null): the
+// check runs as its own kernel (check_indices).
+struct IndexFold {
+  common::IndexBounds bounds;
+  IndexRecord* record = nullptr;  // the device's record (index_error_flag's)
+  IndexRecord* mirror = nullptr;  // its mapped host mirror
+  FA_HOST_DEVICE bool active() const { return record != nullptr; }
+};
+
+// The most sequences a folded check takes: one pass of a 256-thread block.
+inline constexpr int kIndexFoldMaxBatch = 256;
+
+// Whether `ib`'s check may be folded into a kernel's prologue: at most kIndexFoldMaxBatch
+// sequences, no block table (a sequence's pages are a loop of their own), and
+// FLASHATTN_INDEX_CHECK_FOLD=1 (read per call; off by default until timed and tested on a GPU:
+// src/cuda/README.md, tuning knobs).
+bool index_check_foldable(const common::IndexBounds& ib);
+
+// The fold of `ib`'s check on the current device (the caller has decided it is foldable).
+IndexFold fold_index_check(const common::IndexBounds& ib);
+
 // The current device's violation flag in device memory (non-zero: a check failed), for the
 // kernels' early exit.
 const int* index_error_flag();

@@ -10,6 +10,7 @@
 #include "common/numeric.h"
 #include "common/rotary.h"
 #include "cuda/cuda_common.h"
+#include "cuda/index_check.cuh"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
@@ -48,12 +49,16 @@ __device__ void copy_head_vector(const T* src, T* dst, int width, const common::
 // Work items, one warp each: first the b · sk_new · hk new (k, v) head vectors, then (with
 // q_rotated) the b · sq · h head vectors of q. Threads 0 … b − 1 of the grid also write the
 // lengths after the append (with seqlens_after). Appending and rotating q touch disjoint memory,
-// so the items need no order among themselves.
+// so the items need no order among themselves. With an active fold, every block first checks the
+// call's index values itself (index_check.cuh).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     kvcache_append_kernel(const common::AttentionParams p, const common::AppendArgs a, bool q_positions_per_row,
-                          std::int32_t* seqlens_after, T* q_rotated) {
-  // A bad cache_seqlens, cache_batch_idx, block_table or rotary table: nothing is written.
+                          std::int32_t* seqlens_after, T* q_rotated, const IndexFold fold) {
+  // A bad cache_seqlens, cache_batch_idx, block_table or rotary table: nothing is written. The
+  // fold's barrier first, by every thread of the block; the flag (set by this call's check kernel,
+  // or by a fold's block) after it.
+  if (fold.active() && !index_check_passes(fold)) return;
   if (p.index_check_failed()) return;
   const std::int64_t thread = std::int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const std::int64_t threads = std::int64_t(gridDim.x) * kThreads;
@@ -89,16 +94,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class T>
-cudaError_t launch(const common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
-            std::int32_t* seqlens_after, void* q_rotated, cudaStream_t stream) {
+// The threads the kernel needs; 0: it does not run.
+std::int64_t append_threads(const common::AttentionParams& p, const common::AppendArgs& a,
+                            const std::int32_t* seqlens_after, const void* q_rotated) {
   const std::int64_t kv_items = std::int64_t(p.batch) * a.seqlen_new * p.heads_k;
   const std::int64_t q_items = q_rotated != nullptr ? std::int64_t(p.batch) * p.max_seqlen_q * p.heads : 0;
-  const std::int64_t threads = std::max((kv_items + q_items) * kWarpSize, seqlens_after != nullptr ? std::int64_t(p.batch) : 0);
-  if (threads == 0) return cudaSuccess;
+  return std::max((kv_items + q_items) * kWarpSize, seqlens_after != nullptr ? std::int64_t(p.batch) : 0);
+}
+
+template <class T>
+cudaError_t launch(const common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
+                   std::int32_t* seqlens_after, void* q_rotated, const IndexFold& fold, cudaStream_t stream) {
+  const std::int64_t threads = append_threads(p, a, seqlens_after, q_rotated);
   const int blocks = int(std::min((threads + kThreads - 1) / kThreads, kMaxBlocks));
   kvcache_append_kernel<T><<<blocks, kThreads, 0, stream>>>(p, a, q_positions_per_row, seqlens_after,
-                                                            static_cast<T*>(q_rotated));
+                                                            static_cast<T*>(q_rotated), fold);
   return cudaGetLastError();
 }
 
@@ -121,16 +131,31 @@ KvcacheWorkspace kvcache_workspace(std::int64_t batch, std::int64_t q_elements, 
 }
 
 void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
-                    const KvcacheWorkspace& region, void* workspace, void* stream) {
+                    const KvcacheWorkspace& region, void* workspace, void* stream, const common::IndexBounds& check) {
   auto* base = static_cast<std::uint8_t*>(workspace);
   std::int32_t* seqlens_after = region.appends ? reinterpret_cast<std::int32_t*>(base + region.seqlens_after) : nullptr;
   void* q_rotated = region.rotary ? base + region.q_rotated : nullptr;
+  const bool runs = append_threads(p, a, seqlens_after, q_rotated) > 0;
+  IndexFold fold;
+  if (check.any() && check.batch > 0) {
+    if (runs && index_check_foldable(check)) {
+      fold = fold_index_check(check);
+    } else {
+      check_indices(check, stream);
+    }
+  }
   auto* s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaSuccess;
-  switch (p.storage) {
-    case common::Storage::f16: err = launch<common::f16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, s); break;
-    case common::Storage::bf16: err = launch<common::bf16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, s); break;
-    default: throw Error("flashattn::forward_kvcache (CUDA): the KV-cache append takes fp16 or bf16 only");
+  if (runs) {
+    switch (p.storage) {
+      case common::Storage::f16:
+        err = launch<common::f16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, fold, s);
+        break;
+      case common::Storage::bf16:
+        err = launch<common::bf16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, fold, s);
+        break;
+      default: throw Error("flashattn::forward_kvcache (CUDA): the KV-cache append takes fp16 or bf16 only");
+    }
   }
   if (err != cudaSuccess) {
     throw Error(std::string("flashattn::forward_kvcache (CUDA): append kernel launch failed: ") + cudaGetErrorString(err));

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/index_check.h"
 #include "common/kvcache.h"
 #include "common/params.h"
 
@@ -32,9 +33,11 @@ KvcacheWorkspace kvcache_workspace(std::int64_t batch, std::int64_t q_elements, 
 // attention must read: p.cache_seqlens at the lengths after the append (when appending; otherwise
 // at a.cache_seqlens) and p.q at the rotated copy (with rotary). `region` is kvcache_workspace of
 // this call; workspace: device memory holding it, 256-byte aligned (the API layer checks both).
-// Validation has already happened: positions and pages are trusted. Throws flashattn::Error when
-// the launch fails.
+// Validation has already happened on the host; the index VALUES in device memory are checked here
+// first, when `check` has index tensors (index_check.h): folded into the append kernel's prologue
+// where that kernel runs and index_check_foldable allows it, else by check_indices before it. Throws
+// flashattn::Error when a launch fails.
 void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
-                    const KvcacheWorkspace& region, void* workspace, void* stream);
+                    const KvcacheWorkspace& region, void* workspace, void* stream, const common::IndexBounds& check);
 
 }  // namespace flashattn::cuda

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/index_check.h"
 #include "cuda_test_util.h"
 
 namespace fa_test::cuda {
@@ -128,6 +129,7 @@ struct KVCall {
     std::vector<std::int32_t> batch_idx = {2, 0};
     std::vector<std::int32_t> table = {4, 1, 0, 5};
     std::int64_t rotary_rows = 0;  // rows of the rotary tables given (0: no rotary embedding)
+    bool new_keys = true;          // k_new / v_new given (without them and rotary, nothing is appended)
   };
   fa::KVCacheInputs inputs(const Args& a, bool on_device) {
     fa::KVCacheInputs in;
@@ -139,8 +141,10 @@ struct KVCall {
       return v;
     };
     in.q = place(q);
-    in.k_new = place(k_new);
-    in.v_new = place(v_new);
+    if (a.new_keys) {
+      in.k_new = place(k_new);
+      in.v_new = place(v_new);
+    }
     if (!on_device) return in;  // the caller sets the host index tensors (and keeps them alive)
     if (a.rotary_rows > 0) {
       for (auto [view, table] : {std::pair{&in.rotary_cos, &cos}, std::pair{&in.rotary_sin, &sin}}) {
@@ -207,42 +211,81 @@ struct KVFault {
   bool paged;
   std::function<void(KVCall::Args&)> spoil;
   const char* arg;
+  bool without_new_keys_too;  // still a violation when nothing is appended
 };
 
 const KVFault kKVFaults[] = {
-    {"negative_cache_seqlens", false, [](KVCall::Args& a) { a.seqlens = {-1, 20}; }, "cache_seqlens"},
-    {"append_past_capacity", false, [](KVCall::Args& a) { a.seqlens = {3, 32}; }, "cache_seqlens"},
-    {"cache_seqlens_int_max", false, [](KVCall::Args& a) { a.seqlens = {3, 2147483647}; }, "cache_seqlens"},
-    {"cache_batch_idx_past_rows", false, [](KVCall::Args& a) { a.batch_idx = {3, 0}; }, "cache_batch_idx"},
-    {"negative_cache_batch_idx", false, [](KVCall::Args& a) { a.batch_idx = {2, -7}; }, "cache_batch_idx"},
-    {"block_table_past_pages", true, [](KVCall::Args& a) { a.table = {6, 1, 0, 5}; }, "block_table"},
-    {"negative_block_table", true, [](KVCall::Args& a) { a.table = {4, 1, 0, -1}; }, "block_table"},
-    {"paged_append_past_capacity", true, [](KVCall::Args& a) { a.seqlens = {3, 32}; }, "cache_seqlens"},
-    {"rotary_table_shorter_than_the_positions", false, [](KVCall::Args& a) { a.rotary_rows = 6; }, "rotary_cos"},
+    {"negative_cache_seqlens", false, [](KVCall::Args& a) { a.seqlens = {-1, 20}; }, "cache_seqlens", true},
+    {"append_past_capacity", false, [](KVCall::Args& a) { a.seqlens = {3, 32}; }, "cache_seqlens", false},
+    {"cache_seqlens_int_max", false, [](KVCall::Args& a) { a.seqlens = {3, 2147483647}; }, "cache_seqlens", true},
+    {"cache_batch_idx_past_rows", false, [](KVCall::Args& a) { a.batch_idx = {3, 0}; }, "cache_batch_idx", true},
+    {"negative_cache_batch_idx", false, [](KVCall::Args& a) { a.batch_idx = {2, -7}; }, "cache_batch_idx", true},
+    {"block_table_past_pages", true, [](KVCall::Args& a) { a.table = {6, 1, 0, 5}; }, "block_table", true},
+    {"negative_block_table", true, [](KVCall::Args& a) { a.table = {4, 1, 0, -1}; }, "block_table", true},
+    {"paged_append_past_capacity", true, [](KVCall::Args& a) { a.seqlens = {3, 32}; }, "cache_seqlens", false},
+    {"rotary_table_shorter_than_the_positions", false, [](KVCall::Args& a) { a.rotary_rows = 6; }, "rotary_cos",
+     true},
 };
 
 // With check_indices the bad call itself throws; without, it returns and the next CUDA call on
-// the device (a valid one) throws the violation instead of running.
+// the device (a valid one) throws the violation instead of running. Each case runs with the check
+// as a kernel of its own and folded into the append kernel's prologue (FLASHATTN_INDEX_CHECK_FOLD;
+// paged calls and calls that append nothing keep the kernel), with and without new keys.
 TEST(CudaFaultInjection, KVCacheBadIndexIsRefusedAndTheNextCallIsRight) {
   FA_SKIP_WITHOUT_GPU();
   if (!kernel_built(fa::cuda::sm80::Family::fwd, fa::common::Storage::bf16, kHeadDim, kHeadDim)) return;
-  for (bool synchronous : {true, false}) {
-    for (const KVFault& f : kKVFaults) {
-      SCOPED_TRACE(std::string(f.name) + (synchronous ? " (check_indices)" : " (reported by the next call)"));
-      KVCall c(f.paged);
-      KVCall::Args bad;
-      f.spoil(bad);
-      const auto before = c.snapshot();
-      if (synchronous) {
-        EXPECT_TRUE(throws_naming([&] { c.run_device(bad, true); }, f.arg));
-      } else {
-        ASSERT_NO_THROW(c.run_device(bad, false));
-        FA_CUDA_CHECK(cudaDeviceSynchronize());
-        EXPECT_TRUE(throws_naming([&] { c.run_device(KVCall::Args{}, false); }, f.arg));
+  for (const char* fold : {"0", "1"}) {
+    const EnvOverride folding("FLASHATTN_INDEX_CHECK_FOLD", fold);
+    for (bool new_keys : {true, false}) {
+      for (bool synchronous : {true, false}) {
+        for (const KVFault& f : kKVFaults) {
+          if (!new_keys && !f.without_new_keys_too) continue;
+          SCOPED_TRACE(std::string(f.name) + (synchronous ? " (check_indices)" : " (reported by the next call)") +
+                       (new_keys ? "" : ", no new keys") + (fold[0] == '1' ? ", folded" : ""));
+          KVCall c(f.paged);
+          KVCall::Args bad;
+          bad.new_keys = new_keys;
+          f.spoil(bad);
+          const auto before = c.snapshot();
+          if (synchronous) {
+            EXPECT_TRUE(throws_naming([&] { c.run_device(bad, true); }, f.arg));
+          } else {
+            ASSERT_NO_THROW(c.run_device(bad, false));
+            FA_CUDA_CHECK(cudaDeviceSynchronize());
+            EXPECT_TRUE(throws_naming([&] { c.run_device(KVCall::Args{}, false); }, f.arg));
+          }
+          EXPECT_TRUE(c.snapshot() == before) << "a guarded buffer changed";
+          c.expect_valid_call_right();
+        }
       }
-      EXPECT_TRUE(c.snapshot() == before) << "a guarded buffer changed";
-      c.expect_valid_call_right();
     }
+  }
+}
+
+// Which checks fold into the append kernel's prologue: at most kIndexFoldMaxBatch sequences, no
+// block table, and only when FLASHATTN_INDEX_CHECK_FOLD=1.
+TEST(CudaIndexCheckHost, FoldsOnlySmallChecksWithoutBlockTables) {
+  const std::int32_t entry = 0;
+  fa::common::IndexBounds ib;
+  ib.batch = 2;
+  ib.cache_seqlens = &entry;
+  {
+    const EnvOverride unset("FLASHATTN_INDEX_CHECK_FOLD", "");
+    EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << "off unless asked for";
+  }
+  const EnvOverride on("FLASHATTN_INDEX_CHECK_FOLD", "1");
+  EXPECT_TRUE(fa::cuda::index_check_foldable(ib));
+  ib.batch = fa::cuda::kIndexFoldMaxBatch;
+  EXPECT_TRUE(fa::cuda::index_check_foldable(ib));
+  ib.batch = fa::cuda::kIndexFoldMaxBatch + 1;
+  EXPECT_FALSE(fa::cuda::index_check_foldable(ib));
+  ib.batch = 2;
+  ib.block_table = &entry;
+  EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << "a paged cache keeps the check kernel";
+  ib.block_table = nullptr;
+  for (const char* other : {"0", "yes", "10"}) {
+    const EnvOverride value("FLASHATTN_INDEX_CHECK_FOLD", other);
+    EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << other;
   }
 }
 

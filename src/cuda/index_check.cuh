@@ -1,0 +1,37 @@
+// src/cuda/index_check.cuh — the device side of the index check (index_check.h): recording a
+// violation, and the check folded into a kernel's prologue (IndexFold).
+#pragma once
+
+#include "cuda/index_check.h"
+
+namespace flashattn::cuda {
+
+// Records v in the device's record and its host mirror, unless a violation is recorded already.
+__device__ inline void record_index_violation(IndexRecord* record, IndexRecord* mirror, const common::IndexViolation& v,
+                                              int api) {
+  if (atomicCAS(&record->state, 0, 1) != 0) return;
+  const IndexRecord r{1, int(v.rule), int(v.side), v.batch, v.entry, api, v.value, v.bound};
+  *record = r;
+  // The host reads the mirror without synchronising: its fields first, then the state.
+  mirror->rule = r.rule, mirror->side = r.side, mirror->batch = r.batch, mirror->entry = r.entry, mirror->api = r.api;
+  mirror->value = r.value, mirror->bound = r.bound;
+  __threadfence_system();
+  *reinterpret_cast<volatile int*>(&mirror->state) = 1;
+}
+
+// A folded check, by all threads of a block together (a block-wide barrier): every sequence of
+// f.bounds checked by the block's threads, a violation recorded; true when all passed. Each block
+// of the kernel checks every sequence itself, so no block depends on another's finding.
+__device__ inline bool index_check_passes(const IndexFold& f) {
+  int failed = 0;
+  for (int b = int(threadIdx.x); b < f.bounds.batch; b += int(blockDim.x)) {
+    const common::IndexViolation v = common::check_sequence_indices(f.bounds, b);
+    if (v) {
+      failed = 1;
+      record_index_violation(f.record, f.mirror, v, int(f.bounds.api));
+    }
+  }
+  return __syncthreads_or(failed) == 0;
+}
+
+}  // namespace flashattn::cuda
