@@ -90,6 +90,20 @@ TEST(CudaSm90BackwardHost, TileMajorOnlyForMaskedGridsOfAtMostTwoWaves) {
   }
 }
 
+// Heads inner only in builds with it, only for non-deterministic GQA calls, only when asked for.
+TEST(CudaSm90BackwardHost, HeadsInnerOnlyWhereBuiltAndAskedFor) {
+  {
+    const EnvOverride unset("FLASHATTN_SM90_BWD_GQA_WALK", "");
+    EXPECT_FALSE(fc::sm90::bwd_heads_inner(8, false));
+  }
+  const EnvOverride inner("FLASHATTN_SM90_BWD_GQA_WALK", "inner");
+  EXPECT_EQ(fc::sm90::bwd_heads_inner(8, false), fc::sm90::kBwdHeadsInner);
+  EXPECT_FALSE(fc::sm90::bwd_heads_inner(8, true)) << "deterministic";
+  EXPECT_FALSE(fc::sm90::bwd_heads_inner(1, false)) << "MHA: one head per group";
+  const EnvOverride outer("FLASHATTN_SM90_BWD_GQA_WALK", "outer");
+  EXPECT_FALSE(fc::sm90::bwd_heads_inner(8, false));
+}
+
 TEST(CudaSm90BackwardHost, StaggerTilesDefaultsToAQuarterOfTheSms) {
   {
     const EnvOverride unset("FLASHATTN_SM90_BWD_STAGGER_TILES", "");
@@ -247,6 +261,43 @@ TEST_P(CudaSm90BackwardFeatures, TileMajorLaunchOrder) {
       expect_sm90_backward_matches(cfg);
     }
     AttnConfig varlen = feature_config(GetParam(), d, 0, 0);
+    varlen.varlen_q = {200, 1, 333};
+    varlen.varlen_k = {517, 64, 333};
+    varlen.opt.causal = true;
+    expect_sm90_backward_matches(varlen);
+  }
+}
+
+// GQA walks with the heads inner (builds with FLASHATTN_SM90_BWD_HEADS_INNER=1, asked for by
+// FLASHATTN_SM90_BWD_GQA_WALK=inner): causal and not, a window, groups of 2 and 8, a varlen batch,
+// ALiBi (the step's head picks the slope) and dropout (and its Philox stream), both launch orders.
+TEST_P(CudaSm90BackwardFeatures, HeadsInnerWalk) {
+  FA_SKIP_WITHOUT_SM90();
+  if (!fc::sm90::kBwdHeadsInner) GTEST_SKIP() << "built without FLASHATTN_SM90_BWD_HEADS_INNER=1: no such walk to test";
+  const EnvOverride walk("FLASHATTN_SM90_BWD_GQA_WALK", "inner");
+  for (int d : {64, 128, 256}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      AttnConfig cfg = feature_config(GetParam(), d, 333, 517);
+      cfg.batch = 2;
+      cfg.heads = 8;
+      cfg.heads_k = variant == 3 ? 4 : 1;
+      cfg.opt.causal = variant == 0 || variant == 3;
+      if (variant == 2) {
+        cfg.opt.window_left = 100;
+        cfg.opt.window_right = 20;
+      }
+      if (variant == 3) {
+        cfg.alibi = Alibi::per_head;
+        cfg.opt.dropout_p = 0.15f;
+        cfg.opt.dropout_seed = 21;
+      }
+      expect_sm90_backward_matches(cfg);
+      const EnvOverride order("FLASHATTN_SM90_BWD_TILE_MAJOR", "1");
+      expect_sm90_backward_matches(cfg);
+    }
+    AttnConfig varlen = feature_config(GetParam(), d, 0, 0);
+    varlen.heads = 4;
+    varlen.heads_k = 2;
     varlen.varlen_q = {200, 1, 333};
     varlen.varlen_k = {517, 64, 333};
     varlen.opt.causal = true;

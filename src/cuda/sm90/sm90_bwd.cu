@@ -27,6 +27,12 @@ bool bwd_tile_major(bool masked, bool deterministic, long long ctas, long long r
   return masked && resident > 0 && ctas <= 2 * resident;
 }
 
+bool bwd_heads_inner(int group, bool deterministic) {
+  if (!kBwdHeadsInner || deterministic || group <= 1) return false;
+  const char* env = std::getenv("FLASHATTN_SM90_BWD_GQA_WALK");
+  return env != nullptr && std::string(env) == "inner";
+}
+
 int bwd_stagger_tiles(int sm_count) {
   const int fallback = kBwdStagger ? sm_count / 4 : 0;
   const char* env = std::getenv("FLASHATTN_SM90_BWD_STAGGER_TILES");

@@ -90,6 +90,27 @@ bool bwd_tile_major(bool masked, bool deterministic, long long ctas, long long r
 // to time longer staggered spans against the descending turns.
 int bwd_stagger_tiles(int sm_count);
 
+// The order of a GQA tile's walk (BwdTile::heads_inner). Heads outer (the default): each query
+// head of the group in turn, its row blocks ascending. Heads inner: the row blocks from the last
+// down, the group's heads at each (from head n_block mod group on). Under a causal mask the tiles
+// of a (kv head, batch) walk unequal lengths per head, so with heads outer they drift apart across
+// the group's heads, and the Q and dO rows read at one time span all of them: at 16k rows, GQA 8:1
+// and d 128 that is 8 heads · 16k rows · 512 bytes = 64 MiB per kv head, more than the H200's
+// 50 MiB of L2 (the causal GQA row at 16k keys runs at 0.92 of the MHA row, at 4k at 1.05). Heads
+// inner, the tiles of a pair read the same few row blocks at once; the dQ additions to a (head,
+// row block) then come together from up to n_tiles / group CTAs.
+// -DFLASHATTN_SM90_BWD_HEADS_INNER=1 builds the choice in (0, the default, until timed on a GPU;
+// the runtime branch alone changes the kernels: sm_90a, bf16, plain dense spill stores d 64 112 →
+// 52 bytes, d 128 32 → 36, d 256 96 → 8); in such a build FLASHATTN_SM90_BWD_GQA_WALK=inner (a runtime knob read
+// per call) takes it for non-deterministic GQA calls (deterministic turns assume each head's rows
+// in order), anything else keeps heads outer.
+#ifdef FLASHATTN_SM90_BWD_HEADS_INNER
+inline constexpr bool kBwdHeadsInner = FLASHATTN_SM90_BWD_HEADS_INNER != 0;
+#else
+inline constexpr bool kBwdHeadsInner = false;
+#endif
+bool bwd_heads_inner(int group, bool deterministic);
+
 struct BwdTileShape {
   int block_m;
   int block_n;

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   const Pipeline do_pipe{ss.do_full, ss.do_empty};
   const BwdTile t =
       BwdTile::of_block<Traits::kBlockM, Traits::kBlockN>(params.p, params.rows, params.dq_semaphores != nullptr,
-                                                          params.stagger_tiles, params.tile_major);
+                                                          params.stagger_tiles, params.tile_major, params.heads_inner);
   if (t.empty(Traits::kBlockN)) return;  // a varlen sequence with fewer keys: nothing here
 
   if (warpgroup == 0) {

@@ -66,6 +66,7 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
     }
     return blocks;
   }();
+  params.heads_inner = bwd_heads_inner(p.group_size(), ws.dq_semaphores != nullptr);
   params.tile_major = bwd_tile_major(p.has_mask(), ws.dq_semaphores != nullptr,
                                      (long long)n_tiles * p.heads_k * p.batch, (long long)per_sm * current_sm_count());
   const dim3 grid = params.tile_major ? dim3(unsigned(n_tiles) * unsigned(p.heads_k) * unsigned(p.batch), 1, 1)

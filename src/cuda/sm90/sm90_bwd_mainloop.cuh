@@ -37,6 +37,7 @@ struct BwdParams {
   int* dq_semaphores;                   // deterministic: one per row block, else nullptr
   int stagger_tiles;  // deterministic: staggered walks where the grid has at most this many key tiles
   bool tile_major;    // grid order: key tile slowest, (kv head, batch) fastest (bwd_tile_major)
+  bool heads_inner;   // GQA walks: row blocks outer (descending), the group's heads inner (bwd_heads_inner)
   BwdRows rows;
   float scale_log2;                // softmax_scale · log2 e
   const std::uint64_t* rng_state;  // dropout's (seed, offset) read at run time, or nullptr
@@ -83,6 +84,10 @@ struct BwdTile {
   // (common::StaggeredWalk; m_block_min is 0 then), else every tile walks its blocks in order.
   bool staggered;
   common::StaggeredWalk walk;
+  // Heads inner (not deterministic, GQA): the walk takes the row blocks from the last down, and at
+  // each the group's heads, from head n_block mod group on, so that the tiles of a (kv head, batch)
+  // read the same rows at the same time; else each head's row blocks in turn.
+  bool heads_inner;
 
   // reversed: the key tiles of a (kv head, batch) launch last first (the deterministic order,
   // see BwdMainloop::write_dq), else first first (under a causal mask the longest go first).
@@ -94,7 +99,7 @@ struct BwdTile {
   // grid is (key tiles, kv heads, batch).
   template <int kBlockM, int kBlockN>
   __device__ static BwdTile of_block(const common::AttentionParams& p, const BwdRows& rows, bool reversed,
-                                     int stagger_tiles, bool tile_major) {
+                                     int stagger_tiles, bool tile_major, bool heads_inner) {
     BwdTile t;
     const int n_tiles = (p.max_seqlen_k + kBlockN - 1) / kBlockN;
     if (tile_major) {
@@ -120,6 +125,7 @@ struct BwdTile {
     t.walk = {(t.seqlen_k + kBlockN - 1) / kBlockN, (t.seqlen_q + kBlockM - 1) / kBlockM};
     t.staggered = reversed && !tile_major && n_tiles <= stagger_tiles && t.mask.window_left < 0 && t.mask.window_right < 0 &&
                   t.walk.n_tiles <= t.walk.m_blocks;
+    t.heads_inner = kBwdHeadsInner && heads_inner && !reversed && p.group_size() > 1;
     if (col_b >= col_e || t.seqlen_q == 0) return t;
     const int row_b = t.mask.block_row_begin(col_b);
     const int row_e = t.mask.block_row_end(col_e);
@@ -128,9 +134,15 @@ struct BwdTile {
     return t;
   }
   // The row block of step s (over the heads of the group, each walking [m_block_min, m_block_max)).
-  __device__ __forceinline__ int block_at(int s) const {
+  __device__ __forceinline__ int block_at(int s, int group) const {
     const int m_blocks = m_block_max - m_block_min;
+    if (heads_inner) return m_block_max - 1 - s / group;
     return staggered ? walk.block_at(n_block, s % m_blocks) : m_block_min + s % m_blocks;
+  }
+  // The query head of step s within the group.
+  __device__ __forceinline__ int head_at(int s, int group) const {
+    if (heads_inner) return (s + n_block) % group;
+    return s / (m_block_max - m_block_min);
   }
   // This tile's deterministic turn at row block m: staggered, by arrival; else descending from the
   // last tile that reaches m.
@@ -213,11 +225,10 @@ struct BwdMainloop {
 
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
     const int group = params.p.group_size();
-    const int m_blocks = t.m_block_max - t.m_block_min;
     PipelineState<kStages> st = Pipeline::producer_start();
     for (int s = 0; s < t.steps(group); ++s) {
-      const int head = t.kv_head * group + s / m_blocks;
-      const int m = t.block_at(s);
+      const int head = t.kv_head * group + t.head_at(s, group);
+      const int m = t.block_at(s, group);
       Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, head, batch)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
       Tensor gdO = local_tile(domain_offset(make_coord(q_row0, _0{}), mdO(_, _, head, batch)),
@@ -247,11 +258,10 @@ struct BwdMainloop {
     constexpr int kThreads = Traits::kWarpgroupThreads + 32;
     constexpr std::uint32_t kBytes = Traits::kDqFloatsPerWarpgroup * sizeof(float);
     const int group = params.p.group_size();
-    const int m_blocks = t.m_block_max - t.m_block_min;
     const int steps = t.steps(group);
     for (int s = 0; s < steps; ++s) {
-      const int head = t.kv_head * group + s / m_blocks;
-      const int m = t.block_at(s);
+      const int head = t.kv_head * group + t.head_at(s, group);
+      const int m = t.block_at(s, group);
       float* const rows = params.dq_accum + stat_offset(params, t, head, m) * kHeadDim;
       // Deterministic: the key tiles that reach row block m add their dQ in descending key-tile
       // order, from the last tile that reaches m down, each once its predecessors' additions have
@@ -377,7 +387,6 @@ struct BwdMainloop {
     const int wg_key_e = wg_key_b + Traits::kKeysPerWarpgroup;
     const float scale = p.softmax_scale;
     const int group = p.group_size();
-    const int m_blocks = t.m_block_max - t.m_block_min;
 
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, 0);
     // Varlen: K/V rows past the sequence's keys (the next sequence's, or seqused_k's unused ones)
@@ -417,7 +426,7 @@ struct BwdMainloop {
       if constexpr (Traits::kDropout) {
         const int lane = thread % 32;
         const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
-        const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + s / m_blocks);
+        const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + t.head_at(s, group));
         // The 16-row block of the thread's first row: its warpgroup's first (split d: 0 or
         // block_m / 2) + 2 · (lane % 4).
         const int row_block = Traits::kSplitD ? (row0 + get<1>(c_rc(0, 0))) >> 4 : row0 >> 4;
@@ -446,13 +455,13 @@ struct BwdMainloop {
       }
     };
     for (int s = 0; s < t.steps(group); ++s) {
-      const int m = t.block_at(s);
+      const int m = t.block_at(s, group);
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
       // Softcap and ALiBi (kSoftcap, kAlibi): raw scores in device::TileScoreMod's units, whose
       // out_scale · log2 e is the exponent's multiplier; ALiBi's slope is the head's.
       [[maybe_unused]] const device::TileScoreMod mod(
-          p.template score_mod_for<float>(t.batch, t.kv_head * group + s / m_blocks, t.seqlen_q, t.seqlen_k),
+          p.template score_mod_for<float>(t.batch, t.kv_head * group + t.head_at(s, group), t.seqlen_q, t.seqlen_k),
           Traits::kScoreMod);
       const float exp_scale = Traits::kScoreMod ? mod.out_scale * device::kLog2e : params.scale_log2;
 
