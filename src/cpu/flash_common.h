@@ -13,7 +13,7 @@
 #include <new>
 #include <utility>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -89,9 +89,14 @@ template <>
 inline void load_row<common::f16_t>(const common::f16_t* src, int n, float* dst) {
   int e = 0;
 #if defined(__AVX512F__)
-  for (; e + kVecWidth <= n; e += kVecWidth) {
+  for (; e + 16 <= n; e += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
     _mm512_storeu_ps(dst + e, _mm512_maskz_cvtph_ps(kAllLanes, h));
+  }
+#elif defined(__F16C__)
+  for (; e + 8 <= n; e += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e));
+    _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(h));
   }
 #endif
   for (; e < n; ++e) dst[e] = common::to_float(src[e]);
@@ -102,18 +107,25 @@ template <class T>
 inline void store_row(const float* src, float scale, int n, T* dst) {
   for (int e = 0; e < n; ++e) dst[e] = common::from_float<T>(src[e] * scale);
 }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 // vcvtps2ph with round-to-nearest-even is IEEE fp32 → fp16 conversion (subnormals, overflow to
 // inf), the function common::to_f16 computes bit by bit.
 inline constexpr int kF16RoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 template <>
 inline void store_row<common::f16_t>(const float* src, float scale, int n, common::f16_t* dst) {
   int e = 0;
-  for (; e + kVecWidth <= n; e += kVecWidth) {
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) {
     const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + e), _mm512_set1_ps(scale));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e),
                         _mm512_maskz_cvtps_ph(kAllLanes, x, kF16RoundNearest));
   }
+#else
+  for (; e + 8 <= n; e += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(src + e), _mm256_set1_ps(scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + e), _mm256_cvtps_ph(x, kF16RoundNearest));
+  }
+#endif
   for (; e < n; ++e) dst[e] = common::from_float<common::f16_t>(src[e] * scale);
 }
 #endif
@@ -125,15 +137,21 @@ inline void round_row(float* x, int n) {
 }
 template <>
 inline void round_row<float>(float*, int) {}
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 template <>
 inline void round_row<common::f16_t>(float* x, int n) {
   int e = 0;
-  for (; e + kVecWidth <= n; e += kVecWidth) {
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) {
     const __m512 v = _mm512_loadu_ps(x + e);
     _mm512_storeu_ps(x + e, _mm512_maskz_cvtph_ps(
                                 kAllLanes, _mm512_maskz_cvtps_ph(kAllLanes, v, kF16RoundNearest)));
   }
+#else
+  for (; e + 8 <= n; e += 8) {
+    _mm256_storeu_ps(x + e, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + e), kF16RoundNearest)));
+  }
+#endif
   for (; e < n; ++e) x[e] = common::round_to<common::f16_t>(x[e]);
 }
 #endif
@@ -147,10 +165,12 @@ inline VecF max_vec(VecF a, VecF b) { return a > b ? a : b; }
 // x, materialised as an fp32 value: keeps the compiler from fusing the product that made x into
 // a following add (FMA contraction) where the product's rounding is part of the algorithm.
 inline VecF rounded(VecF x) {
-#if defined(__AVX512F__)
-  __asm__("" : "+v"(x));  // x stays in its zmm register
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+v"(x));  // x stays in its vector register (a VecF is one register wide)
+#elif defined(__aarch64__)
+  __asm__("" : "+w"(x));
 #else
-  __asm__("" : "+m"(x));  // without 512-bit registers a VecF lives in memory anyway
+  __asm__("" : "+m"(x));
 #endif
   return x;
 }
@@ -273,14 +293,17 @@ inline std::pair<int, int> rows_seeing_keys(const common::Mask& m, int j0, int j
 
 inline constexpr int kDropoutBlock = 16;  // the 16×16 block of the counter layout (common/philox.h)
 inline constexpr int kDropoutLanes = 32;  // lanes per block, 8 elements each
-static_assert(kDropoutBlock == kVecWidth, "one block row is one VecF");
+// One block row or column as one vector of 16 lanes, whatever the VecF width: the two-register
+// permute below picks from the block's 32 lane words.
+typedef std::int32_t DropoutVecI __attribute__((vector_size(kDropoutBlock * sizeof(std::int32_t))));
+typedef float DropoutVecF __attribute__((vector_size(kDropoutBlock * sizeof(float))));
 
 // Where each element of a 16×16 block finds its keep bit: the lane and the bit within the lane's
 // 8, from common::dropout_lane / dropout_element, arranged so that one block row (fixed i, the 16
 // keys) or one block column (fixed j, the 16 queries) is one vector of lane / bit indices.
 struct DropoutBlockTable {
-  VecI lane_of_row[kDropoutBlock], bit_of_row[kDropoutBlock];  // [i mod 16], over j mod 16
-  VecI lane_of_col[kDropoutBlock], bit_of_col[kDropoutBlock];  // [j mod 16], over i mod 16
+  DropoutVecI lane_of_row[kDropoutBlock], bit_of_row[kDropoutBlock];  // [i mod 16], over j mod 16
+  DropoutVecI lane_of_col[kDropoutBlock], bit_of_col[kDropoutBlock];  // [j mod 16], over i mod 16
 
   DropoutBlockTable() {
     for (int a = 0; a < kDropoutBlock; ++a) {
@@ -308,7 +331,8 @@ inline void dropout_keep_tile(const common::DropoutParams& dp, std::uint64_t str
                               int rows, int j0, int cols, float* keep, int stride_i, int stride_j) {
   constexpr int kB = kDropoutBlock;
   const DropoutBlockTable& table = dropout_block_table();
-  const VecI one = VecI{} + 1;
+  const DropoutVecI one = DropoutVecI{} + 1;
+  const auto store_block_row = [](float* dst, DropoutVecF x) { std::memcpy(dst, &x, sizeof x); };
   for (int bi = i0 / kB; bi * kB < i0 + rows; ++bi) {
     for (int bj = j0 / kB; bj * kB < j0 + cols; ++bj) {
       alignas(kScratchAlign) std::uint32_t bits[kDropoutLanes];
@@ -320,20 +344,20 @@ inline void dropout_keep_tile(const common::DropoutParams& dp, std::uint64_t str
       const bool whole = i_hi - i_lo == kB && j_hi - j_lo == kB;
       float* corner =
           keep + std::int64_t(i_lo - i0) * stride_i + std::int64_t(j_lo - j0) * stride_j;
-      VecI lanes_lo, lanes_hi;  // the Philox words of lanes 0..15 and 16..31
+      DropoutVecI lanes_lo, lanes_hi;  // the Philox words of lanes 0..15 and 16..31
       std::memcpy(&lanes_lo, bits, sizeof lanes_lo);
-      std::memcpy(&lanes_hi, bits + kVecWidth, sizeof lanes_hi);
+      std::memcpy(&lanes_hi, bits + kDropoutBlock, sizeof lanes_hi);
       if (whole && stride_j == 1) {
         for (int a = 0; a < kB; ++a) {
-          const VecI word = __builtin_shuffle(lanes_lo, lanes_hi, table.lane_of_row[a]);
-          store_vec(corner + std::int64_t(a) * stride_i,
-                    __builtin_convertvector((word >> table.bit_of_row[a]) & one, VecF));
+          const DropoutVecI word = __builtin_shuffle(lanes_lo, lanes_hi, table.lane_of_row[a]);
+          store_block_row(corner + std::int64_t(a) * stride_i,
+                          __builtin_convertvector((word >> table.bit_of_row[a]) & one, DropoutVecF));
         }
       } else if (whole && stride_i == 1) {
         for (int b = 0; b < kB; ++b) {
-          const VecI word = __builtin_shuffle(lanes_lo, lanes_hi, table.lane_of_col[b]);
-          store_vec(corner + std::int64_t(b) * stride_j,
-                    __builtin_convertvector((word >> table.bit_of_col[b]) & one, VecF));
+          const DropoutVecI word = __builtin_shuffle(lanes_lo, lanes_hi, table.lane_of_col[b]);
+          store_block_row(corner + std::int64_t(b) * stride_j,
+                          __builtin_convertvector((word >> table.bit_of_col[b]) & one, DropoutVecF));
         }
       } else {
         for (int i = i_lo; i < i_hi; ++i) {
