@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "common/params.h"
@@ -35,7 +36,9 @@ constexpr int kMaxColVecs = kBlockM / kVecWidth;  // VecF per row of Sᵀ
 static_assert(kBlockM % kVecWidth == 0, "a row of Sᵀ is a whole number of vectors");
 static_assert(kBlockN % 16 == 0, "key tiles start on 16×16 dropout blocks");
 
-// Per-worker scratch, all fp32 except the per-column bookkeeping.
+// Per-worker scratch, all fp32 except the per-column bookkeeping. Only V's tile is zeroed at
+// allocation (its padding columns stay 0); every other buffer is written by forward_block before
+// it is read.
 struct ForwardScratch {
   int head_dim_v_padded;
   FloatBuffer q_t;      // (d, kBlockM): the packed query tile, transposed
@@ -54,22 +57,39 @@ struct ForwardScratch {
 
   ForwardScratch(int d, int dv, int group)
       : head_dim_v_padded(flash::round_up(dv, kVecWidth)),
-        q_t(std::size_t(d) * kBlockM),
-        k(std::size_t(kBlockN) * d),
+        q_t(std::size_t(d) * kBlockM, kUninit),
+        k(std::size_t(kBlockN) * d, kUninit),
         v(std::size_t(kBlockN) * head_dim_v_padded),
-        s_t(std::size_t(kBlockN) * kBlockM),
-        keep(std::size_t(kBlockN) * kBlockM),
-        o(std::size_t(kBlockM) * head_dim_v_padded),
-        row_max(kBlockM),
-        row_sum(kBlockM),
-        alpha(kBlockM),
-        row_tmp(std::size_t(d)),
+        s_t(std::size_t(kBlockN) * kBlockM, kUninit),
+        keep(std::size_t(kBlockN) * kBlockM, kUninit),
+        o(std::size_t(kBlockM) * head_dim_v_padded, kUninit),
+        row_max(kBlockM, kUninit),
+        row_sum(kBlockM, kUninit),
+        alpha(kBlockM, kUninit),
+        row_tmp(std::size_t(d), kUninit),
         col_row(kBlockM),
         col_head(kBlockM),
-        col_slope(kBlockM),
-        col_base(kBlockM),
-        mods(std::size_t(group)) {}
+        col_slope(kBlockM, kUninit),
+        col_base(kBlockM, kUninit),
+        mods(std::size_t(group)),
+        d_(d),
+        dv_(dv),
+        group_(group) {}
+  bool fits(int d, int dv, int group) const { return d_ == d && dv_ == dv && group_ == group; }
+
+ private:
+  static constexpr FloatBuffer::Uninitialized kUninit{};
+  int d_, dv_, group_;
 };
+
+// The scratch of a one-worker call (decoding steps, small problems) on the calling thread: kept
+// from the previous such call with the same head dims and group, so that a small call allocates
+// nothing (allocation was a fifth of a 16-key decoding call's time).
+ForwardScratch& single_worker_scratch(int d, int dv, int group) {
+  thread_local std::unique_ptr<ForwardScratch> kept;
+  if (!kept || !kept->fits(d, dv, group)) kept = std::make_unique<ForwardScratch>(d, dv, group);
+  return *kept;
+}
 
 struct ForwardTask {
   int batch, kv_head, block;  // packed query rows [block · kBlockM, …)
@@ -119,9 +139,11 @@ void forward_block(const AttentionParams& p, const ForwardTask& task, ForwardScr
       w.col_base.get()[c] = 0.0f;
     }
   }
-  std::fill(w.o.get(), w.o.get() + std::size_t(kBlockM) * ldv, 0.0f);
-  std::fill(w.row_max.get(), w.row_max.get() + kBlockM, -flash::kInfinity);
-  std::fill(w.row_sum.get(), w.row_sum.get() + kBlockM, 0.0f);
+  // The block's columns only: O's rows, the statistics' vectors and the keep tile beyond them
+  // are never read.
+  std::fill(w.o.get(), w.o.get() + std::size_t(cols) * ldv, 0.0f);
+  std::fill(w.row_max.get(), w.row_max.get() + col_vecs * kVecWidth, -flash::kInfinity);
+  std::fill(w.row_sum.get(), w.row_sum.get() + col_vecs * kVecWidth, 0.0f);
   if (dropout) std::fill(w.keep.get(), w.keep.get() + std::size_t(kBlockN) * kBlockM, 0.0f);
 
   const int key_begin = mask.block_col_begin(i_first);
@@ -283,6 +305,11 @@ void flash_forward(const AttentionParams& p, int num_threads) {
   const int workers = parallel_workers(std::int64_t(tasks.size()), num_threads);
   with_storage(p.storage, [&](auto type_tag) {
     using T = decltype(type_tag);
+    if (workers == 1) {
+      ForwardScratch& w = single_worker_scratch(p.head_dim, p.head_dim_v, group);
+      for (const ForwardTask& task : tasks) forward_block<T>(p, task, w);
+      return;
+    }
     std::vector<ForwardScratch> scratch;
     scratch.reserve(std::size_t(workers));
     for (int wk = 0; wk < workers; ++wk) scratch.emplace_back(p.head_dim, p.head_dim_v, group);
