@@ -102,10 +102,11 @@ std::int64_t append_threads(const common::AttentionParams& p, const common::Appe
   return std::max((kv_items + q_items) * kWarpSize, seqlens_after != nullptr ? std::int64_t(p.batch) : 0);
 }
 
+// threads: append_threads of the call (> 0).
 template <class T>
 cudaError_t launch(const common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
-                   std::int32_t* seqlens_after, void* q_rotated, const IndexFold& fold, cudaStream_t stream) {
-  const std::int64_t threads = append_threads(p, a, seqlens_after, q_rotated);
+                   std::int32_t* seqlens_after, void* q_rotated, const IndexFold& fold, std::int64_t threads,
+                   cudaStream_t stream) {
   const int blocks = int(std::min((threads + kThreads - 1) / kThreads, kMaxBlocks));
   kvcache_append_kernel<T><<<blocks, kThreads, 0, stream>>>(p, a, q_positions_per_row, seqlens_after,
                                                             static_cast<T*>(q_rotated), fold);
@@ -135,7 +136,8 @@ void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, boo
   auto* base = static_cast<std::uint8_t*>(workspace);
   std::int32_t* seqlens_after = region.appends ? reinterpret_cast<std::int32_t*>(base + region.seqlens_after) : nullptr;
   void* q_rotated = region.rotary ? base + region.q_rotated : nullptr;
-  const bool runs = append_threads(p, a, seqlens_after, q_rotated) > 0;
+  const std::int64_t threads = append_threads(p, a, seqlens_after, q_rotated);
+  const bool runs = threads > 0;
   IndexFold fold;
   if (check.any() && check.batch > 0) {
     if (runs && index_check_foldable(check)) {
@@ -149,10 +151,10 @@ void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, boo
   if (runs) {
     switch (p.storage) {
       case common::Storage::f16:
-        err = launch<common::f16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, fold, s);
+        err = launch<common::f16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, fold, threads, s);
         break;
       case common::Storage::bf16:
-        err = launch<common::bf16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, fold, s);
+        err = launch<common::bf16_t>(p, a, q_positions_per_row, seqlens_after, q_rotated, fold, threads, s);
         break;
       default: throw Error("flashattn::forward_kvcache (CUDA): the KV-cache append takes fp16 or bf16 only");
     }

@@ -43,8 +43,9 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;
   params.dq_semaphores = ws.dq_semaphores;
+  const bool deterministic = ws.dq_semaphores != nullptr;  // only deterministic calls have dQ turns
   // A staggered tile may wait for one of its (kv head, batch) launched after it: bwd_stagger_tiles.
-  params.stagger_tiles = ws.dq_semaphores != nullptr ? bwd_stagger_tiles(current_sm_count()) : 0;
+  params.stagger_tiles = deterministic ? bwd_stagger_tiles(current_sm_count()) : 0;
   params.rows = ws.rows;
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
@@ -66,8 +67,8 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
     }
     return blocks;
   }();
-  params.heads_inner = bwd_heads_inner(p.group_size(), ws.dq_semaphores != nullptr);
-  params.tile_major = bwd_tile_major(p.has_mask(), ws.dq_semaphores != nullptr,
+  params.heads_inner = bwd_heads_inner(p.group_size(), deterministic);
+  params.tile_major = bwd_tile_major(p.has_mask(), deterministic,
                                      (long long)n_tiles * p.heads_k * p.batch, (long long)per_sm * current_sm_count());
   const dim3 grid = params.tile_major ? dim3(unsigned(n_tiles) * unsigned(p.heads_k) * unsigned(p.batch), 1, 1)
                                       : dim3(n_tiles, p.heads_k, p.batch);
