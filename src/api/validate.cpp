@@ -609,6 +609,7 @@ Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, con
     pr.params.block_table = int_data(in.block_table);
     pr.params.block_table_batch_stride = in.block_table.stride[0];
     pr.params.page_size = int(in.k.shape[1]);
+    pr.params.cache_batches = in.k.shape[0];  // the pages
   }
   pr.params.out = row_head(out.out);
   pr.params.lse = out.lse.defined() ? static_cast<float*>(out.lse.data) : nullptr;

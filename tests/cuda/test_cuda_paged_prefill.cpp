@@ -3,7 +3,7 @@
 // cu_seqlens_k giving the key counts), the call vLLM makes per batch. out and lse pass SPEC §7
 // against the fp64 reference of the packed problem (tests/cpp/paged_test_util.h: the cache holds
 // poison wherever no key was copied, so a wrong page read shows as NaN); split-KV and the GQA-packed
-// kernel run too. Bad block_table / seqused_k values in device memory are found by the device-side
+// kernel run too, under the ordered family choice and each family forced. Bad block_table / seqused_k values in device memory are found by the device-side
 // index check and thrown naming the argument, with out and lse untouched. Without a GPU every test
 // skips and says it was not run.
 #include <cuda_runtime.h>
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/sm90/sm90_fwd.h"
 #include "cuda_test_util.h"
 #include "paged_test_util.h"
 
@@ -88,10 +89,24 @@ TEST_P(CudaPagedPrefill, MatchesReference) {
   cfg.opt.window_left = g.window_left;
   const AttnProblem p = make_problem(cfg);
   const PagedCache cache = make_paged_cache(p, g.dtype, g.page, test_seed(17));
-  DeviceCall call;
-  upload(call, p, cache, g.lengths);
-  run(call, p, g.num_splits);
-  EXPECT_TRUE(check_forward(p, call.res));
+  // The ordered choice, then each family this GPU runs forced (sm90: where built with
+  // -DFLASHATTN_SM90_FWD_PAGED=1; it does not split, so num_splits is moot there).
+  std::vector<const char*> families = {""};
+  for (const char* family : families_here()) {
+    if (std::string(family) == "sm90" && !fa::cuda::sm90::fwd_paged_built()) {
+      std::printf("NOT RUN on the sm90 family: paged caches (built without -DFLASHATTN_SM90_FWD_PAGED=1)\n");
+      continue;
+    }
+    families.push_back(family);
+  }
+  for (const char* family : families) {
+    SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family);
+    const FamilyOverride forced(family);
+    DeviceCall call;
+    upload(call, p, cache, g.lengths);
+    run(call, p, g.num_splits);
+    EXPECT_TRUE(check_forward(p, call.res));
+  }
 }
 
 std::string paged_case_name(const testing::TestParamInfo<PagedGpuCase>& info) {

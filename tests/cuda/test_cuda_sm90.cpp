@@ -99,11 +99,6 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
        },
        "2^31"},
       {[&](c::AttentionParams& q) {
-         q.block_table = seqlens;
-         q.page_size = 16;
-       },
-       "paged"},
-      {[&](c::AttentionParams& q) {
          q.cache_seqlens = seqlens;
          q.cu_seqlens_q = q.cu_seqlens_k = seqlens;
          q.total_q = q.total_k = 256;
@@ -131,6 +126,44 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   packed.total_q = packed.total_k = 256;
   packed.q.batch_stride = packed.k.batch_stride = packed.v.batch_stride = 0;
   EXPECT_EQ(fc::sm90::fwd_unsupported(packed, 128), "");
+  // Paged caches: served where built with FLASHATTN_SM90_FWD_PAGED, for page sizes that are
+  // multiples of 16 rows (as a TMA view of one page per "batch": its strides checked as any other).
+  {
+    c::AttentionParams paged = plain;
+    paged.block_table = seqlens;
+    paged.block_table_batch_stride = 1;
+    paged.cache_seqlens = seqlens;
+    paged.cache_batches = 40;
+    paged.page_size = 16;
+    const std::string why = fc::sm90::fwd_unsupported(paged, 128);
+    if (fc::sm90::fwd_paged_built()) {
+      EXPECT_EQ(why, "");
+      for (int page : {8, 24, 0}) {
+        paged.page_size = page;
+        EXPECT_NE(fc::sm90::fwd_unsupported(paged, 128).find("multiples of 16"), std::string::npos) << page;
+      }
+      paged.page_size = 32;
+      paged.cache_batches = 0;
+      EXPECT_NE(fc::sm90::fwd_unsupported(paged, 128).find("pages for a TMA descriptor"), std::string::npos);
+      paged.cache_batches = 40;
+      paged.k.batch_stride = 0;  // one page per batch: a zero page stride is refused like any other
+      EXPECT_NE(fc::sm90::fwd_unsupported(paged, 128).find("k: its strides"), std::string::npos);
+      // A varlen call over pages needs no cu_seqlens_k (seqused_k gives the key counts).
+      c::AttentionParams prefill = plain;
+      prefill.batch = 2;
+      prefill.cu_seqlens_q = seqlens;
+      prefill.seqused_k = seqlens + 1;
+      prefill.total_q = 256;
+      prefill.q.batch_stride = 0;
+      prefill.block_table = seqlens;
+      prefill.block_table_batch_stride = 1;
+      prefill.cache_batches = 40;
+      prefill.page_size = 64;
+      EXPECT_EQ(fc::sm90::fwd_unsupported(prefill, 128), "");
+    } else {
+      EXPECT_NE(why.find("paged KV caches are not in this family yet"), std::string::npos) << why;
+    }
+  }
   // KV caches (not paged): cache_seqlens and cache_batch_idx are served.
   c::AttentionParams cached = plain;
   cached.cache_seqlens = seqlens;

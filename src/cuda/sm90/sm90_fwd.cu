@@ -31,22 +31,34 @@ std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t,
 }
 
 std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
-  if (p.is_paged()) return "paged KV caches are not in this family yet";
-  if (p.is_varlen() && p.cu_seqlens_k == nullptr) return "varlen keys without cu_seqlens_k are not in this family";
+  const bool paged = p.is_paged();
+  if (paged && !kFwdPaged) {
+    return "paged KV caches are not in this family yet (built without -DFLASHATTN_SM90_FWD_PAGED=1)";
+  }
+  if (paged && (p.page_size <= 0 || p.page_size % kFwdPageChunkRows != 0)) {
+    return "paged K/V: this family takes page sizes that are multiples of " + std::to_string(kFwdPageChunkRows) +
+           " rows";
+  }
+  // (A paged varlen call may give its key counts by seqused_k alone: its keys are found by pages.)
+  if (p.is_varlen() && !paged && p.cu_seqlens_k == nullptr) {
+    return "varlen keys without cu_seqlens_k are not in this family";
+  }
   const bool cache = p.cache_seqlens != nullptr || p.cache_batch_idx != nullptr;
   if (cache && p.is_varlen()) return "varlen queries over a KV cache are not in this family yet";
   if (p.sinks != nullptr) return "attention sinks are not in this family yet";
   // A TMA descriptor needs every extent ≥ 1 (and an empty tensor may have no address at all).
   const bool varlen = p.is_varlen();
   const std::int64_t rows_q = varlen ? p.total_q : p.max_seqlen_q;
-  const std::int64_t rows_k = varlen ? p.total_k : p.max_seqlen_k;
+  // The TMA view of K and V: packed rows (varlen), a cache's or the batch's rows, or one page.
+  const std::int64_t rows_k = paged ? p.page_size : varlen ? p.total_k : p.max_seqlen_k;
   if (p.max_seqlen_k == 0 || rows_k == 0) {
     return "no keys: nothing for the TMA loads (the rows are written empty elsewhere)";
   }
   if (rows_q >= kTmaRowLimit || rows_k >= kTmaRowLimit) return "more than 2^31 − 1 packed rows for a TMA descriptor";
   const std::int64_t element_bytes = 2;
   const int batch = varlen ? 1 : p.batch;
-  const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
+  const std::int64_t batch_k = paged ? p.cache_batches : varlen ? 1 : p.cache_batches > 0 ? p.cache_batches : p.batch;
+  if (paged && (batch_k <= 0 || batch_k >= kTmaRowLimit)) return "paged K/V: 1 to 2^31 − 1 pages for a TMA descriptor";
   // O stored by TMA (fwd_tma_store; the dense kernels): its strides as for the loads, and the
   // 16-byte alignment of its address and strides that a TMA descriptor needs.
   if (fwd_tma_store(head_dim) && !fwd_varlen_kernel(p)) {
@@ -62,8 +74,8 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   }
   for (const auto& [name, t, rows, heads, batches] :
        {std::tuple<const char*, const common::RowHeadTensor*, std::int64_t, int, int>{"q", &p.q, rows_q, p.heads, batch},
-        {"k", &p.k, rows_k, p.heads_k, batch_k},
-        {"v", &p.v, rows_k, p.heads_k, batch_k}}) {
+        {"k", &p.k, rows_k, p.heads_k, int(batch_k)},
+        {"v", &p.v, rows_k, p.heads_k, int(batch_k)}}) {
     const std::string problem = tma_layout_problem(name, *t, rows, heads, batches, element_bytes);
     if (!problem.empty()) return problem;
   }
@@ -94,6 +106,8 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m) {
 }
 
 bool fwd_tma_store_built(int head_dim) { return fwd_tma_store(head_dim); }
+
+bool fwd_paged_built() { return kFwdPaged; }
 
 bool fwd_snake_walk() {
   const char* env = std::getenv("FLASHATTN_SM90_FWD_WALK");

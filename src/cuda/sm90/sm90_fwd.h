@@ -132,6 +132,20 @@ struct FwdSections {
 };
 FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m);
 
+// Paged KV caches (block_table) in this family: the producer gathers each key tile of K and V
+// from its pages by TMA, in chunks of kFwdPageChunkRows rows × 64 columns (one box each; a chunk
+// never crosses a page, so page sizes are multiples of kFwdPageChunkRows, as in the sm80 family),
+// into the same swizzled stages the contiguous kernels fill; one block_table read per page of the
+// tile. A compile-time switch until it has run on a GPU (-DFLASHATTN_SM90_FWD_PAGED=1; default 0:
+// paged calls run in the sm80 family).
+#ifndef FLASHATTN_SM90_FWD_PAGED
+#define FLASHATTN_SM90_FWD_PAGED 0
+#endif
+inline constexpr bool kFwdPaged = FLASHATTN_SM90_FWD_PAGED != 0;
+inline constexpr int kFwdPageChunkRows = 16;
+// kFwdPaged as the library was compiled (the knob reaches nvcc's translation units only).
+bool fwd_paged_built();
+
 // Whether a call takes the varlen kernel (per-sequence rows or key counts: varlen, seqused_k, a
 // KV cache) rather than the dense one.
 inline bool fwd_varlen_kernel(const common::AttentionParams& p) {

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     for (; round * int(gridDim.x) < tiles; ++round) {
       const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
       if (index >= tiles) continue;
-      t = Scheduler::tile(params.p, index, params.section, params.section_rising);
+      t = Scheduler::template tile<Traits::kPaged>(params.p, index, params.section, params.section_rising);
       if (!t.empty()) {
         ++round;
         return true;
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
           const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
           if (index >= tiles) continue;
-          const FwdTile t = Scheduler::tile(params.p, index, params.section, params.section_rising);
+          const FwdTile t = Scheduler::template tile<Traits::kPaged>(params.p, index, params.section, params.section_rising);
           if (t.empty()) continue;
           Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, false, t, false, st);
         }
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
       const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
       if (index >= tiles) continue;
-      const FwdTile t = Scheduler::tile(params.p, index, params.section, params.section_rising);
+      const FwdTile t = Scheduler::template tile<Traits::kPaged>(params.p, index, params.section, params.section_rising);
       typename Traits::TiledMmaPV mma_pv;
       Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
       OnlineSoftmax<2> softmax(params.scale_log2);

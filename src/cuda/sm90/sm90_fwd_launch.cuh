@@ -33,18 +33,16 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   const int rows_k = varlen ? int(p.total_k) : p.max_seqlen_k;
   const int batch = varlen ? 1 : p.batch;
   const int batch_k = varlen ? 1 : int(p.cache_batches > 0 ? p.cache_batches : p.batch);
+  // A paged cache: (page rows, d, heads_k, pages), one page per "batch" (its batch stride).
+  const int rows_kv = Traits::kPaged ? p.page_size : rows_k;
+  const int batch_kv = Traits::kPaged ? int(p.cache_batches) : batch_k;
   params.shape_q = make_shape(rows_q, p.head_dim, p.heads, batch);
-  params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch_k);
-  params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch_k);
+  params.shape_k = make_shape(rows_kv, p.head_dim, p.heads_k, batch_kv);
+  params.shape_v = make_shape(rows_kv, p.head_dim_v, p.heads_k, batch_kv);
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch),
                                typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
-  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.k, rows_k, p.head_dim, p.heads_k, batch_k),
-                               take<0, 2>(typename Traits::SmemLayoutK{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
-                               _1{});
-  params.tma_v = make_tma_copy(SM90_TMA_LOAD{},
-                               gmem_rows<Element>(p.v, rows_k, p.head_dim_v, p.heads_k, batch_k),
-                               take<0, 2>(typename Traits::SmemLayoutV{}), Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{},
-                               _1{});
+  params.tma_k = Traits::make_tma_kv(gmem_rows<Element>(p.k, rows_kv, p.head_dim, p.heads_k, batch_kv));
+  params.tma_v = Traits::make_tma_kv(gmem_rows<Element>(p.v, rows_kv, p.head_dim_v, p.heads_k, batch_kv));
   if constexpr (Traits::kTmaStoreO) {
     params.shape_o = make_shape(rows_q, p.head_dim_v, p.heads, batch);
     params.tma_o = make_tma_copy(SM90_TMA_STORE{}, gmem_rows<Element>(p.out, rows_q, p.head_dim_v, p.heads, batch),
@@ -68,16 +66,23 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
 
 // The variants of one (dtype, head dim): softcap / ALiBi / dropout compiled in or not (with them,
 // the warpgroups take turns at d ≤ 128: fwd_pingpong), dense or varlen (seqused_k included) — the
-// dense kernels carry none of the varlen code.
-template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen>
+// dense kernels carry none of the varlen code — and, built with FLASHATTN_SM90_FWD_PAGED, paged.
+template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen, bool kPaged = false>
 using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
-                              fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen>;
+                              fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged>;
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
   const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
   const bool varlen = fwd_varlen_kernel(p);
+  if constexpr (kFwdPaged) {
+    if (p.is_paged()) {
+      return score_mod ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true, true>>(p, rng_state, stream)
+                       : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true, true>>(p, rng_state, stream);
+    }
+  }
+  if (p.is_paged()) return cudaErrorNotSupported;  // fwd_unsupported declines such calls
   if (score_mod) {
     return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, rng_state, stream)
                   : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, rng_state, stream);

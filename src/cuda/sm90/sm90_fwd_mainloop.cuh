@@ -70,6 +70,43 @@ struct FwdMainloop {
     copy(params.tma_q.with(ss.q_full[buffer]), tma_q.partition_S(gQ), tma_q.partition_D(sQ));
   }
 
+  // Paged caches: key tile n of tile t of K or V (mKV: (page rows, cols, heads_k, pages) as TMA
+  // reads it) into `stage`, completing on `full`, from the pages of sequence t.batch. Chunk c holds
+  // keys j = n·kBlockN + c·kPageChunkRows …: page block_table[t.batch][j / page_size], from row
+  // j % page_size (a page holds whole chunks). Chunks past the sequence's keys are not loaded (the
+  // block_table entries there may be anything): their K rows are masked and their V rows zeroed
+  // (compute). Returns nothing; paged_tile_bytes gives the bytes the barrier must expect.
+  template <class Tma, class MKV>
+  __device__ static void load_paged_tile(const Tma& tma, const MKV& mKV, Element* stage, std::uint64_t& full,
+                                         const std::int32_t* pages, int page_size, const FwdTile& t, int n) {
+    constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+    constexpr int kChunk = Traits::kPageChunkRows;
+    auto slice = tma.get_slice(_0{});
+    const int j0 = n * kBlockN;
+    const int rows = min(kBlockN, t.seqlen_k - j0);
+    int page = 0;
+    CUTE_UNROLL
+    for (int c = 0; c < Traits::kChunksPerTile; ++c) {
+      if (c * kChunk >= rows) break;
+      const int j = j0 + c * kChunk;
+      const int in_page = j % page_size;
+      if (c == 0 || in_page == 0) page = pages[j / page_size];
+      Tensor gPage = mKV(_, _, t.kv_head, page);  // (page rows, cols)
+      CUTE_UNROLL
+      for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+        Tensor g = local_tile(gPage, Shape<Int<kChunk>, _64>{}, make_coord(in_page / kChunk, block));
+        Tensor sChunk = make_tensor(make_smem_ptr(stage + Traits::chunk_offset(c, block)),
+                                    typename Traits::SmemLayoutKVChunk{});
+        copy(tma.with(full, 0, kKeep), slice.partition_S(g), slice.partition_D(sChunk));
+      }
+    }
+  }
+  // The bytes a paged key tile n of t loads: its chunks that hold a key, every column block.
+  __device__ __forceinline__ static std::uint32_t paged_tile_bytes(const FwdTile& t, int n) {
+    const int rows = min(kBlockN, t.seqlen_k - n * kBlockN);
+    return std::uint32_t((rows + Traits::kPageChunkRows - 1) / Traits::kPageChunkRows) * Traits::kTmaBytesChunk;
+  }
+
   // Tile t (the CTA's `count`-th non-empty one): its Q unless an earlier call loaded it
   // (q_loaded), then K(n), V(n) for n from the last key tile to the first, each into the next free
   // stage of its ring (st: the rings' position, carried from tile to tile). With two Q buffers,
@@ -78,30 +115,54 @@ struct FwdMainloop {
   __device__ static void load(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
                               const Pipeline& v_pipe, const FwdTile& t, std::uint32_t count, bool q_loaded,
                               const FwdTile& next, bool has_next, PipelineState<kStages>& st) {
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
-    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
-    const int k_row0 = Traits::kVarlen ? t.k_row0 : 0;
-    const int k_batch = Traits::kVarlen ? t.k_tma_batch : t.batch;
-    Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, k_batch)),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
-    Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, k_batch)),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, dv, n)
-    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
-    Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});  // (N, dv, stage)
-    auto tma_k = params.tma_k.get_slice(_0{});
-    auto tma_v = params.tma_v.get_slice(_0{});
-    Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));  // (TMA, n)
-    Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));  // (TMA, stage)
-    Tensor tVgV = group_modes<0, 3>(tma_v.partition_S(gV));  // (TMA, n)
-    Tensor tVsV = group_modes<0, 3>(tma_v.partition_D(sV));  // (TMA, stage)
+    if constexpr (Traits::kPaged) {
+      if (!q_loaded) load_q(params, ss, t, count);
+      load_paged(params, ss, k_pipe, v_pipe, t, count, next, has_next, st);
+    } else {
+      Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
+      Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (sk, dv, hk, b)
+      const int k_row0 = Traits::kVarlen ? t.k_row0 : 0;
+      const int k_batch = Traits::kVarlen ? t.k_tma_batch : t.batch;
+      Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, k_batch)),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
+      Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, k_batch)),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, dv, n)
+      Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
+      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});  // (N, dv, stage)
+      auto tma_k = params.tma_k.get_slice(_0{});
+      auto tma_v = params.tma_v.get_slice(_0{});
+      Tensor tKgK = group_modes<0, 3>(tma_k.partition_S(gK));  // (TMA, n)
+      Tensor tKsK = group_modes<0, 3>(tma_k.partition_D(sK));  // (TMA, stage)
+      Tensor tVgV = group_modes<0, 3>(tma_v.partition_S(gV));  // (TMA, n)
+      Tensor tVsV = group_modes<0, 3>(tma_v.partition_D(sV));  // (TMA, stage)
 
-    constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
-    if (!q_loaded) load_q(params, ss, t, count);
+      constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
+      if (!q_loaded) load_q(params, ss, t, count);
+      for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
+        copy(params.tma_k.with(k_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tKgK(_, n),
+             tKsK(_, st.index));
+        copy(params.tma_v.with(v_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tVgV(_, n),
+             tVsV(_, st.index));
+        st.advance();
+        if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
+      }
+    }
+  }
+
+  // load's key tiles for a paged cache (Traits::kPaged): K(n) and V(n) gathered chunk by chunk.
+  __device__ static void load_paged(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
+                                    const Pipeline& v_pipe, const FwdTile& t, std::uint32_t count, const FwdTile& next,
+                                    bool has_next, PipelineState<kStages>& st) {
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (page rows, d, hk, pages)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (page rows, dv, hk, pages)
+    const std::int32_t* pages = params.p.block_table + std::int64_t(t.batch) * params.p.block_table_batch_stride;
+    const int page_size = params.p.page_size;
     for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
-      copy(params.tma_k.with(k_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tKgK(_, n),
-           tKsK(_, st.index));
-      copy(params.tma_v.with(v_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tVgV(_, n),
-           tVsV(_, st.index));
+      const std::uint32_t bytes = paged_tile_bytes(t, n);
+      load_paged_tile(params.tma_k, mK, ss.k.data() + Traits::stage_offset(st.index), k_pipe.producer_acquire(st, bytes),
+                      pages, page_size, t, n);
+      load_paged_tile(params.tma_v, mV, ss.v.data() + Traits::stage_offset(st.index), v_pipe.producer_acquire(st, bytes),
+                      pages, page_size, t, n);
       st.advance();
       if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
     }

@@ -27,8 +27,10 @@ using namespace cute;
 // Philox mask on each probability tile), each taken when the call asks for it.
 // kVarlen: varlen batches, seqused_k or a KV cache (tiles offset by cu_seqlens or in the cache's
 // batch cache_batch_idx[b]; V rows past the keys zeroed).
+// kPaged: K and V through a page table (block_table; a varlen kernel): each key tile is gathered
+// in chunks of kPageChunkRows rows × 64 columns, one TMA box each (FwdMainloop::load_paged_tile).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_,
-          bool kVarlen_>
+          bool kVarlen_, bool kPaged_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -38,6 +40,8 @@ struct FwdTraits {
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kScoreMod = kScoreMod_;
   static constexpr bool kVarlen = kVarlen_;
+  static constexpr bool kPaged = kPaged_;
+  static_assert(!kPaged || kVarlen, "a paged kernel is a varlen kernel (per-sequence key counts, V rows zeroed)");
 
   static constexpr int kRowsPerWarpgroup = 64;  // the M of one wgmma
   static constexpr int kConsumerWarpgroups = kBlockM / kRowsPerWarpgroup;
@@ -102,8 +106,57 @@ struct FwdTraits {
                                           StrideRows{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
-                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  // Paged: K/V as (page rows, d, heads_k, pages) and one box per chunk of kPageChunkRows rows and
+  // 64 columns. In SmemLayoutK (8-row swizzle atoms stacked along the rows, then along d) such a
+  // chunk is contiguous and starts on a 1024-byte swizzle period, so the box lands in the stage's
+  // own layout (chunk_offset).
+  static constexpr int kPageChunkRows = kFwdPageChunkRows;
+  static constexpr int kChunksPerTile = kBlockN / kPageChunkRows;
+  static constexpr int kColumnBlocks = kHeadDim / 64;
+  static_assert(!kPaged || kBlockN % kPageChunkRows == 0, "a key tile is whole chunks");
+  using SmemLayoutKVChunk = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageChunkRows>, _64>{}));
+  using TmaKVTile = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
+                                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaKVChunk = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVChunk{},
+                                            Shape<Int<kPageChunkRows>, _64>{}, _1{}));
+  using TmaKV = std::conditional_t<kPaged, TmaKVChunk, TmaKVTile>;
+  // The TMA copy of K or V over gmem (a view like GmemTensor).
+  template <class Gmem>
+  static TmaKV make_tma_kv(const Gmem& gmem) {
+    if constexpr (kPaged) {
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVChunk{}, Shape<Int<kPageChunkRows>, _64>{}, _1{});
+    } else {
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    }
+  }
+  // Element offsets in K's (and V's) shared tile: of stage `stage`, and of chunk `chunk`, columns
+  // [64·block, 64·block + 64) inside a stage.
+  __host__ __device__ static constexpr int stage_offset(int stage) { return stage * kBlockN * kHeadDim; }
+  __host__ __device__ static constexpr int chunk_offset(int chunk, int block) {
+    return chunk * kPageChunkRows * 64 + block * kBlockN * 64;
+  }
+  // Whether the elements of every chunk box (SmemLayoutKVChunk from stage_offset + chunk_offset)
+  // are where SmemLayoutK keeps them: evaluated by the compiler for the paged kernels, on every
+  // row and three columns of each 16-byte swizzle group apart (the compiler's budget for constant
+  // evaluation does not reach every element).
+  static constexpr bool chunks_match_stage() {
+    for (int stage = 0; stage < kStages; ++stage) {
+      for (int chunk = 0; chunk < kChunksPerTile; ++chunk) {
+        for (int block = 0; block < kColumnBlocks; ++block) {
+          for (int r = 0; r < kPageChunkRows; ++r) {
+            for (int c : {0, 9, 63}) {
+              if (int(SmemLayoutK{}(chunk * kPageChunkRows + r, block * 64 + c, stage)) !=
+                  stage_offset(stage) + chunk_offset(chunk, block) + int(SmemLayoutKVChunk{}(r, c))) {
+                return false;
+              }
+            }
+          }
+        }
+      }
+    }
+    return true;
+  }
+  static_assert(!kPaged || chunks_match_stage(), "a chunk box does not land in the stage's layout");
 
   struct NoTmaO {};
   using TmaO = std::conditional_t<kTmaStoreO,
@@ -113,6 +166,7 @@ struct FwdTraits {
 
   static constexpr std::uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr std::uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesChunk = kPageChunkRows * kHeadDim * sizeof(Element);  // all column blocks
 
   struct NoStorage {};
   using OStorage = std::conditional_t<kSeparateO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoStorage>;

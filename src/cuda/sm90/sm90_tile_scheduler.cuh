@@ -18,7 +18,8 @@ struct FwdTile {
   int seqlen_k;
   // Where the sequence starts in the tensors TMA reads: its first packed row and its batch index
   // (varlen: cu_seqlens and batch 0 of one packed batch; dense: row 0 of batch `batch`; a KV
-  // cache: row 0 of the cache's batch cache_batch_idx[batch]).
+  // cache: row 0 of the cache's batch cache_batch_idx[batch]; a paged cache: unused, the producer
+  // follows block_table[batch]).
   int q_row0;
   int k_row0;
   int q_tma_batch;
@@ -65,7 +66,8 @@ struct PersistentTileScheduler {
 
   // section: under a mask, how many (head, batch) pairs form one section of the order (≥ 1; see
   // above), the host's fwd_l2_sections; rising_parity: which sections go up
-  // (common::MaskedTileOrder).
+  // (common::MaskedTileOrder). kPaged: the call's K/V are paged (the paged kernels).
+  template <bool kPaged = false>
   __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section,
                                                  int rising_parity) {
     const int m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
@@ -86,8 +88,13 @@ struct PersistentTileScheduler {
     if (p.is_varlen()) {
       t.q_row0 = p.cu_seqlens_q[t.batch];
       t.seqlen_q = p.cu_seqlens_q[t.batch + 1] - t.q_row0;
-      t.k_row0 = p.cu_seqlens_k[t.batch];
-      t.seqlen_k = p.seqused_k ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_row0;
+      if constexpr (kPaged) {  // keys found by pages (cu_seqlens_k may be absent)
+        t.k_row0 = 0;
+        t.seqlen_k = p.seqlen_k(t.batch);
+      } else {
+        t.k_row0 = p.cu_seqlens_k[t.batch];
+        t.seqlen_k = p.seqused_k ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_row0;
+      }
       t.q_tma_batch = t.k_tma_batch = 0;
     } else {
       t.q_row0 = 0;

@@ -326,6 +326,7 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
     p.block_table = table;
     p.block_table_batch_stride = pages_per_seq;
     p.page_size = dc.page;
+    p.cache_batches = std::int64_t(host.size());  // the pages
   }
   set_lse_and_scale(p, lse, h, sq, d);
   const std::size_t ws_bytes = flashattn::cuda::forward_workspace_size(p);
