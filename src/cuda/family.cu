@@ -27,7 +27,9 @@ constexpr int kHopper = 90;  // the compute capability sm_90a code runs on (H100
 // instantiated head dim that would run p); "" when they hold.
 std::string sm90_kernel_refusal(sm90::Family kind, const common::AttentionParams& p, int* head_dim,
                                 std::initializer_list<std::pair<const char*, const common::RowHeadTensor*>> tensors) {
-  const int need = std::max(p.head_dim, p.head_dim_v);
+  // The forward's 192 instantiation has dv 128 (sm90::fwd_head_dim_v).
+  const int need = kind == sm90::Family::fwd ? sm90::fwd_head_dim_need(p.head_dim, p.head_dim_v)
+                                             : std::max(p.head_dim, p.head_dim_v);
   if (p.storage == common::Storage::f16 || p.storage == common::Storage::bf16) {
     *head_dim = sm90::compiled_head_dim(kind, p.storage, need);
     if (*head_dim == 0) return sm90::missing_kernel_reason(kind, p.storage, need);

@@ -113,6 +113,13 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
     const std::string why = fc::sm90::fwd_unsupported(q, 128);
     EXPECT_NE(why.find(expected), std::string::npos) << "expected \"" << expected << "\" in: " << why;
   }
+  // The 192 instantiation holds dv ≤ 128 (fwd_head_dim_v); the family rounds such calls up to 256.
+  c::AttentionParams wide = plain;
+  wide.head_dim = wide.head_dim_v = 192;
+  EXPECT_NE(fc::sm90::fwd_unsupported(wide, 192).find("exceed the instantiation's 192 / 128"), std::string::npos);
+  EXPECT_EQ(fc::sm90::fwd_unsupported(wide, 256), "");
+  wide.head_dim_v = 128;
+  EXPECT_EQ(fc::sm90::fwd_unsupported(wide, 192), "");
   // A stride of an axis of extent 1 is never used: no reason to decline.
   c::AttentionParams one_batch = plain;
   one_batch.batch = 1;
@@ -170,35 +177,47 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
   cached.cache_batch_idx = seqlens;
   cached.cache_batches = 5;
   EXPECT_EQ(fc::sm90::fwd_unsupported(cached, 128), "");
-  // Built to store O by TMA (FLASHATTN_SM90_FWD_TMA_STORE=1: d 256, and d 64 / d 128 with two Q
-  // buffers): a dense call's out needs TMA's strides and 16-byte alignment; varlen calls keep the
-  // thread stores and any out.
-  for (int d : {128, 256}) {
-    c::AttentionParams odd_out = plain;
-    odd_out.out.row_stride += 1;
-    c::AttentionParams odd_packed = packed;
-    odd_packed.out.row_stride += 1;
-    EXPECT_EQ(fc::sm90::fwd_unsupported(odd_packed, d), "") << d;
-    if (fc::sm90::fwd_tma_store_built(d)) {
-      EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, d).find("out: its address and strides"), std::string::npos) << d;
-      odd_out = plain;
-      odd_out.out.head_stride = 0;
-      EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, d).find("out: its strides"), std::string::npos) << d;
-    } else {
-      EXPECT_EQ(fc::sm90::fwd_unsupported(odd_out, d), "") << d;
+  // Built to store O by TMA (by default: d 256, d 192 with softcap, ALiBi or dropout;
+  // FLASHATTN_SM90_FWD_TMA_STORE=1: every one): a dense call's out needs TMA's strides and 16-byte
+  // alignment; varlen calls keep the thread stores and any out.
+  for (int d : {128, 192, 256}) {
+    for (bool score_mod : {false, true}) {
+      SCOPED_TRACE("d " + std::to_string(d) + (score_mod ? ", softcap" : ""));
+      c::AttentionParams base = plain, base_packed = packed;
+      if (score_mod) base.softcap = base_packed.softcap = 30.0f;
+      c::AttentionParams odd_out = base;
+      odd_out.out.row_stride += 1;
+      c::AttentionParams odd_packed = base_packed;
+      odd_packed.out.row_stride += 1;
+      EXPECT_EQ(fc::sm90::fwd_unsupported(odd_packed, d), "");
+      if (fc::sm90::fwd_tma_store_built(d, score_mod)) {
+        EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, d).find("out: its address and strides"), std::string::npos);
+        odd_out = base;
+        odd_out.out.head_stride = 0;
+        EXPECT_NE(fc::sm90::fwd_unsupported(odd_out, d).find("out: its strides"), std::string::npos);
+      } else {
+        EXPECT_EQ(fc::sm90::fwd_unsupported(odd_out, d), "");
+      }
     }
   }
 }
 
 TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 128, 192, 256}) {
     const fc::sm90::FwdTileShape t = fc::sm90::fwd_tile(d);
+    const int dv = fc::sm90::fwd_head_dim_v(d);
     EXPECT_EQ(t.block_m % 64, 0) << d;  // consumer warpgroups of 64 rows: two, or three at d 64
     EXPECT_LE(t.block_m, d == 64 ? 192 : 128) << d;
     EXPECT_EQ(t.block_n % 16, 0) << d;
     // Q, K and V stages within the 227 KiB of an H100/H200 (the kernel's static_assert says the same).
-    EXPECT_LE(2 * (t.block_m * d + 2 * t.stages * t.block_n * d), 227 * 1024) << d;
+    EXPECT_LE(2 * (t.block_m * d + t.stages * t.block_n * (d + dv)), 227 * 1024) << d;
   }
+  // The 192 instantiation is 192 / 128 (MLA's prefill); a call is rounded up to one that holds d
+  // and dv.
+  static_assert(fc::sm90::fwd_head_dim_v(192) == 128 && fc::sm90::fwd_head_dim_v(128) == 128);
+  static_assert(fc::sm90::fwd_head_dim_need(192, 128) == 192 && fc::sm90::fwd_head_dim_need(160, 96) == 160);
+  static_assert(fc::sm90::fwd_head_dim_need(192, 192) == 256 && fc::sm90::fwd_head_dim_need(128, 160) == 256);
+  static_assert(fc::sm90::fwd_head_dim_need(96, 128) == 128 && fc::sm90::fwd_head_dim_need(256, 128) == 256);
   // Turns only in the softcap/ALiBi/dropout kernels, and only where there are two 64-row
   // warpgroups (d 128; d 64 with its 128-row tile) and registers for them (not d 256).
   static_assert(fc::sm90::fwd_pingpong(128, true));

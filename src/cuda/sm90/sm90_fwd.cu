@@ -31,6 +31,10 @@ std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t,
 }
 
 std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
+  if (head_dim > 0 && (p.head_dim > head_dim || p.head_dim_v > fwd_head_dim_v(head_dim))) {
+    return "head dims " + std::to_string(p.head_dim) + " / " + std::to_string(p.head_dim_v) +
+           " exceed the instantiation's " + std::to_string(head_dim) + " / " + std::to_string(fwd_head_dim_v(head_dim));
+  }
   const bool paged = p.is_paged();
   if (paged && !kFwdPaged) {
     return "paged KV caches are not in this family yet (built without -DFLASHATTN_SM90_FWD_PAGED=1)";
@@ -61,7 +65,7 @@ std::string fwd_unsupported(const common::AttentionParams& p, int head_dim) {
   if (paged && (batch_k <= 0 || batch_k >= kTmaRowLimit)) return "paged K/V: 1 to 2^31 − 1 pages for a TMA descriptor";
   // O stored by TMA (fwd_tma_store; the dense kernels): its strides as for the loads, and the
   // 16-byte alignment of its address and strides that a TMA descriptor needs.
-  if (fwd_tma_store(head_dim) && !fwd_varlen_kernel(p)) {
+  if (fwd_tma_store(head_dim, fwd_score_mod(p)) && !fwd_varlen_kernel(p)) {
     const std::string problem = tma_layout_problem("out", p.out, rows_q, p.heads, batch, element_bytes);
     if (!problem.empty()) return problem;
     const auto misaligned = [&](std::int64_t stride, std::int64_t extent) {
@@ -105,7 +109,7 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m) {
   return {int(std::min<std::int64_t>(pairs, kv_heads * p.group_size())), alternate};
 }
 
-bool fwd_tma_store_built(int head_dim) { return fwd_tma_store(head_dim); }
+bool fwd_tma_store_built(int head_dim, bool score_mod) { return fwd_tma_store(head_dim, score_mod); }
 
 bool fwd_paged_built() { return kFwdPaged; }
 

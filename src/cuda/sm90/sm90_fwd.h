@@ -30,6 +30,8 @@ struct FwdTileShape {
 //          (-DFLASHATTN_SM90_FWD_D64_KEYS=128 for 128 keys, FlashAttention-3's under a causal
 //          mask; not yet timed).
 //   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
+//   d 192 (dv 128: fwd_head_dim_v): 128 × 128, 2 stages — 208 KiB (Q 48 + K 96 + V 64), O in Q's
+//          bytes (FlashAttention-3's tile for 192 / 128)
 //   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes
 #ifndef FLASHATTN_SM90_FWD_D64_ROWS
 #define FLASHATTN_SM90_FWD_D64_ROWS 128
@@ -44,8 +46,20 @@ static_assert(kD64Keys == 96 || kD64Keys == 128, "FLASHATTN_SM90_FWD_D64_KEYS is
 constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, kD64Keys, 2}
                                            : FwdTileShape{128, 128, 2})
-                        : (head_dim <= 128 ? FwdTileShape{128, 128, 2}
+                        : (head_dim <= 192 ? FwdTileShape{128, 128, 2}
                                            : FwdTileShape{128, 64, 2});
+}
+
+// The columns of V and O in the instantiation of head dim `head_dim` (Q and K have head_dim): the
+// 192 instantiation is the 192 / 128 of DeepSeek-style attention (MLA's prefill: 128 + 64 rotary
+// dims for Q and K, 128 for V); the others have d = dv. A call's d and dv are rounded up to an
+// instantiation that holds both (fwd_head_dim_need).
+constexpr int fwd_head_dim_v(int head_dim) { return head_dim == 192 ? 128 : head_dim; }
+// The smallest instantiated head dim that can serve a call of head dims d and dv: max(d, dv), but
+// past the 192 instantiation where dv exceeds its 128 (such calls take the 256 one).
+constexpr int fwd_head_dim_need(int d, int dv) {
+  const int need = d > dv ? d : dv;
+  return need > 128 && need <= 192 && dv > fwd_head_dim_v(192) ? 256 : need;
 }
 
 // Q buffers of the forward's d 64 / d 128 kernels (d 256 has no room and keeps one): with two,
@@ -71,28 +85,37 @@ constexpr int fwd_q_stages(int head_dim) {
 // call; docs/benchmarks-sm90.md, run G) 1.00–1.15× the thread stores (causal 512 keys 1.15×, 16k
 // 1.00×), whose consumers spilled. Not at d 64 (0.93–1.01×) nor at
 // d 128, where it needs two Q buffers (with them, causal 1.00–1.05× but without a mask
-// 0.92–0.99×; from O's own tile, with one Q buffer, not yet timed). -DFLASHATTN_SM90_FWD_TMA_STORE=0
-// or 1 sets every head dim alike.
+// 0.92–0.99×; from O's own tile, with one Q buffer, not yet timed). At d 192 (dv 128) in the
+// softcap/ALiBi/dropout kernel only, by spills (sm_90a, bf16, dense kernels, TMA / thread stores:
+// plain 100 / 4 bytes, softcap/ALiBi/dropout 28 / 104). -DFLASHATTN_SM90_FWD_TMA_STORE=0 or 1 sets
+// every head dim and variant alike.
 #ifndef FLASHATTN_SM90_FWD_TMA_STORE
 #define FLASHATTN_SM90_FWD_TMA_STORE -1
 #endif
 static_assert(FLASHATTN_SM90_FWD_TMA_STORE >= -1 && FLASHATTN_SM90_FWD_TMA_STORE <= 1,
               "FLASHATTN_SM90_FWD_TMA_STORE is 0 or 1 (unset: per head dim)");
-constexpr bool fwd_tma_store(int head_dim) {
-  return FLASHATTN_SM90_FWD_TMA_STORE >= 0 ? FLASHATTN_SM90_FWD_TMA_STORE == 1 : head_dim > 128;
+constexpr bool fwd_tma_store(int head_dim, bool score_mod) {
+  return FLASHATTN_SM90_FWD_TMA_STORE >= 0 ? FLASHATTN_SM90_FWD_TMA_STORE == 1
+                                           : head_dim > 192 || (head_dim > 128 && score_mod);
 }
 // Whether tile t at this (instantiated) head dim has room for a second Q-sized tile beside Q, K
 // and V (a second Q buffer, or O's own tile; 16-bit elements), and whether O is staged in Q's
 // bytes (FwdTraits::kQStages / kSeparateO decide the same).
 constexpr bool fwd_room_for_two_q(FwdTileShape t, int head_dim) {
-  return 2 * (2 * t.block_m * head_dim + 2 * t.stages * t.block_n * head_dim) + 1024 <= 227 * 1024;
+  const int dv = fwd_head_dim_v(head_dim);
+  return 2 * (2 * t.block_m * head_dim + t.stages * t.block_n * (head_dim + dv)) + 1024 <= 227 * 1024;
 }
 constexpr bool fwd_o_in_q(int head_dim) {
   return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
 }
-// fwd_tma_store(head_dim) as the library was compiled (the knobs reach nvcc's translation units
-// only).
-bool fwd_tma_store_built(int head_dim);
+// fwd_tma_store(head_dim, score_mod) as the library was compiled (the knobs reach nvcc's
+// translation units only).
+bool fwd_tma_store_built(int head_dim, bool score_mod);
+
+// Whether a call takes the softcap/ALiBi/dropout kernels (FwdTraits::kScoreMod).
+inline bool fwd_score_mod(const common::AttentionParams& p) {
+  return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+}
 
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
 // softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds

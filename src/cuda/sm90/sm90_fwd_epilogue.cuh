@@ -17,7 +17,7 @@ template <class Traits>
 struct FwdEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;  // O's columns
   static constexpr int kRowsPerWg = Traits::kRowsPerWarpgroup;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
 
@@ -39,7 +39,7 @@ struct FwdEpilogue {
     softmax.finalize(acc_o_rc, lse, Traits::kScoreMod && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f);
 
     const int m_start = t.m_block * kBlockM;
-    Tensor c_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor c_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
     Tensor c_rc = make_tensor(c_o.data(), rowcol_layout(c_o.layout()));
     if (p.lse != nullptr && thread % 4 == 0) {
       float* const lse_rows = p.lse + p.lse_index_at(t.batch, Traits::kVarlen ? t.q_row0 : 0, t.head, m_start);
@@ -53,7 +53,7 @@ struct FwdEpilogue {
     // Shared memory → global: 16 bytes (8 elements) per thread and access, kChunks threads per
     // row, consecutive rows for consecutive thread groups.
     constexpr int kChunk = 16 / int(sizeof(Element));
-    constexpr int kChunks = kHeadDim / kChunk;
+    constexpr int kChunks = kHeadDimV / kChunk;
     static_assert(kWgThreads % kChunks == 0 && kRowsPerWg % (kWgThreads / kChunks) == 0,
                   "a warpgroup's threads tile its rows evenly");
     constexpr int kRowsPerPass = kWgThreads / kChunks;
@@ -120,7 +120,7 @@ struct FwdEpilogue {
       const int buffer = Traits::q_buffer(count);
       cutlass::arch::ClusterBarrier::wait(&ss.o_full[buffer], Traits::q_parity(count));
       Tensor mO = params.tma_o.get_tma_tensor(params.shape_o);  // (sq, dv, h, b)
-      Tensor gO = local_tile(mO(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+      Tensor gO = local_tile(mO(_, _, t.head, t.batch), Shape<Int<kBlockM>, Int<kHeadDimV>>{},
                              make_coord(t.m_block, _0{}));  // (M, dv)
       Tensor sO = make_tensor(make_smem_ptr(Traits::o_smem(ss, count)), typename Traits::SmemLayoutO{});
       auto tma_o = params.tma_o.get_slice(_0{});

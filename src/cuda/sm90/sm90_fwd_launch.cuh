@@ -22,7 +22,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   constexpr int kHeadDim = Traits::kHeadDim;
   using Element = typename Traits::Element;
   // The host's view (fwd_unsupported checks out for the TMA store) agrees with the kernel's.
-  static_assert(Traits::kTmaStoreO == (fwd_tma_store(kHeadDim) && !Traits::kVarlen));
+  static_assert(Traits::kTmaStoreO == (fwd_tma_store(kHeadDim, Traits::kScoreMod) && !Traits::kVarlen));
   static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim));
   FwdParams<Traits> params;
   params.p = p;
@@ -41,12 +41,13 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   params.shape_v = make_shape(rows_kv, p.head_dim_v, p.heads_k, batch_kv);
   params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch),
                                typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
-  params.tma_k = Traits::make_tma_kv(gmem_rows<Element>(p.k, rows_kv, p.head_dim, p.heads_k, batch_kv));
-  params.tma_v = Traits::make_tma_kv(gmem_rows<Element>(p.v, rows_kv, p.head_dim_v, p.heads_k, batch_kv));
+  params.tma_k = Traits::make_tma_k(gmem_rows<Element>(p.k, rows_kv, p.head_dim, p.heads_k, batch_kv));
+  params.tma_v = Traits::make_tma_v(gmem_rows<Element>(p.v, rows_kv, p.head_dim_v, p.heads_k, batch_kv));
   if constexpr (Traits::kTmaStoreO) {
     params.shape_o = make_shape(rows_q, p.head_dim_v, p.heads, batch);
     params.tma_o = make_tma_copy(SM90_TMA_STORE{}, gmem_rows<Element>(p.out, rows_q, p.head_dim_v, p.heads, batch),
-                                 typename Traits::SmemLayoutO{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
+                                 typename Traits::SmemLayoutO{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDimV>>{},
+                                 _1{});
   }
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
@@ -67,14 +68,16 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
 // The variants of one (dtype, head dim): softcap / ALiBi / dropout compiled in or not (with them,
 // the warpgroups take turns at d ≤ 128: fwd_pingpong), dense or varlen (seqused_k included) — the
 // dense kernels carry none of the varlen code — and, built with FLASHATTN_SM90_FWD_PAGED, paged.
+// V and O have fwd_head_dim_v(kHeadDim) columns.
 template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen, bool kPaged = false>
 using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
-                              fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged>;
+                              fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged,
+                              fwd_head_dim_v(kHeadDim)>;
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
-  const bool score_mod = p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
+  const bool score_mod = fwd_score_mod(p);
   const bool varlen = fwd_varlen_kernel(p);
   if constexpr (kFwdPaged) {
     if (p.is_paged()) {

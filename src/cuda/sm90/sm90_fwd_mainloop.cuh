@@ -26,8 +26,8 @@ template <class Traits>
 struct FwdParams {
   common::AttentionParams p;
   typename Traits::TmaQ tma_q;
-  typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
   typename Traits::ShapeRows shape_q;  // (max_seqlen_q, d, heads, batch)
   typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
   typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
@@ -75,8 +75,9 @@ struct FwdMainloop {
   // keys j = n·kBlockN + c·kPageChunkRows …: page block_table[t.batch][j / page_size], from row
   // j % page_size (a page holds whole chunks). Chunks past the sequence's keys are not loaded (the
   // block_table entries there may be anything): their K rows are masked and their V rows zeroed
-  // (compute). Returns nothing; paged_tile_bytes gives the bytes the barrier must expect.
-  template <class Tma, class MKV>
+  // (compute). kColumnBlocks: 64-column blocks of the tensor's tile (K: d / 64, V: dv / 64);
+  // paged_tile_bytes gives the bytes the barrier must expect.
+  template <int kColumnBlocks, class Tma, class MKV>
   __device__ static void load_paged_tile(const Tma& tma, const MKV& mKV, Element* stage, std::uint64_t& full,
                                          const std::int32_t* pages, int page_size, const FwdTile& t, int n) {
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
@@ -93,7 +94,7 @@ struct FwdMainloop {
       if (c == 0 || in_page == 0) page = pages[j / page_size];
       Tensor gPage = mKV(_, _, t.kv_head, page);  // (page rows, cols)
       CUTE_UNROLL
-      for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+      for (int block = 0; block < kColumnBlocks; ++block) {
         Tensor g = local_tile(gPage, Shape<Int<kChunk>, _64>{}, make_coord(in_page / kChunk, block));
         Tensor sChunk = make_tensor(make_smem_ptr(stage + Traits::chunk_offset(c, block)),
                                     typename Traits::SmemLayoutKVChunk{});
@@ -101,10 +102,10 @@ struct FwdMainloop {
       }
     }
   }
-  // The bytes a paged key tile n of t loads: its chunks that hold a key, every column block.
-  __device__ __forceinline__ static std::uint32_t paged_tile_bytes(const FwdTile& t, int n) {
+  // The chunks of paged key tile n of t that hold a key (each loaded with every column block).
+  __device__ __forceinline__ static std::uint32_t paged_tile_chunks(const FwdTile& t, int n) {
     const int rows = min(kBlockN, t.seqlen_k - n * kBlockN);
-    return std::uint32_t((rows + Traits::kPageChunkRows - 1) / Traits::kPageChunkRows) * Traits::kTmaBytesChunk;
+    return std::uint32_t((rows + Traits::kPageChunkRows - 1) / Traits::kPageChunkRows);
   }
 
   // Tile t (the CTA's `count`-th non-empty one): its Q unless an earlier call loaded it
@@ -126,7 +127,7 @@ struct FwdMainloop {
       Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, k_batch)),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
       Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, k_batch)),
-                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, dv, n)
+                             Shape<Int<kBlockN>, Int<Traits::kHeadDimV>>{}, make_coord(_, _0{}));  // (N, dv, n)
       Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});  // (N, d, stage)
       Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});  // (N, dv, stage)
       auto tma_k = params.tma_k.get_slice(_0{});
@@ -139,9 +140,9 @@ struct FwdMainloop {
       constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
       if (!q_loaded) load_q(params, ss, t, count);
       for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
-        copy(params.tma_k.with(k_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tKgK(_, n),
+        copy(params.tma_k.with(k_pipe.producer_acquire(st, Traits::kTmaBytesK), 0, kKeep), tKgK(_, n),
              tKsK(_, st.index));
-        copy(params.tma_v.with(v_pipe.producer_acquire(st, Traits::kTmaBytesKV), 0, kKeep), tVgV(_, n),
+        copy(params.tma_v.with(v_pipe.producer_acquire(st, Traits::kTmaBytesV), 0, kKeep), tVgV(_, n),
              tVsV(_, st.index));
         st.advance();
         if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
@@ -158,11 +159,14 @@ struct FwdMainloop {
     const std::int32_t* pages = params.p.block_table + std::int64_t(t.batch) * params.p.block_table_batch_stride;
     const int page_size = params.p.page_size;
     for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
-      const std::uint32_t bytes = paged_tile_bytes(t, n);
-      load_paged_tile(params.tma_k, mK, ss.k.data() + Traits::stage_offset(st.index), k_pipe.producer_acquire(st, bytes),
-                      pages, page_size, t, n);
-      load_paged_tile(params.tma_v, mV, ss.v.data() + Traits::stage_offset(st.index), v_pipe.producer_acquire(st, bytes),
-                      pages, page_size, t, n);
+      const std::uint32_t chunks = paged_tile_chunks(t, n);
+      load_paged_tile<Traits::kColumnBlocksK>(params.tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
+                                              k_pipe.producer_acquire(st, chunks * Traits::kTmaBytesChunkK), pages,
+                                              page_size, t, n);
+      load_paged_tile<Traits::kColumnBlocksV>(params.tma_v, mV,
+                                              ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
+                                              v_pipe.producer_acquire(st, chunks * Traits::kTmaBytesChunkV), pages,
+                                              page_size, t, n);
       st.advance();
       if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
     }

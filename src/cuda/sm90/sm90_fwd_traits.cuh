@@ -20,7 +20,8 @@ namespace flashattn::cuda::sm90 {
 
 using namespace cute;
 
-// Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim (d = dv).
+// Element: cutlass::half_t or cutlass::bfloat16_t. kHeadDim: the instantiated head dim of Q and K,
+// kHeadDimV of V and O (fwd_head_dim_v: equal, but for the 192 instantiation's 128).
 // kBlockM query rows per CTA, 64 per consumer warpgroup; kBlockN keys per pipeline stage.
 // kPingPong: the consumer warpgroups take turns to issue their products (FwdMainloop::turn_begin).
 // kScoreMod: softcap, ALiBi and dropout compiled in (device::TileScoreMod on each score tile, the
@@ -30,10 +31,11 @@ using namespace cute;
 // kPaged: K and V through a page table (block_table; a varlen kernel): each key tile is gathered
 // in chunks of kPageChunkRows rows × 64 columns, one TMA box each (FwdMainloop::load_paged_tile).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_,
-          bool kVarlen_, bool kPaged_ = false>
+          bool kVarlen_, bool kPaged_ = false, int kHeadDimV_ = kHeadDim_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -50,12 +52,14 @@ struct FwdTraits {
   static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
   static_assert(kBlockM % kRowsPerWarpgroup == 0, "each consumer warpgroup owns 64 whole rows");
   static_assert(!kPingPong || kConsumerWarpgroups == 2, "ping-pong pairs two consumer warpgroups");
-  static_assert(kHeadDim % 64 == 0, "head dims are instantiated in multiples of 64 (one 128-byte swizzle row)");
+  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0,
+                "head dims are instantiated in multiples of 64 (one 128-byte swizzle row)");
+  static_assert(kHeadDimV <= kHeadDim, "O is staged in Q's bytes where there is no room beside");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a key tile is one wgmma N (multiple of 16, at most 256)");
   static_assert(sizeof(Element) == 2, "16-bit inputs: the S accumulator's layout is the P·V A-operand layout");
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, K) of S = Q·Kᵀ
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, N, K) of O = P·V
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;  // (M, N, K) of O = P·V
   // The warpgroups stack along M: each owns 64 rows of S and O, so a score row never leaves its
   // warpgroup (and never its quad of threads).
   using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
@@ -72,25 +76,25 @@ struct FwdTraits {
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (M, d)
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));  // (N, d, stage)
-  using SmemLayoutV = SmemLayoutK;  // (N, dv, stage)
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));  // (N, dv, stage)
   // V seen as Vᵀ (dv, N, stage): the same bytes with the first two coordinates swapped.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   // Q buffers (fwd_q_stages): with two, the producer loads the next tile's Q while this tile's
   // first key tiles are computed, and each tile's O is staged in its own Q's bytes. With one, O is
   // staged in its own tile where shared memory allows (the next tile's Q then loads while this
   // one's O is written out), else in Q's bytes (d 256: Q, K and V take 192 of the 227 KiB).
-  using SmemLayoutO = SmemLayoutQ;
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}));  // (M, dv)
   static constexpr bool kRoomForTwoQ = fwd_room_for_two_q(FwdTileShape{kBlockM, kBlockN, kStages}, kHeadDim);
   static constexpr int kQStages = fwd_q_stages(kHeadDim) == 2 && kRoomForTwoQ ? 2 : 1;
   static constexpr bool kSeparateO = kQStages == 1 && kRoomForTwoQ;
   // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp from
   // Q's bytes or from O's own tile.
-  static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim) && !kVarlen;
+  static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen;
 
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
-  // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDim / 2) per thread. The sums
+  // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDimV / 2) per thread. The sums
   // stay within the CTA's registers (setmaxnreg_pool: 63K of 384 threads, 64K of 512):
   // 128 · kProducerRegs + kConsumerThreads · kConsumerRegs. With O stored by TMA the producer
   // warpgroup walks the tiles twice (loads, stores): 32, and the two consumer warpgroups 232.
@@ -107,46 +111,60 @@ struct FwdTraits {
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   // Paged: K/V as (page rows, d, heads_k, pages) and one box per chunk of kPageChunkRows rows and
-  // 64 columns. In SmemLayoutK (8-row swizzle atoms stacked along the rows, then along d) such a
-  // chunk is contiguous and starts on a 1024-byte swizzle period, so the box lands in the stage's
-  // own layout (chunk_offset).
+  // 64 columns. In SmemLayoutK and SmemLayoutV (8-row swizzle atoms stacked along the rows, then
+  // along the columns) such a chunk is contiguous and starts on a 1024-byte swizzle period, so the
+  // box lands in the stage's own layout (chunk_offset).
   static constexpr int kPageChunkRows = kFwdPageChunkRows;
   static constexpr int kChunksPerTile = kBlockN / kPageChunkRows;
-  static constexpr int kColumnBlocks = kHeadDim / 64;
+  static constexpr int kColumnBlocksK = kHeadDim / 64;
+  static constexpr int kColumnBlocksV = kHeadDimV / 64;
   static_assert(!kPaged || kBlockN % kPageChunkRows == 0, "a key tile is whole chunks");
   using SmemLayoutKVChunk = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageChunkRows>, _64>{}));
-  using TmaKVTile = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
-                                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   using TmaKVChunk = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVChunk{},
                                             Shape<Int<kPageChunkRows>, _64>{}, _1{}));
-  using TmaKV = std::conditional_t<kPaged, TmaKVChunk, TmaKVTile>;
-  // The TMA copy of K or V over gmem (a view like GmemTensor).
+  using TmaK = std::conditional_t<kPaged, TmaKVChunk,
+                                  decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
+                                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}))>;
+  using TmaV = std::conditional_t<kPaged, TmaKVChunk,
+                                  decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}),
+                                                         Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{}))>;
+  // The TMA copies of K and V over gmem (a view like GmemTensor).
   template <class Gmem>
-  static TmaKV make_tma_kv(const Gmem& gmem) {
+  static TmaK make_tma_k(const Gmem& gmem) {
     if constexpr (kPaged) {
       return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVChunk{}, Shape<Int<kPageChunkRows>, _64>{}, _1{});
     } else {
       return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
     }
   }
-  // Element offsets in K's (and V's) shared tile: of stage `stage`, and of chunk `chunk`, columns
-  // [64·block, 64·block + 64) inside a stage.
-  __host__ __device__ static constexpr int stage_offset(int stage) { return stage * kBlockN * kHeadDim; }
+  template <class Gmem>
+  static TmaV make_tma_v(const Gmem& gmem) {
+    if constexpr (kPaged) {
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVChunk{}, Shape<Int<kPageChunkRows>, _64>{}, _1{});
+    } else {
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 2>(SmemLayoutV{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
+                           _1{});
+    }
+  }
+  // Element offsets in K's and V's shared tiles: of stage `stage` (its columns `cols`: kHeadDim for
+  // K, kHeadDimV for V), and of chunk `chunk`, columns [64·block, 64·block + 64) inside a stage.
+  __host__ __device__ static constexpr int stage_offset(int stage, int cols) { return stage * kBlockN * cols; }
   __host__ __device__ static constexpr int chunk_offset(int chunk, int block) {
     return chunk * kPageChunkRows * 64 + block * kBlockN * 64;
   }
   // Whether the elements of every chunk box (SmemLayoutKVChunk from stage_offset + chunk_offset)
-  // are where SmemLayoutK keeps them: evaluated by the compiler for the paged kernels, on every
-  // row and three columns of each 16-byte swizzle group apart (the compiler's budget for constant
-  // evaluation does not reach every element).
-  static constexpr bool chunks_match_stage() {
+  // are where `layout` (SmemLayoutK or SmemLayoutV, of `cols` columns) keeps them: evaluated by the
+  // compiler for the paged kernels, on every row and three columns of each 16-byte swizzle group
+  // apart (the compiler's budget for constant evaluation does not reach every element).
+  template <class Layout>
+  static constexpr bool chunks_match_stage(Layout layout, int cols) {
     for (int stage = 0; stage < kStages; ++stage) {
       for (int chunk = 0; chunk < kChunksPerTile; ++chunk) {
-        for (int block = 0; block < kColumnBlocks; ++block) {
+        for (int block = 0; block < cols / 64; ++block) {
           for (int r = 0; r < kPageChunkRows; ++r) {
             for (int c : {0, 9, 63}) {
-              if (int(SmemLayoutK{}(chunk * kPageChunkRows + r, block * 64 + c, stage)) !=
-                  stage_offset(stage) + chunk_offset(chunk, block) + int(SmemLayoutKVChunk{}(r, c))) {
+              if (int(layout(chunk * kPageChunkRows + r, block * 64 + c, stage)) !=
+                  stage_offset(stage, cols) + chunk_offset(chunk, block) + int(SmemLayoutKVChunk{}(r, c))) {
                 return false;
               }
             }
@@ -156,17 +174,21 @@ struct FwdTraits {
     }
     return true;
   }
-  static_assert(!kPaged || chunks_match_stage(), "a chunk box does not land in the stage's layout");
+  static_assert(!kPaged || chunks_match_stage(SmemLayoutK{}, kHeadDim), "a chunk box does not land in K's stage layout");
+  static_assert(!kPaged || chunks_match_stage(SmemLayoutV{}, kHeadDimV), "a chunk box does not land in V's stage layout");
 
   struct NoTmaO {};
   using TmaO = std::conditional_t<kTmaStoreO,
                                   decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutO{},
-                                                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{})),
+                                                         Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{})),
                                   NoTmaO>;
 
   static constexpr std::uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr std::uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
-  static constexpr std::uint32_t kTmaBytesChunk = kPageChunkRows * kHeadDim * sizeof(Element);  // all column blocks
+  static constexpr std::uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
+  // One chunk of a paged key tile, every column block.
+  static constexpr std::uint32_t kTmaBytesChunkK = kPageChunkRows * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesChunkV = kPageChunkRows * kHeadDimV * sizeof(Element);
 
   struct NoStorage {};
   using OStorage = std::conditional_t<kSeparateO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoStorage>;

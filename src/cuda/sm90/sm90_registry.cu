@@ -21,6 +21,11 @@ const KernelEntry kKernels[] = {
 #else
     {Family::fwd, common::Storage::f16, 128, false},
 #endif
+#ifdef FLASHATTN_SM90_FWD_F16_192
+    {Family::fwd, common::Storage::f16, 192, true},
+#else
+    {Family::fwd, common::Storage::f16, 192, false},
+#endif
 #ifdef FLASHATTN_SM90_FWD_F16_256
     {Family::fwd, common::Storage::f16, 256, true},
 #else
@@ -35,6 +40,11 @@ const KernelEntry kKernels[] = {
     {Family::fwd, common::Storage::bf16, 128, true},
 #else
     {Family::fwd, common::Storage::bf16, 128, false},
+#endif
+#ifdef FLASHATTN_SM90_FWD_BF16_192
+    {Family::fwd, common::Storage::bf16, 192, true},
+#else
+    {Family::fwd, common::Storage::bf16, 192, false},
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_256
     {Family::fwd, common::Storage::bf16, 256, true},
@@ -109,7 +119,7 @@ std::string missing_kernel_reason(Family family, common::Storage storage, int ne
   if (need > largest) return why + " (the largest instantiated head dim is " + std::to_string(largest) + ")";
   return why + " in this build (compiled: " + compiled_head_dims(family, storage) +
          "); the CMake options FLASHATTN_CUDA_HEAD_DIMS and FLASHATTN_CUDA_DTYPES choose the kernels "
-         "that are built (all: -DFLASHATTN_CUDA_HEAD_DIMS=\"64;128;256\" -DFLASHATTN_CUDA_DTYPES=\"f16;bf16\")";
+         "that are built (all: -DFLASHATTN_CUDA_HEAD_DIMS=\"64;128;192;256\" -DFLASHATTN_CUDA_DTYPES=\"f16;bf16\")";
 }
 
 cudaError_t dispatch_fwd(common::Storage storage,
@@ -127,6 +137,11 @@ cudaError_t dispatch_fwd(common::Storage storage,
     return run_fwd<common::Storage::f16, 128>(p, rng_state, stream);
   }
 #endif
+#ifdef FLASHATTN_SM90_FWD_F16_192
+  if (storage == common::Storage::f16 && head_dim == 192) {
+    return run_fwd<common::Storage::f16, 192>(p, rng_state, stream);
+  }
+#endif
 #ifdef FLASHATTN_SM90_FWD_F16_256
   if (storage == common::Storage::f16 && head_dim == 256) {
     return run_fwd<common::Storage::f16, 256>(p, rng_state, stream);
@@ -140,6 +155,11 @@ cudaError_t dispatch_fwd(common::Storage storage,
 #ifdef FLASHATTN_SM90_FWD_BF16_128
   if (storage == common::Storage::bf16 && head_dim == 128) {
     return run_fwd<common::Storage::bf16, 128>(p, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_FWD_BF16_192
+  if (storage == common::Storage::bf16 && head_dim == 192) {
+    return run_fwd<common::Storage::bf16, 192>(p, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_256

@@ -1,7 +1,7 @@
 // tests/cuda/bench/cuda_fwd_bench.cpp — forward and backward throughput of the CUDA backend, as a
-// CLI with JSON output. FLOP convention of the FlashAttention benchmarks: fwd FLOPs = 4·b·h·sq·sk·d,
-// bwd = 2.5 × fwd, both halved when causal; shapes keep batch·seqlen = --tokens and heads·d =
-// --width. Timing: CUDA events around each call (the backward's three kernels together), the
+// CLI with JSON output. FLOP convention of the FlashAttention benchmarks: fwd FLOPs = 4·b·h·sq·sk·d
+// (2·b·h·sq·sk·(d + dv) where --dv gives V and O other columns than Q and K), bwd = 2.5 × fwd, both
+// halved when causal; shapes keep batch·seqlen = --tokens and heads·d = --width. Timing: CUDA events around each call (the backward's three kernels together), the
 // median of --repeats after --warmup calls.
 //
 // --decode times decoding instead (split-KV as the heuristic picks it, with its workspace): per
@@ -29,7 +29,7 @@
 // backward beside the plain one; the output and lse that the backward reads stay the forward's of
 // the command line's features.
 //
-//   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--seqlens 1024,4096] [--causal 0,1]
+//   cuda_fwd_bench [--dtype bf16|f16] [--dims 64,128] [--dv 0] [--seqlens 1024,4096] [--causal 0,1]
 //                  [--passes fwd,bwd] [--deterministic 0|1] [--dropout P] [--softcap X] [--alibi 0|1]
 //                  [--varlen equal|mixed]
 //                  [--tokens 16384] [--width 2048] [--gqa 1]
@@ -82,6 +82,7 @@ std::vector<std::string> str_list(const std::string& s) {
 struct Args {
   c::Storage storage = c::Storage::bf16;
   std::vector<int> dims = {64, 128};
+  int dv = 0;  // V's and O's head dim in the grid; 0: each d (e.g. --dims 192 --dv 128)
   std::vector<int> seqlens = {1024, 4096};
   std::vector<int> causal = {0, 1};
   std::vector<std::string> passes = {"fwd"};
@@ -132,6 +133,7 @@ Args parse(int argc, char** argv) {
     const std::string v = argv[++i];
     if (flag == "--dtype") a.storage = v == "f16" ? c::Storage::f16 : c::Storage::bf16;
     else if (flag == "--dims") a.dims = int_list(v);
+    else if (flag == "--dv") a.dv = std::stoi(v);
     else if (flag == "--seqlens") a.seqlens = int_list(v);
     else if (flag == "--causal") a.causal = int_list(v);
     else if (flag == "--passes") a.passes = str_list(v);
@@ -387,19 +389,23 @@ int main(int argc, char** argv) try {
                                  " heads of d " + std::to_string(d));
       }
       const int hk = h / args.gqa;
+      const int dv = args.dv > 0 ? args.dv : d;
       const std::size_t n = std::size_t(b) * s * h * d, nk = std::size_t(b) * s * hk * d;
+      const std::size_t nv = std::size_t(b) * s * h * dv, nkv = std::size_t(b) * s * hk * dv;  // O, dO; V
       void* q = random_device(n, args.storage, 1);
       void* k = random_device(nk, args.storage, 2);
-      void* v = random_device(nk, args.storage, 3);
-      void* dout = random_device(n, args.storage, 4);
+      void* v = random_device(nkv, args.storage, 3);
+      void* dout = random_device(nv, args.storage, 4);
       void* o = nullptr;
       float* lse = nullptr;
       float* softmax_d = nullptr;
       void* grads[3] = {};
-      check(cudaMalloc(&o, n * sizeof(std::uint16_t)), "cudaMalloc");
+      check(cudaMalloc(&o, nv * sizeof(std::uint16_t)), "cudaMalloc");
       check(cudaMalloc(reinterpret_cast<void**>(&lse), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
       check(cudaMalloc(reinterpret_cast<void**>(&softmax_d), std::size_t(b) * h * s * sizeof(float)), "cudaMalloc");
-      for (int g = 0; g < 3; ++g) check(cudaMalloc(&grads[g], (g == 0 ? n : nk) * sizeof(std::uint16_t)), "cudaMalloc");
+      for (int g = 0; g < 3; ++g) {
+        check(cudaMalloc(&grads[g], (g == 0 ? n : g == 1 ? nk : nkv) * sizeof(std::uint16_t)), "cudaMalloc");
+      }
       const std::vector<int> lengths = args.varlen.empty() ? std::vector<int>{} : varlen_lengths(args.varlen, b, s);
       std::vector<std::int32_t> cu(1, 0);
       double sum_sq = 0;  // Σ len² over the sequences (b·s² when dense)
@@ -418,20 +424,22 @@ int main(int argc, char** argv) try {
         p.batch = b;
         p.heads = h;
         p.heads_k = hk;
-        p.head_dim = p.head_dim_v = d;
+        p.head_dim = d;
+        p.head_dim_v = dv;
         p.max_seqlen_q = p.max_seqlen_k = s;
-        // (b, s, h, d) contiguous; k and v (b, s, hk, d).
-        for (auto [t, data, heads] : {std::tuple{&p.q, q, h}, std::tuple{&p.k, k, hk}, std::tuple{&p.v, v, hk},
-                                      std::tuple{&p.out, o, h}}) {
+        // (b, s, h, d) contiguous; k (b, s, hk, d), v (b, s, hk, dv), out (b, s, h, dv).
+        for (auto [t, data, heads, cols] : {std::tuple{&p.q, q, h, d}, std::tuple{&p.k, k, hk, d},
+                                            std::tuple{&p.v, v, hk, dv}, std::tuple{&p.out, o, h, dv}}) {
           t->data = data;
-          t->batch_stride = std::int64_t(s) * heads * d;
-          t->row_stride = std::int64_t(heads) * d;
-          t->head_stride = d;
+          t->batch_stride = std::int64_t(s) * heads * cols;
+          t->row_stride = std::int64_t(heads) * cols;
+          t->head_stride = cols;
         }
         p.dout = p.out;
         p.dout.data = dout;
-        p.dq = p.out;
-        p.dk = p.dv = p.k;
+        p.dq = p.q;
+        p.dk = p.k;
+        p.dv = p.v;
         p.dq.data = grads[0];
         p.dk.data = grads[1];
         p.dv.data = grads[2];
@@ -496,7 +504,7 @@ int main(int argc, char** argv) try {
               args.l2_flush ? medians_ms(args.warmup, args.repeats, variants, call, select, *grid_flush)
                             : medians_ms(args.warmup, args.repeats, variants, call, select, [] {});
           cudaFree(workspace);
-          const double flops = (bwd ? 2.5 : 1.0) * 4.0 * h * sum_sq * d / (causal ? 2.0 : 1.0);
+          const double flops = (bwd ? 2.5 : 1.0) * 2.0 * h * sum_sq * (d + dv) / (causal ? 2.0 : 1.0);
           for (int vi = 0; vi < variants; ++vi) {
             // The variant's own settings: its features and the kernel family that ran (cuda/family.h).
             select(vi);
@@ -507,14 +515,14 @@ int main(int argc, char** argv) try {
             const bool alibi = p.alibi_slopes != nullptr;
             const double tflops = flops / (median * 1e-3) / 1e12;
             std::printf(
-                "flashattn%s%s %s %s %s d=%d s=%d b=%d h=%d hk=%d causal=%d dropout=%g softcap=%g alibi=%d "
+                "flashattn%s%s %s %s %s d=%d dv=%d s=%d b=%d h=%d hk=%d causal=%d dropout=%g softcap=%g alibi=%d "
                 "deterministic=%d varlen=%s: %.3f ms, %.1f TFLOP/s\n",
                 variant.empty() ? "" : " variant ", variant.c_str(), family, pass.c_str(),
-                args.storage == c::Storage::f16 ? "f16" : "bf16", d, s, b, h, hk, causal, p.dropout_p, p.softcap,
+                args.storage == c::Storage::f16 ? "f16" : "bf16", d, dv, s, b, h, hk, causal, p.dropout_p, p.softcap,
                 int(alibi), int(p.deterministic), args.varlen.empty() ? "no" : args.varlen.c_str(), median, tflops);
             json << (first ? "" : ",") << "\n  {\"impl\": \"flashattn_" << family << "\", \"pass\": \"" << pass
                  << "\", \"dtype\": \"" << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d
-                 << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h << ", \"heads_k\": " << hk
+                 << ", \"dv\": " << dv << ", \"seqlen\": " << s << ", \"batch\": " << b << ", \"heads\": " << h << ", \"heads_k\": " << hk
                  << ", \"causal\": " << (causal ? "true" : "false") << ", \"dropout\": " << p.dropout_p
                  << ", \"softcap\": " << p.softcap << ", \"alibi\": " << (alibi ? "true" : "false")
                  << ", \"deterministic\": " << (p.deterministic ? "true" : "false")
