@@ -73,6 +73,8 @@ struct PagedGpuCase {
   int window_left;
   PagedLengths lengths;
   int num_splits;  // 0: heuristic, 1: unsplit, n: forced split-KV
+  int dv = 0;      // 0: d
+  bool score_mod = false;  // softcap and ALiBi (the kernels' softcap/ALiBi/dropout variants)
 };
 
 class CudaPagedPrefill : public testing::TestWithParam<PagedGpuCase> {};
@@ -81,12 +83,16 @@ TEST_P(CudaPagedPrefill, MatchesReference) {
   FA_SKIP_WITHOUT_GPU();
   const PagedGpuCase& g = GetParam();
   const fa::common::Storage storage = g.dtype == DType::bf16 ? fa::common::Storage::bf16 : fa::common::Storage::f16;
-  if (!kernel_built(fa::cuda::sm80::Family::fwd, storage, g.d, g.d)) return;
+  if (!kernel_built(fa::cuda::sm80::Family::fwd, storage, g.d, g.dv > 0 ? g.dv : g.d)) return;
   // Decoding rows (1 query) beside prefill chunks, a sequence without keys, odd key counts.
-  AttnConfig cfg = varlen_config(g.dtype, {1, 37, 1, 130, 5}, {300, 37, 1, 700, 64}, g.h, g.hk, g.d);
+  AttnConfig cfg = varlen_config(g.dtype, {1, 37, 1, 130, 5}, {300, 37, 1, 700, 64}, g.h, g.hk, g.d, g.dv);
   if (g.lengths != PagedLengths::cu_seqlens_k) cfg.seqused_k = {300, 20, 0, 699, 64};
   cfg.opt.causal = g.causal;
   cfg.opt.window_left = g.window_left;
+  if (g.score_mod) {
+    cfg.opt.softcap = 20.0f;
+    cfg.alibi = Alibi::per_head;
+  }
   const AttnProblem p = make_problem(cfg);
   const PagedCache cache = make_paged_cache(p, g.dtype, g.page, test_seed(17));
   // The ordered choice, then each family this GPU runs forced (sm90: where built with
@@ -112,7 +118,8 @@ TEST_P(CudaPagedPrefill, MatchesReference) {
 std::string paged_case_name(const testing::TestParamInfo<PagedGpuCase>& info) {
   const PagedGpuCase& g = info.param;
   return std::string(fa::dtype_name(g.dtype)) + "_h" + std::to_string(g.h) + "hk" + std::to_string(g.hk) + "_d" +
-         std::to_string(g.d) + "_page" + std::to_string(g.page) + (g.causal ? "_causal" : "") +
+         std::to_string(g.d) + (g.dv > 0 ? "_dv" + std::to_string(g.dv) : "") + (g.score_mod ? "_softcap_alibi" : "") +
+         "_page" + std::to_string(g.page) + (g.causal ? "_causal" : "") +
          (g.window_left >= 0 ? "_window" + std::to_string(g.window_left) : "") + "_" + lengths_name(g.lengths) +
          "_splits" + std::to_string(g.num_splits);
 }
@@ -124,7 +131,12 @@ INSTANTIATE_TEST_SUITE_P(
                     PagedGpuCase{DType::bf16, 4, 4, 128, 256, false, -1, PagedLengths::cu_seqlens_k, 1},
                     PagedGpuCase{DType::bf16, 8, 1, 128, 32, true, 63, PagedLengths::both, 0},
                     PagedGpuCase{DType::f16, 8, 2, 64, 16, true, -1, PagedLengths::seqused_k, 0},
-                    PagedGpuCase{DType::bf16, 4, 2, 256, 64, true, -1, PagedLengths::seqused_k, 2}),
+                    PagedGpuCase{DType::bf16, 4, 2, 256, 64, true, -1, PagedLengths::seqused_k, 2},
+                    // The softcap/ALiBi kernels; DeepSeek's 192 / 128 (the sm90 192 kernel where built).
+                    PagedGpuCase{DType::bf16, 8, 2, 128, 16, true, -1, PagedLengths::seqused_k, 0, 0, true},
+                    PagedGpuCase{DType::f16, 4, 1, 64, 48, false, 40, PagedLengths::both, 1, 0, true},
+                    PagedGpuCase{DType::bf16, 4, 4, 192, 32, true, -1, PagedLengths::seqused_k, 1, 128},
+                    PagedGpuCase{DType::bf16, 4, 2, 192, 16, false, -1, PagedLengths::cu_seqlens_k, 1, 128, true}),
     paged_case_name);
 
 // A page size the kernels do not take (not a multiple of 16) is refused with the reason; the CPU
