@@ -83,7 +83,7 @@ int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_spl
 
 int forward_num_splits(const common::AttentionParams& p) {
   const FamilyChoice choice = choose_forward_family(p);
-  return choice.served ? family_num_splits(choice.family, p) : 1;
+  return choice.served ? family_num_splits(choice, p) : 1;
 }
 
 std::size_t forward_workspace_size(const common::AttentionParams& p) {

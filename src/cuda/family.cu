@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda/cuda_backend.h"
 #include "cuda/cuda_common.h"
 #include "cuda/device_query.h"
 #include "cuda/sm80/sm80_family.h"
@@ -108,8 +109,9 @@ FamilyChoice choose_forward_family(const common::AttentionParams& p) {
   return choice;
 }
 
-int family_num_splits(Family family, const common::AttentionParams& p) {
-  return family == Family::sm80 ? sm80::forward_num_splits(p) : 1;
+int family_num_splits(const FamilyChoice& choice, const common::AttentionParams& p) {
+  return choice.family == Family::sm80 ? sm80::forward_num_splits(p)
+                                       : sm90::fwd_num_splits(p, choice.head_dim, current_sm_count());
 }
 
 void family_forward(const FamilyChoice& choice, const common::AttentionParams& p, const std::uint64_t* rng_state,
@@ -118,9 +120,28 @@ void family_forward(const FamilyChoice& choice, const common::AttentionParams& p
     sm80::forward(p, choice.head_dim, rng_state, workspace, workspace_bytes, stream);
     return;
   }
-  const cudaError_t err = sm90::dispatch_fwd(p.storage, choice.head_dim, p, rng_state, stream);
-  if (err != cudaSuccess) {
-    throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+  auto check = [](cudaError_t err) {
+    if (err != cudaSuccess) {
+      throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+    }
+  };
+  // Split-KV (FLASHATTN_SM90_FWD_SPLIT) where the workspace holds the partials (a misaligned
+  // workspace is used from its first aligned byte on), as in the sm80 family.
+  SplitKvPartials partials;
+  const int splits = workspace != nullptr && workspace_bytes > 0 ? family_num_splits(choice, p) : 1;
+  if (splits > 1) {
+    const auto base = reinterpret_cast<std::uintptr_t>(workspace);
+    const std::size_t skip = detail::workspace_align_up(base) - base;
+    const SplitPartialsLayout layout = split_partials_layout(p, splits);
+    if (workspace_bytes >= skip && workspace_bytes - skip >= layout.out_bytes + layout.lse_bytes) {
+      partials.out_partial = reinterpret_cast<float*>(base + skip);
+      partials.lse_partial = reinterpret_cast<float*>(base + skip + layout.out_bytes);
+      partials.num_splits = splits;
+    }
+  }
+  check(sm90::dispatch_fwd(p.storage, choice.head_dim, p, partials, rng_state, stream));
+  if (partials.num_splits > 1) {
+    combine_split_partials(p, partials.out_partial, partials.lse_partial, partials.num_splits, stream);
   }
 }
 

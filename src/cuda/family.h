@@ -43,9 +43,9 @@ FamilyChoice choose_forward_family(const common::AttentionParams& p);
 // family leaves split-KV decoding to sm80); a forced choice asks only whether it can.
 std::string forward_refusal(Family family, const common::AttentionParams& p, int* head_dim, bool preferring);
 
-// The splits of the key tiles the family's forward of p uses when a workspace holds their
-// partials (1: none; only the sm80 family splits).
-int family_num_splits(Family family, const common::AttentionParams& p);
+// The splits of the key tiles the chosen family's forward of p uses when a workspace holds their
+// partials (1: none; the sm90 family splits only where built with FLASHATTN_SM90_FWD_SPLIT).
+int family_num_splits(const FamilyChoice& choice, const common::AttentionParams& p);
 
 // The forward of p in the chosen family and head dim (cuda::forward's contract for the rest).
 void family_forward(const FamilyChoice& choice, const common::AttentionParams& p, const std::uint64_t* rng_state,

@@ -233,6 +233,35 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
   }
 }
 
+// Split-KV in the sm90 forward (FLASHATTN_SM90_FWD_SPLIT): the count asked for (capped), else the
+// heuristic over one CTA per SM; none where the build lacks it.
+TEST(CudaSm90Host, SplitsOnlyWhereBuilt) {
+  c::AttentionParams p;
+  p.batch = 1;
+  p.heads = p.heads_k = 8;
+  p.head_dim = p.head_dim_v = 128;
+  p.max_seqlen_q = 1;
+  p.max_seqlen_k = 65536;  // 512 key tiles of 128
+  c::AttentionParams forced = p;
+  forced.num_splits = 7;
+  if (!fc::sm90::fwd_split_built()) {
+    EXPECT_EQ(fc::sm90::fwd_num_splits(p, 128, 132), 1);
+    EXPECT_EQ(fc::sm90::fwd_num_splits(forced, 128, 132), 1);
+    return;
+  }
+  const int splits = fc::sm90::fwd_num_splits(p, 128, 132);
+  EXPECT_GT(splits, 1);
+  EXPECT_EQ(splits, fc::num_splits_heuristic(8, 512, 132, fc::kMaxSplits));
+  EXPECT_EQ(fc::sm90::fwd_num_splits(forced, 128, 132), 7);
+  forced.num_splits = 100000;
+  EXPECT_EQ(fc::sm90::fwd_num_splits(forced, 128, 132), fc::kMaxSplits);
+  c::AttentionParams full = p;  // 32 row blocks × 16 heads × 4 sequences: several waves
+  full.batch = 4;
+  full.heads = full.heads_k = 16;
+  full.max_seqlen_q = full.max_seqlen_k = 4096;
+  EXPECT_EQ(fc::sm90::fwd_num_splits(full, 128, 132), 1);
+}
+
 // The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
 // at most 64 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
 // head's, alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them,

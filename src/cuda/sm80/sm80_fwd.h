@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "cuda/split_kv.h"
 #include "cuda/sm80/sm80_tuning.h"
 
 namespace flashattn::cuda::sm80 {
@@ -124,23 +125,8 @@ struct FastDiv {
   }
 };
 
-// Where the CTAs of a split-KV launch leave their partial results (device memory, fp32), in the
-// layout flashattn::combine takes: out_partial (splits, b, max_seqlen_q, h, dv) and lse_partial
-// (splits, b, h, max_seqlen_q), both contiguous — also for varlen batches, whose sequence b uses
-// rows [0, seqlen_q(b)) of batch entry b. Rows a split saw no key of get lse = +∞ (weight 0).
-struct SplitKvPartials {
-  float* out_partial = nullptr;
-  float* lse_partial = nullptr;
-  int num_splits = 1;
-
-  // Offsets of (split, batch, row, head) in out_partial (then + column) and lse_partial.
-  FA_HOST_DEVICE std::int64_t out_offset(const common::AttentionParams& p, int split, int b, int i, int hh) const {
-    return (((std::int64_t(split) * p.batch + b) * p.max_seqlen_q + i) * p.heads + hh) * p.head_dim_v;
-  }
-  FA_HOST_DEVICE std::int64_t lse_offset(const common::AttentionParams& p, int split, int b, int hh, int i) const {
-    return ((std::int64_t(split) * p.batch + b) * p.heads + hh) * p.max_seqlen_q + i;
-  }
-};
+// The partials of a split-KV launch (cuda/split_kv.h, shared with the sm90 family).
+using cuda::SplitKvPartials;
 
 // Launches the forward kernel for p (device pointers) on stream. Returns the launch status.
 template <common::Storage kStorage, int kHeadDim>

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/params.h"
+#include "cuda/split_kv.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -169,6 +170,22 @@ inline constexpr int kFwdPageChunkRows = 16;
 // kFwdPaged as the library was compiled (the knob reaches nvcc's translation units only).
 bool fwd_paged_built();
 
+// Split-KV in this family: each tile's key tiles spread over `splits` CTAs of the persistent
+// grid (the split innermost in the tile order), which write fp32 partials (cuda/split_kv.h) that
+// the combine kernel merges, as the sm80 family's split-KV forward does. A compile-time switch
+// until it has run on a GPU (-DFLASHATTN_SM90_FWD_SPLIT=1; default 0: this family never splits).
+// The ordered family choice still leaves calls that the sm80 family would split to it (decoding);
+// a call forced onto this family (FLASHATTN_CUDA_FAMILY=sm90) splits by fwd_num_splits.
+#ifndef FLASHATTN_SM90_FWD_SPLIT
+#define FLASHATTN_SM90_FWD_SPLIT 0
+#endif
+inline constexpr bool kFwdSplit = FLASHATTN_SM90_FWD_SPLIT != 0;
+bool fwd_split_built();
+// The splits of p in this family at the instantiated head dim (1: none): p.num_splits when > 0
+// (at most kMaxSplits), else cuda::num_splits_heuristic over `sms` CTA places (one per SM) and the
+// key tiles of the widest row block. 1 where built without FLASHATTN_SM90_FWD_SPLIT.
+int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms);
+
 // Whether a call takes the varlen kernel (per-sequence rows or key counts: varlen, seqused_k, a
 // KV cache) rather than the dense one.
 inline bool fwd_varlen_kernel(const common::AttentionParams& p) {
@@ -187,8 +204,11 @@ std::string tma_layout_problem(const char* name, const common::RowHeadTensor& t,
                                int batch, std::int64_t element_bytes);
 
 // The launcher of one (dtype, head dim), instantiated in inst/sm90_fwd_hdim<d>_<dtype>.cu
-// (sm90_fwd_launch.cuh defines it). rng_state: as for the sm80 forward (unused: no dropout here).
+// (sm90_fwd_launch.cuh defines it). split: the partials of a split-KV launch (num_splits 1: none;
+// more only where built with FLASHATTN_SM90_FWD_SPLIT). rng_state: dropout's (seed, offset) on the
+// device, or nullptr.
 template <common::Storage kStorage, int kHeadDim>
-cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream);
+cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
+                    cudaStream_t stream);
 
 }  // namespace flashattn::cuda::sm90

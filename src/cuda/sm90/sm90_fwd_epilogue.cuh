@@ -30,6 +30,10 @@ struct FwdEpilogue {
   template <class AccO, class Softmax>
   __device__ static void store(const FwdParams<Traits>& params, typename Traits::SharedStorage& ss,
                                const FwdTile& t, int thread, std::uint32_t count, AccO& acc_o, Softmax& softmax) {
+    if constexpr (Traits::kSplit) {
+      store_partials(params, ss, t, thread, count, acc_o, softmax);
+      return;
+    }
     const common::AttentionParams& p = params.p;
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(thread);
@@ -107,6 +111,61 @@ struct FwdEpilogue {
     if constexpr (!Traits::kSeparateO) {
       named_barrier_sync(barrier, kWgThreads);  // every thread has read its rows of O
       if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[Traits::q_buffer(count)]);
+    }
+  }
+
+  // Split-KV (Traits::kSplit): this split's O, normalised over its own keys, and lse in fp32 straight
+  // from registers into the partials (cuda/split_kv.h; a quad's float2 stores cover 32 bytes of a
+  // row) — rows past the sequence skipped; a share without keys (an empty tile, or rows that see
+  // none of its keys) gives O = 0 and lse = +∞, which the combine weighs 0. Then Q's buffer goes
+  // back to the producer where O would have been staged in it.
+  template <class AccO, class Softmax>
+  __device__ static void store_partials(const FwdParams<Traits>& params, typename Traits::SharedStorage& ss,
+                                        const FwdTile& t, int thread, std::uint32_t count, AccO& acc_o,
+                                        Softmax& softmax) {
+    if constexpr (Traits::kSplit) {
+      const common::AttentionParams& p = params.p;
+      const SplitKvPartials& split = params.split;
+      typename Traits::TiledMmaPV mma_pv;
+      auto thr_pv = mma_pv.get_thread_slice(thread);
+      Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol_layout(acc_o.layout()));  // (rows, cols)
+      constexpr int kRows = decltype(size<0>(acc_o_rc))::value;
+      float lse[kRows];
+      const bool empty = t.empty();
+      if (empty) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) lse[r] = device::kInf;
+      } else {
+        softmax.finalize(acc_o_rc, lse, Traits::kScoreMod && p.dropout_p > 0.0f ? p.dropout.keep_scale : 1.0f);
+      }
+      const int m_start = t.m_block * kBlockM;
+      Tensor c_o = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+      Tensor c_rc = make_tensor(c_o.data(), rowcol_layout(c_o.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int row = m_start + get<0>(c_rc(r, 0));
+        if (row >= t.seqlen_q) continue;
+        if (thread % 4 == 0) split.lse_partial[split.lse_offset(p, t.split, t.batch, t.head, row)] = lse[r];
+        float* const dst = split.out_partial + split.out_offset(p, t.split, t.batch, row, t.head);
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(acc_o_rc); c += 2) {
+          // Columns c, c + 1 of a row; dv is a multiple of 8, so both lie below it or neither.
+          const int col = get<1>(c_rc(0, c));
+          if (col < p.head_dim_v) {
+            *reinterpret_cast<float2*>(dst + col) =
+                empty ? make_float2(0.0f, 0.0f) : make_float2(acc_o_rc(r, c), acc_o_rc(r, c + 1));
+          }
+        }
+      }
+      // Q's buffer back where the epilogue gives it (O staged in Q's bytes elsewhere); an empty tile
+      // loaded nothing. The warpgroup's products have completed (compute waited for them).
+      if constexpr (!Traits::kSeparateO) {
+        if (!empty) {
+          const int wg = thread / kWgThreads;
+          named_barrier_sync(int(FwdBarrier::kEpilogueWg0) + wg, kWgThreads);
+          if (thread % kWgThreads == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[Traits::q_buffer(count)]);
+        }
+      }
     }
   }
 

@@ -51,7 +51,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
   const Pipeline k_pipe{ss.k_full, ss.k_empty};
   const Pipeline v_pipe{ss.v_full, ss.v_empty};
-  const int tiles = Scheduler::tiles(params.p);
+  // Split-KV: every tile of the order taken once per split (the split innermost).
+  int splits = 1;
+  if constexpr (Traits::kSplit) splits = params.split.num_splits;
+  const int tiles = Scheduler::tiles(params.p) * splits;
   // Both sides skip tiles without a visible key (no loads, no barriers) and count the others: that
   // count gives a tile its Q buffer and the phase of the buffer's barriers (Traits::q_buffer).
   std::uint32_t loaded = 0;
@@ -62,7 +65,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     for (; round * int(gridDim.x) < tiles; ++round) {
       const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
       if (index >= tiles) continue;
-      t = Scheduler::template tile<Traits::kPaged>(params.p, index, params.section, params.section_rising);
+      t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
+                                                                   params.section_rising, splits);
       if (!t.empty()) {
         ++round;
         return true;
@@ -82,7 +86,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
           const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
           if (index >= tiles) continue;
-          const FwdTile t = Scheduler::template tile<Traits::kPaged>(params.p, index, params.section, params.section_rising);
+          const FwdTile t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(
+              params.p, index, params.section, params.section_rising, splits);
           if (t.empty()) continue;
           Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, false, t, false, st);
         }
@@ -115,7 +120,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
       const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
       if (index >= tiles) continue;
-      const FwdTile t = Scheduler::template tile<Traits::kPaged>(params.p, index, params.section, params.section_rising);
+      const FwdTile t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(
+          params.p, index, params.section, params.section_rising, splits);
       typename Traits::TiledMmaPV mma_pv;
       Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
       OnlineSoftmax<2> softmax(params.scale_log2);

@@ -18,14 +18,18 @@ using device::ElementOf;
 
 // One launch of the kernel of Traits: TMA descriptors, shared memory, the persistent grid.
 template <class Traits>
-cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
+cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
+                       cudaStream_t stream) {
   constexpr int kHeadDim = Traits::kHeadDim;
   using Element = typename Traits::Element;
   // The host's view (fwd_unsupported checks out for the TMA store) agrees with the kernel's.
-  static_assert(Traits::kTmaStoreO == (fwd_tma_store(kHeadDim, Traits::kScoreMod) && !Traits::kVarlen));
+  static_assert(Traits::kTmaStoreO ==
+                (fwd_tma_store(kHeadDim, Traits::kScoreMod) && !Traits::kVarlen && !Traits::kSplit));
   static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim));
   FwdParams<Traits> params;
   params.p = p;
+  if constexpr (Traits::kSplit) params.split = split;
+  const int splits = Traits::kSplit ? split.num_splits : 1;
   // Dense: (seqlen, d, heads, batch). Varlen: the packed rows as one batch (FwdTile::q_row0). A
   // KV cache: (capacity, d, heads_k, the cache's batches).
   const bool varlen = p.is_varlen();
@@ -60,7 +64,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p, current_sm_count());
+  const dim3 grid = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p, current_sm_count(), splits);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
@@ -68,30 +72,47 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const std::uint64_t* rn
 // The variants of one (dtype, head dim): softcap / ALiBi / dropout compiled in or not (with them,
 // the warpgroups take turns at d ≤ 128: fwd_pingpong), dense or varlen (seqused_k included) — the
 // dense kernels carry none of the varlen code — and, built with FLASHATTN_SM90_FWD_PAGED, paged.
-// V and O have fwd_head_dim_v(kHeadDim) columns.
-template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen, bool kPaged = false>
+// V and O have fwd_head_dim_v(kHeadDim) columns. Built with FLASHATTN_SM90_FWD_SPLIT, split-KV
+// kernels too (varlen ones, which serve dense calls as well), plain or paged.
+template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen, bool kPaged = false, bool kSplit = false>
 using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
                               fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged,
-                              fwd_head_dim_v(kHeadDim)>;
+                              fwd_head_dim_v(kHeadDim), kSplit>;
 
 template <common::Storage kStorage, int kHeadDim>
-cudaError_t run_fwd(const common::AttentionParams& p, const std::uint64_t* rng_state, cudaStream_t stream) {
+cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
+                    cudaStream_t stream) {
   using Element = typename ElementOf<kStorage>::type;
   const bool score_mod = fwd_score_mod(p);
   const bool varlen = fwd_varlen_kernel(p);
+  if constexpr (kFwdSplit) {
+    if (split.num_splits > 1) {
+      if constexpr (kFwdPaged) {
+        if (p.is_paged()) {
+          return score_mod
+                     ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true, true, true>>(p, split, rng_state, stream)
+                     : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true, true, true>>(p, split, rng_state, stream);
+        }
+      }
+      if (p.is_paged()) return cudaErrorNotSupported;  // fwd_unsupported declines such calls
+      return score_mod
+                 ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true, false, true>>(p, split, rng_state, stream)
+                 : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true, false, true>>(p, split, rng_state, stream);
+    }
+  }
   if constexpr (kFwdPaged) {
     if (p.is_paged()) {
-      return score_mod ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true, true>>(p, rng_state, stream)
-                       : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true, true>>(p, rng_state, stream);
+      return score_mod ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true, true>>(p, split, rng_state, stream)
+                       : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true, true>>(p, split, rng_state, stream);
     }
   }
   if (p.is_paged()) return cudaErrorNotSupported;  // fwd_unsupported declines such calls
   if (score_mod) {
-    return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, rng_state, stream)
-                  : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, rng_state, stream);
+    return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, split, rng_state, stream)
+                  : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, split, rng_state, stream);
   }
-  return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true>>(p, rng_state, stream)
-                : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, false>>(p, rng_state, stream);
+  return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, false, true>>(p, split, rng_state, stream)
+                : launch_fwd<FwdTraitsOf<Element, kHeadDim, false, false>>(p, split, rng_state, stream);
 }
 
 }  // namespace flashattn::cuda::sm90

@@ -30,8 +30,10 @@ using namespace cute;
 // batch cache_batch_idx[b]; V rows past the keys zeroed).
 // kPaged: K and V through a page table (block_table; a varlen kernel): each key tile is gathered
 // in chunks of kPageChunkRows rows × 64 columns, one TMA box each (FwdMainloop::load_paged_tile).
+// kSplit: split-KV (FLASHATTN_SM90_FWD_SPLIT): a tile is a share of one row block's key tiles, and
+// its O and lse leave as fp32 partials from registers (FwdEpilogue::store_partials).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_, bool kScoreMod_,
-          bool kVarlen_, bool kPaged_ = false, int kHeadDimV_ = kHeadDim_>
+          bool kVarlen_, bool kPaged_ = false, int kHeadDimV_ = kHeadDim_, bool kSplit_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -43,6 +45,7 @@ struct FwdTraits {
   static constexpr bool kScoreMod = kScoreMod_;
   static constexpr bool kVarlen = kVarlen_;
   static constexpr bool kPaged = kPaged_;
+  static constexpr bool kSplit = kSplit_;
   static_assert(!kPaged || kVarlen, "a paged kernel is a varlen kernel (per-sequence key counts, V rows zeroed)");
 
   static constexpr int kRowsPerWarpgroup = 64;  // the M of one wgmma
@@ -91,7 +94,7 @@ struct FwdTraits {
   static constexpr bool kSeparateO = kQStages == 1 && kRoomForTwoQ;
   // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp from
   // Q's bytes or from O's own tile.
-  static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen;
+  static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen && !kSplit;
 
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
   // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDimV / 2) per thread. The sums

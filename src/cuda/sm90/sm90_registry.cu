@@ -125,51 +125,53 @@ std::string missing_kernel_reason(Family family, common::Storage storage, int ne
 cudaError_t dispatch_fwd(common::Storage storage,
                          int head_dim,
                          const common::AttentionParams& p,
+                         const SplitKvPartials& split,
                          const std::uint64_t* rng_state,
                          cudaStream_t stream) {
 #ifdef FLASHATTN_SM90_FWD_F16_64
   if (storage == common::Storage::f16 && head_dim == 64) {
-    return run_fwd<common::Storage::f16, 64>(p, rng_state, stream);
+    return run_fwd<common::Storage::f16, 64>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_F16_128
   if (storage == common::Storage::f16 && head_dim == 128) {
-    return run_fwd<common::Storage::f16, 128>(p, rng_state, stream);
+    return run_fwd<common::Storage::f16, 128>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_F16_192
   if (storage == common::Storage::f16 && head_dim == 192) {
-    return run_fwd<common::Storage::f16, 192>(p, rng_state, stream);
+    return run_fwd<common::Storage::f16, 192>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_F16_256
   if (storage == common::Storage::f16 && head_dim == 256) {
-    return run_fwd<common::Storage::f16, 256>(p, rng_state, stream);
+    return run_fwd<common::Storage::f16, 256>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_64
   if (storage == common::Storage::bf16 && head_dim == 64) {
-    return run_fwd<common::Storage::bf16, 64>(p, rng_state, stream);
+    return run_fwd<common::Storage::bf16, 64>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_128
   if (storage == common::Storage::bf16 && head_dim == 128) {
-    return run_fwd<common::Storage::bf16, 128>(p, rng_state, stream);
+    return run_fwd<common::Storage::bf16, 128>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_192
   if (storage == common::Storage::bf16 && head_dim == 192) {
-    return run_fwd<common::Storage::bf16, 192>(p, rng_state, stream);
+    return run_fwd<common::Storage::bf16, 192>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_256
   if (storage == common::Storage::bf16 && head_dim == 256) {
-    return run_fwd<common::Storage::bf16, 256>(p, rng_state, stream);
+    return run_fwd<common::Storage::bf16, 256>(p, split, rng_state, stream);
   }
 #endif
   (void)storage;
   (void)head_dim;
   (void)p;
+  (void)split;
   (void)rng_state;
   (void)stream;
   return cudaErrorNotSupported;

@@ -42,6 +42,7 @@ extern const int kKernelCount;
 cudaError_t dispatch_fwd(common::Storage storage,
                          int head_dim,
                          const common::AttentionParams& p,
+                         const SplitKvPartials& split,
                          const std::uint64_t* rng_state,
                          cudaStream_t stream);
 cudaError_t dispatch_bwd(common::Storage storage,

@@ -26,6 +26,7 @@ struct FwdTile {
   int k_tma_batch;
   int n_block_min;
   int n_block_max;
+  int split;  // split-KV kernels: which share of the row block's key tiles (0 elsewhere)
   common::Mask mask;
 
   __device__ __forceinline__ bool empty() const { return n_block_min >= n_block_max; }
@@ -54,8 +55,9 @@ struct PersistentTileScheduler {
   __host__ __device__ static int tiles(const common::AttentionParams& p) {
     return (p.max_seqlen_q + kBlockM - 1) / kBlockM * p.heads * p.batch;
   }
-  static dim3 grid(const common::AttentionParams& p, int sms) {
-    const int n = tiles(p);
+  // splits: split-KV, each tile of the order taken `splits` times (the split innermost).
+  static dim3 grid(const common::AttentionParams& p, int sms, int splits = 1) {
+    const int n = tiles(p) * splits;
     return dim3(n < sms ? n : sms);
   }
 
@@ -66,13 +68,21 @@ struct PersistentTileScheduler {
 
   // section: under a mask, how many (head, batch) pairs form one section of the order (≥ 1; see
   // above), the host's fwd_l2_sections; rising_parity: which sections go up
-  // (common::MaskedTileOrder). kPaged: the call's K/V are paged (the paged kernels).
-  template <bool kPaged = false>
+  // (common::MaskedTileOrder). kPaged: the call's K/V are paged (the paged kernels). kSplit: index
+  // counts (tile, split) pairs, the split innermost, and the tile keeps split `split` of
+  // `splits` equal shares of its key tiles (an empty share is an empty tile).
+  template <bool kPaged = false, bool kSplit = false>
   __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section,
-                                                 int rising_parity) {
+                                                 int rising_parity, int splits = 1) {
+    int split = 0;
+    if constexpr (kSplit) {
+      split = index % splits;
+      index /= splits;
+    }
     const int m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
     const bool masked = p.has_mask();
     FwdTile t;
+    t.split = split;
     int head_batch;
     if (masked) {
       const auto at = common::MaskedTileOrder{m_blocks, p.heads * p.batch, section, rising_parity}.at(index);
@@ -113,6 +123,11 @@ struct PersistentTileScheduler {
     }
     t.n_block_min = t.mask.block_col_begin(m_start) / kBlockN;
     t.n_block_max = (t.mask.block_col_end(m_end) + kBlockN - 1) / kBlockN;
+    if constexpr (kSplit) {
+      const int per = (max(t.n_block_max - t.n_block_min, 0) + splits - 1) / splits;
+      t.n_block_min += split * per;
+      t.n_block_max = max(t.n_block_min, min(t.n_block_max, t.n_block_min + per));
+    }
     return t;
   }
 };

@@ -4,6 +4,7 @@
 
 namespace flashattn::cuda::sm90 {
 template cudaError_t run_fwd<common::Storage::f16, 128>(const common::AttentionParams&,
+                                                        const SplitKvPartials&,
                                                         const std::uint64_t*,
                                                         cudaStream_t);
 }  // namespace flashattn::cuda::sm90
