@@ -74,7 +74,17 @@ void expect_split_matches(const AttnConfig& cfg, int num_splits, const ParamsHoo
   for (const char* family : split_families()) {
     SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family);
     const FamilyOverride forced(family);
-    const ForwardResult r = run_cuda_forward(p, hook, nullptr, /*with_workspace=*/true);
+    ForwardResult r;
+    try {
+      r = run_cuda_forward(p, hook, nullptr, /*with_workspace=*/true);
+    } catch (const flashattn::Error& e) {
+      // A forced family that does not serve the call (the sm90 family and a call without keys)
+      // refuses it, naming the setting; the ordered choice above ran it.
+      const std::string why = e.what();
+      if (*family == '\0' || why.find(std::string("FLASHATTN_CUDA_FAMILY=") + family) == std::string::npos) throw;
+      std::printf("NOT RUN on the %s family (it does not serve this call): %s\n", family, why.c_str());
+      continue;
+    }
     EXPECT_TRUE(check_forward(p, r));
   }
 }
