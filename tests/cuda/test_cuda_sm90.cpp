@@ -12,6 +12,7 @@
 
 #include "cuda/device_query.h"
 #include "cuda/family.h"
+#include "cuda/sm80/sm80_family.h"
 #include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_registry.h"
 #include "cuda_grid.h"
@@ -354,6 +355,39 @@ TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
     EXPECT_NE(choice.why_not.find("FLASHATTN_CUDA_FAMILY=sm90"), std::string::npos) << choice.why_not;
   }
   EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("no keys"), std::string::npos);
+}
+
+// GQA decoding (one query row, 32 query heads over 8 kv heads, a grid of a full wave, which the
+// sm80 family would not split): the ordered choice takes the sm80 family, whose packed kernel
+// reads each K/V tile once per group; sm90 still serves it when forced.
+TEST(CudaFamily, GqaDecodingPrefersThePackedSm80Kernel) {
+  FA_SKIP_WITHOUT_SM90();
+  const FamilyOverride ordered("");
+  AttnConfig cfg = feature_config(DType::bf16, 128, 1, 4096);
+  cfg.batch = 32;
+  cfg.heads = 32;
+  cfg.heads_k = 8;
+  const AttnProblem p = make_problem(cfg);
+  ForwardResult r = make_forward_outputs(p);
+  c::AttentionParams dp = params_of(p, r);
+  ASSERT_EQ(fc::sm80::forward_num_splits(dp), 1) << "the case is meant to be unsplit";
+  ASSERT_EQ(fc::sm80::forward_pack(dp), 4);
+
+  fc::FamilyChoice choice = fc::choose_forward_family(dp);
+  ASSERT_TRUE(choice.served) << choice.why_not;
+  EXPECT_EQ(choice.family, fc::Family::sm80);
+  int head_dim = 0;
+  EXPECT_NE(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, true).find("GQA decoding"), std::string::npos);
+  EXPECT_EQ(fc::forward_refusal(fc::Family::sm90, dp, &head_dim, false), "");
+  {
+    const FamilyOverride family("sm90");
+    choice = fc::choose_forward_family(dp);
+    ASSERT_TRUE(choice.served) << choice.why_not;
+    EXPECT_EQ(choice.family, fc::Family::sm90);
+  }
+  // A long query packs nothing: the prefill of the same heads stays with sm90.
+  dp.max_seqlen_q = 2048;
+  EXPECT_EQ(fc::sm80::forward_pack(dp), 1);
 }
 
 // The Python drop-in's empty-keys case exactly: d 16, k and v without an address.

@@ -112,6 +112,12 @@ std::string forward_refusal(const common::AttentionParams& p, int* head_dim) {
   return "";
 }
 
+int forward_pack(const common::AttentionParams& p) {
+  const int head_dim = head_dim_for(Family::fwd, p);
+  if (head_dim == 0 || fwd_runs_full(p, head_dim, smem_per_block_limit())) return 1;
+  return fwd_pack(p, fwd_tile(head_dim, false).block_m);
+}
+
 int forward_num_splits(const common::AttentionParams& p) {
   if (p.num_splits > 0) return std::min(p.num_splits, kMaxSplits);
   const int head_dim = head_dim_for(Family::fwd, p);

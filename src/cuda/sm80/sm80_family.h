@@ -22,6 +22,10 @@ std::string forward_refusal(const common::AttentionParams& p, int* head_dim);
 // SMs of the device and the key tiles the widest row block sees in the tile the call runs with.
 int forward_num_splits(const common::AttentionParams& p);
 
+// The GQA packing the forward of p runs with (fwd_pack): g when one CTA serves the g query heads
+// of a kv head (decoding: short queries, the plain variant), else 1.
+int forward_pack(const common::AttentionParams& p);
+
 // The forward of p in the instantiated head dim `head_dim` (forward_refusal said yes): split-KV
 // when forward_num_splits(p) > 1 and `workspace` holds the partials, unsplit otherwise.
 void forward(const common::AttentionParams& p, int head_dim, const std::uint64_t* rng_state, void* workspace,
