@@ -23,6 +23,9 @@ namespace {
 
 constexpr Family kPreference[] = {Family::sm90, Family::sm80};
 constexpr int kHopper = 90;  // the compute capability sm_90a code runs on (H100, H200, H20, …)
+// Paged calls with fewer query rows than this (decoding) stay with the sm80 family under the
+// ordered choice (sm90_forward_refusal).
+constexpr int kPagedDecodeRows = 64;
 
 // The device and compiled-kernel rules of the sm90 family, for `kind` (*head_dim: the
 // instantiated head dim that would run p); "" when they hold.
@@ -60,6 +63,12 @@ std::string sm90_forward_refusal(const common::AttentionParams& p, int* head_dim
   // GQA 32/8, batch 32, 32k keys: 1.3 TB/s here against 4.6 TB/s there).
   if (preferring && sm80::forward_pack(p) > 1) {
     return "GQA decoding: the sm80 family packs the query heads of a group into one row block; this family does not";
+  }
+  // Paged decoding (a few query rows per sequence): timed in this family only where the sm80
+  // kernel packs (above), and gathered there in 16-row TMA boxes by one thread; its prefill over
+  // pages is what measured faster (docs/benchmarks-sm90.md).
+  if (preferring && p.is_paged() && p.max_seqlen_q < kPagedDecodeRows) {
+    return "paged decoding (fewer than 64 query rows): the sm80 family's paged kernel serves it";
   }
   return "";
 }
