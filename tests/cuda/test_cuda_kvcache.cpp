@@ -185,6 +185,12 @@ TEST_P(CudaKvcacheAppend, CacheMatchesCpuAndOutputMatchesReference) {
       std::printf("NOT RUN on the sm90 family: paged caches (built without -DFLASHATTN_SM90_FWD_PAGED=1)\n");
       continue;
     }
+    if (std::string(family) == "sm90" && ac.kind == CacheKind::paged &&
+        ac.page % flashattn::cuda::sm90::kFwdPageChunkRows != 0) {
+      std::printf("NOT RUN on the sm90 family: pages of %d rows (it takes multiples of %d)\n", ac.page,
+                  flashattn::cuda::sm90::kFwdPageChunkRows);
+      continue;
+    }
     const KvcacheCall call(ac);
 
     // The CPU backend on a deep copy of the cache.
@@ -232,7 +238,7 @@ TEST_P(CudaKvcacheAppend, CacheMatchesCpuAndOutputMatchesReference) {
   }
 }
 
-// The grid: every cache layout (contiguous, pages of 16, 256 and 48 rows, cache_batch_idx), rotary
+// The grid: every cache layout (contiguous, pages of 16, 256, 48, 1 and 10 rows, cache_batch_idx), rotary
 // halves / interleaved / none, q positions shared (no mask) or per row (causal, window), MHA / GQA
 // / MQA, f16 and bf16, d 64, 96, 128 (d ≠ dv once), decoding (sq = 1) and chunks crossing pages.
 const AppendCase kCases[] = {
@@ -248,6 +254,10 @@ const AppendCase kCases[] = {
     {DType::bf16, 128, 128, 16, 2, CacheKind::paged, 16, 1, 1, 64, false, MaskKind::window},
     {DType::bf16, 64, 64, 4, 2, CacheKind::batch_idx, 0, 9, 9, 48, true, MaskKind::none},
     {DType::f16, 128, 128, 4, 1, CacheKind::paged, 256, 64, 64, 128, true, MaskKind::causal},
+    // Pages of fewer than 16 rows (the sm80 kernels read their entries row by row), decoding and a
+    // chunk that crosses many pages.
+    {DType::bf16, 128, 128, 8, 2, CacheKind::paged, 1, 1, 1, 64, false, MaskKind::causal},
+    {DType::f16, 64, 64, 4, 4, CacheKind::paged, 10, 21, 21, 32, true, MaskKind::causal},
 };
 
 INSTANTIATE_TEST_SUITE_P(Grid, CudaKvcacheAppend, testing::ValuesIn(kCases), case_name);

@@ -103,15 +103,27 @@ TEST_P(CudaPagedPrefill, MatchesReference) {
       std::printf("NOT RUN on the sm90 family: paged caches (built without -DFLASHATTN_SM90_FWD_PAGED=1)\n");
       continue;
     }
+    if (std::string(family) == "sm90" && g.page % fa::cuda::sm90::kFwdPageChunkRows != 0) {
+      std::printf("NOT RUN on the sm90 family: pages of %d rows (it takes multiples of %d; "
+                  "CudaPagedPrefillRefusal checks its reason)\n",
+                  g.page, fa::cuda::sm90::kFwdPageChunkRows);
+      continue;
+    }
     families.push_back(family);
   }
   for (const char* family : families) {
-    SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family);
-    const FamilyOverride forced(family);
-    DeviceCall call;
-    upload(call, p, cache, g.lengths);
-    run(call, p, g.num_splits);
-    EXPECT_TRUE(check_forward(p, call.res));
+    // sm90 with pages of a multiple of 64 rows: its 64-row boxes, then the 16-row ones as well.
+    const bool wide = std::string(family) == "sm90" && fa::cuda::sm90::fwd_page_box_rows(g.page) == 64;
+    for (const char* box : {"", "16"}) {
+      if (*box != '\0' && !wide) continue;
+      SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family + " FLASHATTN_SM90_FWD_PAGE_BOX=" + box);
+      const FamilyOverride forced(family);
+      const EnvOverride boxes("FLASHATTN_SM90_FWD_PAGE_BOX", box);
+      DeviceCall call;
+      upload(call, p, cache, g.lengths);
+      run(call, p, g.num_splits);
+      EXPECT_TRUE(check_forward(p, call.res));
+    }
   }
 }
 
@@ -136,21 +148,37 @@ INSTANTIATE_TEST_SUITE_P(
                     PagedGpuCase{DType::bf16, 8, 2, 128, 16, true, -1, PagedLengths::seqused_k, 0, 0, true},
                     PagedGpuCase{DType::f16, 4, 1, 64, 48, false, 40, PagedLengths::both, 1, 0, true},
                     PagedGpuCase{DType::bf16, 4, 4, 192, 32, true, -1, PagedLengths::seqused_k, 1, 128},
-                    PagedGpuCase{DType::bf16, 4, 2, 192, 16, false, -1, PagedLengths::cu_seqlens_k, 1, 128, true}),
+                    PagedGpuCase{DType::bf16, 4, 2, 192, 16, false, -1, PagedLengths::cu_seqlens_k, 1, 128, true},
+                    // Pages of any size (sm80: fewer than 16 rows read their entries row by row):
+                    // one row (SGLang's caches), 5, 24 and 100 (not multiples of 16), split and
+                    // packed, the softcap/ALiBi kernel, a window.
+                    PagedGpuCase{DType::bf16, 8, 2, 128, 1, true, -1, PagedLengths::seqused_k, 0},
+                    PagedGpuCase{DType::f16, 8, 8, 64, 5, false, -1, PagedLengths::cu_seqlens_k, 3},
+                    PagedGpuCase{DType::bf16, 8, 2, 128, 24, true, 63, PagedLengths::both, 0, 0, true},
+                    PagedGpuCase{DType::bf16, 4, 1, 256, 100, true, -1, PagedLengths::seqused_k, 1},
+                    PagedGpuCase{DType::f16, 8, 4, 128, 7, true, -1, PagedLengths::seqused_k, 1, 0, true}),
     paged_case_name);
 
-// A page size the kernels do not take (not a multiple of 16) is refused with the reason; the CPU
-// backend serves it.
+// A page size that is not a multiple of 16: the sm90 family declines it with the reason (a forced
+// call is refused and writes nothing), and the ordered choice serves it in the sm80 family.
 TEST(CudaPagedPrefillRefusal, PageSizeNotMultipleOf16) {
-  FA_SKIP_WITHOUT_GPU();
+  FA_SKIP_WITHOUT_SM90();
   const AttnProblem p = make_problem(varlen_config(DType::bf16, {3, 5}, {20, 9}, 2, 2, 128));
   const PagedCache cache = make_paged_cache(p, DType::bf16, 8, test_seed(2));
   DeviceCall call;
   upload(call, p, cache, PagedLengths::seqused_k);
   const fa::TensorView out = call.dev.mirror_view(call.res.out), lse = call.dev.mirror_view(call.res.lse);
+  {
+    const FamilyOverride forced("sm90");
+    const fa::Support s = fa::can_implement(call.in, {out, lse}, p.opt);
+    EXPECT_FALSE(s.ok);
+    EXPECT_NE(s.reason.find("multiples of 16"), std::string::npos) << s.reason;
+  }
+  const FamilyOverride ordered("");
   const fa::Support s = fa::can_implement(call.in, {out, lse}, p.opt);
-  EXPECT_FALSE(s.ok);
-  EXPECT_NE(s.reason.find("multiples of 16"), std::string::npos) << s.reason;
+  EXPECT_TRUE(s.ok) << s.reason;
+  run(call, p, 0);
+  EXPECT_TRUE(check_forward(p, call.res));
 }
 
 // Bad values in device memory: the index check finds them before any kernel reads a page.

@@ -169,9 +169,9 @@ def test_kvcache_varlen_paged(causal, device):
     """Chunked prefill as serving engines call it: varlen queries and new keys of each sequence,
     appended (rotated) into a paged cache and attended to. Each sequence equals the library's
     batch KV-cache call on its own (rotation, append and attention), cache contents bit-equal."""
-    # The CUDA kernels take pages of a multiple of 16 rows (src/cuda/README.md); the CPU any size.
+    # Pages of 4 rows: the CUDA kernels read the entries of pages under 16 rows row by row.
     b, hq, hk, d = 3, 4, 2, 32
-    cap, page = (48, 16) if device == "cuda" else (24, 4)
+    cap, page = 24, 4
     old, n_new, n_q = [5, 0, 9], [2, 3, 1], [2, 3, 1]
     g = torch.Generator().manual_seed(5)
     cache_k = randn((b, cap, hk, d), torch.bfloat16, device, g)
@@ -208,7 +208,7 @@ def test_kvcache_varlen_paged(causal, device):
 def test_kvcache_batch(device):
     """Without varlen arguments: the library's KV-cache function under FA3's names (page_table)."""
     g = torch.Generator().manual_seed(6)
-    page = 16 if device == "cuda" else 8  # CUDA: pages of a multiple of 16 rows
+    page = 8
     q = randn((2, 1, 4, 32), torch.bfloat16, device, g)
     k_cache = randn((2, 2 * page, 2, 32), torch.bfloat16, device, g)
     v_cache = randn((2, 2 * page, 2, 32), torch.bfloat16, device, g)

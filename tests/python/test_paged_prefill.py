@@ -88,21 +88,23 @@ def test_paged_prefill(mask, lengths, page_size, dtype, device):
                  causal=causal, window=window)
 
 
-def test_paged_prefill_page_size_one_and_seqused_below_cu():
-    """Pages of one row (CPU: the CUDA kernels take multiples of 16), GQA 8:1, and seqused_k
-    below the cu_seqlens_k lengths with both given: only the used keys are read."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_prefill_page_size_one_and_seqused_below_cu(device):
+    """Pages of one row (SGLang's caches; the CUDA kernels then read the block table row by row),
+    GQA 8:1, and seqused_k below the cu_seqlens_k lengths with both given: only the used keys are
+    read."""
     lq, lk, used = [3, 9], [20, 12], [11, 12]
     h, hk, d = 8, 1, 32
     g = torch.Generator().manual_seed(42)
-    q = randn((sum(lq), h, d), torch.bfloat16, "cpu", g)
-    k = randn((sum(lk), hk, d), torch.bfloat16, "cpu", g)
-    v = randn((sum(lk), hk, d), torch.bfloat16, "cpu", g)
+    q = randn((sum(lq), h, d), torch.bfloat16, device, g)
+    k = randn((sum(lk), hk, d), torch.bfloat16, device, g)
+    v = randn((sum(lk), hk, d), torch.bfloat16, device, g)
     ck = cu(lk, "cpu").tolist()
     k_cache, v_cache, table = scatter_pages(k, v, used, ck, 1, g)
-    out = flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu(lq, "cpu"), cu(lk, "cpu"), max(lq), max(lk),
+    out = flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu(lq, device), cu(lk, device), max(lq), max(lk),
                                            causal=True, block_table=table,
-                                           seqused_k=torch.tensor(used, dtype=torch.int32))
-    keep = torch.cat([torch.arange(ck[i], ck[i] + used[i]) for i in range(len(lk))])
+                                           seqused_k=torch.tensor(used, dtype=torch.int32, device=device))
+    keep = torch.cat([torch.arange(ck[i], ck[i] + used[i]) for i in range(len(lk))]).to(device)
     check_varlen(q, k[keep], v[keep], cu(lq, "cpu").tolist(), cu(used, "cpu").tolist(), out, None,
                  max_seqlen_k=max(lk), causal=True)
 

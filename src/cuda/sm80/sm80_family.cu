@@ -98,10 +98,6 @@ int smem_per_block_limit() {
 void set_smem_limit_for_testing(int bytes) { smem_cap.store(bytes > 0 ? bytes : 0, std::memory_order_relaxed); }
 
 std::string forward_refusal(const common::AttentionParams& p, int* head_dim) {
-  // A key tile's page-table entries are staged in shared memory, kBlockN / 16 + 1 of them.
-  if (p.is_paged() && p.page_size % 16 != 0) {
-    return "paged K/V: the CUDA kernels take page sizes that are multiples of 16 rows";
-  }
   std::string why;
   if (!can_serve_common(p, Family::fwd, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}}, &why)) {
     return why;

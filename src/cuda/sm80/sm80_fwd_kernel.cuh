@@ -87,8 +87,12 @@ struct FwdTraits {
   static constexpr int kSmemBytesQ = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kSmemBytesKV = kBlockN * kHeadDim * int(sizeof(Element));
   // Page-table entries of two key tiles (paged kernels): a tile of kBlockN rows spans at most
-  // kBlockN / 16 + 1 pages (pages are multiples of 16 rows).
+  // kBlockN / 16 + 1 pages of 16 rows or more (of any size), and at most kBlockN smaller ones:
+  // their entries take kSmemBytesPagesSmall more bytes, added at the launch of a call with pages
+  // of fewer than 16 rows (launch_fwd_grid), so that the other calls keep their occupancy.
   static constexpr int kPageSlots = kBlockN / 16 + 1;
+  static constexpr int kPageSlotsSmall = kBlockN;
+  static constexpr int kSmemBytesPagesSmall = 2 * (kPageSlotsSmall - kPageSlots) * int(sizeof(std::int32_t));
   static constexpr int kSmemBytesPages = 2 * kPageSlots * int(sizeof(std::int32_t));
   static constexpr int kSmemBytes = kSmemBytesQ + 2 * kSmemBytesKV + kSmemBytesPages;  // Q (reused for O), K, V
 };
@@ -399,10 +403,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // buffer per tile parity) by cp.async one step ahead — together with the V load of the tile
   // before it, so they have landed at the barrier that precedes the tile's K load — and each row
   // then reads its page there: no global load and no integer division on the path to the K/V
-  // copies (FastDiv: a multiply and a shift; whole tiles skip the row and column checks).
+  // copies (FastDiv: a multiply and a shift; whole tiles skip the row and column checks). Pages of
+  // fewer than 16 rows (SGLang's caches have pages of one row) take up to kPageSlotsSmall entries
+  // per tile instead of kPageSlots: the two buffers interleave (entry i of buffer b at 2·i + b), so
+  // that no index depends on how many entries there are.
   auto* s_pages = reinterpret_cast<std::int32_t*>(smem + Traits::kSmemBytesQ + 2 * Traits::kSmemBytesKV);
   const int page_size = kPaged ? p.page_size : 1;
   const FastDiv page_div(page_size);
+  static_assert(!kPaged || Traits::kNThreads >= Traits::kPageSlotsSmall, "a thread per page-table entry of a tile");
   auto page_of = [&](int j) { return page_div.div(j); };
   // The entries of tile n_block into buffer n_block & 1 (pages holding no row below seqlen_k are
   // not read: the table need not have them).
@@ -411,7 +419,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       const int first = page_of(n_block * kBlockN);
       const int last = page_of(min((n_block + 1) * kBlockN, seqlen_k) - 1);
       if (tid <= last - first) {
-        cp_async_4(s_pages + (n_block & 1) * Traits::kPageSlots + tid,
+        cp_async_4(s_pages + 2 * tid + (n_block & 1),
                    p.block_table + (std::int64_t(batch) * p.block_table_batch_stride + first + tid));
       }
     }
@@ -427,14 +435,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
                      auto& s_tile, int n_block, auto kMayBeShort) {
     const int n_start = n_block * kBlockN;
     if constexpr (kPaged) {
-      const std::int32_t* pages = s_pages + (n_block & 1) * Traits::kPageSlots;
+      const std::int32_t* pages = s_pages + (n_block & 1);
       const int first = page_of(n_start);
       const std::int64_t head_offset = std::int64_t(kv_head) * t.head_stride;
       load_tile<Traits, kBlockN, decltype(kMayBeShort)::value>(base, s_tile, seqlen_k - n_start, valid_cols,
                                  [&](int r) {
                                    const int j = n_start + r;
                                    const int page = page_of(j);
-                                   return std::int64_t(pages[page - first]) * t.batch_stride +
+                                   return std::int64_t(pages[2 * (page - first)]) * t.batch_stride +
                                           std::int64_t(j - page * page_size) * t.row_stride + head_offset;
                                  }, tid);
     } else {

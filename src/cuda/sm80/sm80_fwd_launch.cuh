@@ -38,14 +38,17 @@ cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvParti
                             const std::uint64_t* rng_state, int pack, cudaStream_t stream) {
   constexpr int kDefaultSmemLimit = 48 * 1024;  // above this a kernel must opt in
   auto* kernel = &fwd_kernel<KTraits, kFull, kSplit, kPaged, kPacked, !kFull && !kPacked && kPlainScoreMod>;
-  if constexpr (KTraits::kSmemBytes > kDefaultSmemLimit) {
-    static SmemOptInFlags opted_in;  // this instantiation's kernel, per device
-    const cudaError_t err = opt_in_dynamic_smem(kernel, KTraits::kSmemBytes, opted_in);
+  // Pages of fewer than 16 rows: more page-table entries per tile (FwdTraits::kPageSlotsSmall).
+  const bool small_pages = kPaged && p.page_size < 16;
+  const int smem = KTraits::kSmemBytes + (small_pages ? KTraits::kSmemBytesPagesSmall : 0);
+  if (smem > kDefaultSmemLimit) {
+    static SmemOptInFlags opted_in, opted_in_small;  // this instantiation's kernel, per device and size
+    const cudaError_t err = opt_in_dynamic_smem(kernel, smem, small_pages ? opted_in_small : opted_in);
     if (err != cudaSuccess) return err;
   }
   const int m_blocks = (p.max_seqlen_q * pack + KTraits::kBlockM - 1) / KTraits::kBlockM;
   const dim3 grid(kSplit ? m_blocks * split.num_splits : m_blocks, p.heads / pack, p.batch);
-  kernel<<<grid, KTraits::kNThreads, KTraits::kSmemBytes, stream>>>(p, split, rng_state, pack);
+  kernel<<<grid, KTraits::kNThreads, smem, stream>>>(p, split, rng_state, pack);
   return cudaGetLastError();
 }
 

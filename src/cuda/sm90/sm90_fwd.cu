@@ -138,6 +138,11 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
   return num_splits_heuristic(std::int64_t(m_blocks) * p.heads * p.batch, n_blocks, sms, kMaxSplits);
 }
 
+int fwd_page_box_rows(int page_size) {
+  const bool wide = page_size > 0 && page_size % 64 == 0 && env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 64) != 16;
+  return wide ? 64 : kFwdPageChunkRows;
+}
+
 bool fwd_snake_walk() {
   const char* env = std::getenv("FLASHATTN_SM90_FWD_WALK");
   return env == nullptr || std::string(env) != "plain";

@@ -46,6 +46,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    if constexpr (Traits::kWideChunks) {
+      if (params.wide_pages) {
+        cute::prefetch_tma_descriptor(params.tma_k_wide.get_tma_descriptor());
+        cute::prefetch_tma_descriptor(params.tma_v_wide.get_tma_descriptor());
+      }
+    }
   }
   __syncthreads();
 

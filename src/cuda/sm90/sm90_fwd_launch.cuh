@@ -47,6 +47,15 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
                                typename Traits::SmemLayoutQ{}, Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{}, _1{});
   params.tma_k = Traits::make_tma_k(gmem_rows<Element>(p.k, rows_kv, p.head_dim, p.heads_k, batch_kv));
   params.tma_v = Traits::make_tma_v(gmem_rows<Element>(p.v, rows_kv, p.head_dim_v, p.heads_k, batch_kv));
+  params.wide_pages = false;
+  if constexpr (Traits::kWideChunks) {
+    static_assert(Traits::kPageWideRows == 64, "fwd_page_box_rows speaks of 64-row boxes");
+    params.wide_pages = fwd_page_box_rows(p.page_size) == Traits::kPageWideRows;
+    if (params.wide_pages) {
+      params.tma_k_wide = Traits::make_tma_kv_wide(gmem_rows<Element>(p.k, rows_kv, p.head_dim, p.heads_k, batch_kv));
+      params.tma_v_wide = Traits::make_tma_kv_wide(gmem_rows<Element>(p.v, rows_kv, p.head_dim_v, p.heads_k, batch_kv));
+    }
+  }
   if constexpr (Traits::kTmaStoreO) {
     params.shape_o = make_shape(rows_q, p.head_dim_v, p.heads, batch);
     params.tma_o = make_tma_copy(SM90_TMA_STORE{}, gmem_rows<Element>(p.out, rows_q, p.head_dim_v, p.heads, batch),

@@ -28,6 +28,11 @@ struct FwdParams {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
+  // Traits::kWideChunks: K and V in boxes of 64 rows, used where wide_pages (the page size a
+  // multiple of 64 rows).
+  typename Traits::TmaKVWide tma_k_wide;
+  typename Traits::TmaKVWide tma_v_wide;
+  bool wide_pages;
   typename Traits::ShapeRows shape_q;  // (max_seqlen_q, d, heads, batch)
   typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
   typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
@@ -74,41 +79,56 @@ struct FwdMainloop {
   }
 
   // Paged caches: key tile n of tile t of K or V (mKV: (page rows, cols, heads_k, pages) as TMA
-  // reads it) into `stage`, completing on `full`, from the pages of sequence t.batch. Chunk c holds
-  // keys j = n·kBlockN + c·kPageChunkRows …: page block_table[t.batch][j / page_size], from row
-  // j % page_size (a page holds whole chunks). Chunks past the sequence's keys are not loaded (the
-  // block_table entries there may be anything): their K rows are masked and their V rows zeroed
-  // (compute). kColumnBlocks: 64-column blocks of the tensor's tile (K: d / 64, V: dv / 64);
-  // paged_tile_bytes gives the bytes the barrier must expect.
-  template <int kColumnBlocks, class Tma, class MKV>
+  // reads it) into `stage`, completing on `full`, from the pages of sequence t.batch, in boxes of
+  // kRows rows (Traits::kPageChunkRows, or kPageWideRows where the pages allow it) × 64 columns.
+  // Box c holds keys j = n·kBlockN + c·kRows …: page box_page[c] (tile_pages: block_table[t.batch]
+  // [j / page_size]), from row j % page_size (a page holds whole boxes). Boxes past the sequence's
+  // keys are not loaded (the block_table entries there may be anything): their K rows are masked
+  // and their V rows zeroed (compute), as are the rows past the keys inside the last box.
+  // kColumnBlocks: 64-column blocks of the tensor's tile (K: d / 64, V: dv / 64).
+  template <int kRows, int kColumnBlocks, class Tma, class MKV>
   __device__ static void load_paged_tile(const Tma& tma, const MKV& mKV, Element* stage, std::uint64_t& full,
-                                         const std::int32_t* pages, int page_size, const FwdTile& t, int n) {
+                                         const int (&box_page)[Traits::kChunksPerTile], int page_size,
+                                         const FwdTile& t, int n) {
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
-    constexpr int kChunk = Traits::kPageChunkRows;
     auto slice = tma.get_slice(_0{});
     const int j0 = n * kBlockN;
     const int rows = min(kBlockN, t.seqlen_k - j0);
-    int page = 0;
     CUTE_UNROLL
-    for (int c = 0; c < Traits::kChunksPerTile; ++c) {
-      if (c * kChunk >= rows) break;
-      const int j = j0 + c * kChunk;
-      const int in_page = j % page_size;
-      if (c == 0 || in_page == 0) page = pages[j / page_size];
-      Tensor gPage = mKV(_, _, t.kv_head, page);  // (page rows, cols)
+    for (int c = 0; c < kBlockN / kRows; ++c) {
+      if (c * kRows >= rows) break;
+      const int in_page = (j0 + c * kRows) % page_size;
+      Tensor gPage = mKV(_, _, t.kv_head, box_page[c]);  // (page rows, cols)
       CUTE_UNROLL
       for (int block = 0; block < kColumnBlocks; ++block) {
-        Tensor g = local_tile(gPage, Shape<Int<kChunk>, _64>{}, make_coord(in_page / kChunk, block));
-        Tensor sChunk = make_tensor(make_smem_ptr(stage + Traits::chunk_offset(c, block)),
-                                    typename Traits::SmemLayoutKVChunk{});
-        copy(tma.with(full, 0, kKeep), slice.partition_S(g), slice.partition_D(sChunk));
+        Tensor g = local_tile(gPage, Shape<Int<kRows>, _64>{}, make_coord(in_page / kRows, block));
+        Tensor sBox = make_tensor(make_smem_ptr(stage + Traits::chunk_offset(c, block, kRows)),
+                                  typename Traits::template SmemLayoutKVBox<kRows>{});
+        copy(tma.with(full, 0, kKeep), slice.partition_S(g), slice.partition_D(sBox));
       }
     }
   }
-  // The chunks of paged key tile n of t that hold a key (each loaded with every column block).
-  __device__ __forceinline__ static std::uint32_t paged_tile_chunks(const FwdTile& t, int n) {
+  // The page of every box of kRows rows of paged key tile n of t that holds a key (0 for the
+  // others, whose block_table entries are not read), for K and V alike. The loads are issued
+  // together, before the producer waits for a free stage, so their latency overlaps that wait
+  // instead of stalling each box's TMA issue in turn (pages of 16 rows: a new entry every box).
+  template <int kRows>
+  __device__ __forceinline__ static void tile_pages(const std::int32_t* pages, int page_size, const FwdTile& t, int n,
+                                                    int (&box_page)[Traits::kChunksPerTile]) {
+    const int j0 = n * kBlockN;
+    const int rows = min(kBlockN, t.seqlen_k - j0);
+    CUTE_UNROLL
+    for (int c = 0; c < kBlockN / kRows; ++c) {
+      const int j = j0 + c * kRows;
+      box_page[c] = j < j0 + rows ? __ldg(pages + j / page_size) : 0;
+    }
+  }
+  // The boxes of kRows rows of paged key tile n of t that hold a key (each loaded with every column
+  // block).
+  template <int kRows>
+  __device__ __forceinline__ static std::uint32_t paged_tile_boxes(const FwdTile& t, int n) {
     const int rows = min(kBlockN, t.seqlen_k - n * kBlockN);
-    return std::uint32_t((rows + Traits::kPageChunkRows - 1) / Traits::kPageChunkRows);
+    return std::uint32_t((rows + kRows - 1) / kRows);
   }
 
   // Tile t (the CTA's `count`-th non-empty one): its Q unless an earlier call loaded it
@@ -153,23 +173,40 @@ struct FwdMainloop {
     }
   }
 
-  // load's key tiles for a paged cache (Traits::kPaged): K(n) and V(n) gathered chunk by chunk.
+  // load's key tiles for a paged cache (Traits::kPaged): K(n) and V(n) gathered box by box, in
+  // 64-row boxes where the pages are multiples of 64 rows (params.wide_pages), else 16-row ones.
   __device__ static void load_paged(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
                                     const Pipeline& v_pipe, const FwdTile& t, std::uint32_t count, const FwdTile& next,
                                     bool has_next, PipelineState<kStages>& st) {
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (page rows, d, hk, pages)
-    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v);  // (page rows, dv, hk, pages)
+    if constexpr (Traits::kWideChunks) {
+      if (params.wide_pages) {
+        load_paged_boxes<Traits::kPageWideRows>(params, params.tma_k_wide, params.tma_v_wide, ss, k_pipe, v_pipe, t,
+                                                count, next, has_next, st);
+        return;
+      }
+    }
+    load_paged_boxes<Traits::kPageChunkRows>(params, params.tma_k, params.tma_v, ss, k_pipe, v_pipe, t, count, next,
+                                             has_next, st);
+  }
+  template <int kRows, class TmaK, class TmaV>
+  __device__ static void load_paged_boxes(const FwdParams<Traits>& params, const TmaK& tma_k, const TmaV& tma_v,
+                                          SharedStorage& ss, const Pipeline& k_pipe, const Pipeline& v_pipe,
+                                          const FwdTile& t, std::uint32_t count, const FwdTile& next, bool has_next,
+                                          PipelineState<kStages>& st) {
+    Tensor mK = tma_k.get_tma_tensor(params.shape_k);  // (page rows, d, hk, pages)
+    Tensor mV = tma_v.get_tma_tensor(params.shape_v);  // (page rows, dv, hk, pages)
     const std::int32_t* pages = params.p.block_table + std::int64_t(t.batch) * params.p.block_table_batch_stride;
     const int page_size = params.p.page_size;
     for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
-      const std::uint32_t chunks = paged_tile_chunks(t, n);
-      load_paged_tile<Traits::kColumnBlocksK>(params.tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
-                                              k_pipe.producer_acquire(st, chunks * Traits::kTmaBytesChunkK), pages,
-                                              page_size, t, n);
-      load_paged_tile<Traits::kColumnBlocksV>(params.tma_v, mV,
-                                              ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
-                                              v_pipe.producer_acquire(st, chunks * Traits::kTmaBytesChunkV), pages,
-                                              page_size, t, n);
+      const std::uint32_t boxes = paged_tile_boxes<kRows>(t, n);
+      int box_page[Traits::kChunksPerTile];
+      tile_pages<kRows>(pages, page_size, t, n, box_page);
+      load_paged_tile<kRows, Traits::kColumnBlocksK>(
+          tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
+          k_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxK<kRows>), box_page, page_size, t, n);
+      load_paged_tile<kRows, Traits::kColumnBlocksV>(
+          tma_v, mV, ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
+          v_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxV<kRows>), box_page, page_size, t, n);
       st.advance();
       if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
     }

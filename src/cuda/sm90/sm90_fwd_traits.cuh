@@ -149,25 +149,49 @@ struct FwdTraits {
                            _1{});
     }
   }
-  // Element offsets in K's and V's shared tiles: of stage `stage` (its columns `cols`: kHeadDim for
-  // K, kHeadDimV for V), and of chunk `chunk`, columns [64·block, 64·block + 64) inside a stage.
-  __host__ __device__ static constexpr int stage_offset(int stage, int cols) { return stage * kBlockN * cols; }
-  __host__ __device__ static constexpr int chunk_offset(int chunk, int block) {
-    return chunk * kPageChunkRows * 64 + block * kBlockN * 64;
+  // Pages that are multiples of kPageWideRows rows (where the key tile is too): one box per 64
+  // rows instead of four of 16 (FwdMainloop::load_paged, FwdParams::wide_pages), a quarter of the
+  // TMA issues and block_table reads of the producer's one thread.
+  static constexpr int kPageWideRows = 64;
+  static constexpr bool kWideChunks = kPaged && kBlockN % kPageWideRows == 0;
+  using SmemLayoutKVWide = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageWideRows>, _64>{}));
+  struct NoTmaWide {};
+  using TmaKVWide = std::conditional_t<kWideChunks,
+                                       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVWide{},
+                                                              Shape<Int<kPageWideRows>, _64>{}, _1{})),
+                                       NoTmaWide>;
+  template <class Gmem>
+  static TmaKVWide make_tma_kv_wide(const Gmem& gmem) {
+    if constexpr (kWideChunks) {
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVWide{}, Shape<Int<kPageWideRows>, _64>{}, _1{});
+    } else {
+      return {};
+    }
   }
-  // Whether the elements of every chunk box (SmemLayoutKVChunk from stage_offset + chunk_offset)
-  // are where `layout` (SmemLayoutK or SmemLayoutV, of `cols` columns) keeps them: evaluated by the
-  // compiler for the paged kernels, on every row and three columns of each 16-byte swizzle group
-  // apart (the compiler's budget for constant evaluation does not reach every element).
-  template <class Layout>
+  // The shared layout of one box of kRows rows (kPageChunkRows or kPageWideRows).
+  template <int kRows>
+  using SmemLayoutKVBox = std::conditional_t<kRows == kPageWideRows, SmemLayoutKVWide, SmemLayoutKVChunk>;
+
+  // Element offsets in K's and V's shared tiles: of stage `stage` (its columns `cols`: kHeadDim for
+  // K, kHeadDimV for V), and of box `chunk` of `rows` rows, columns [64·block, 64·block + 64) inside
+  // a stage.
+  __host__ __device__ static constexpr int stage_offset(int stage, int cols) { return stage * kBlockN * cols; }
+  __host__ __device__ static constexpr int chunk_offset(int chunk, int block, int rows = kPageChunkRows) {
+    return chunk * rows * 64 + block * kBlockN * 64;
+  }
+  // Whether the elements of every box of kRows rows (SmemLayoutKVBox from stage_offset +
+  // chunk_offset) are where `layout` (SmemLayoutK or SmemLayoutV, of `cols` columns) keeps them:
+  // evaluated by the compiler for the paged kernels, on every row and three columns of each 16-byte
+  // swizzle group apart (the compiler's budget for constant evaluation does not reach every element).
+  template <int kRows, class Layout>
   static constexpr bool chunks_match_stage(Layout layout, int cols) {
     for (int stage = 0; stage < kStages; ++stage) {
-      for (int chunk = 0; chunk < kChunksPerTile; ++chunk) {
+      for (int chunk = 0; chunk < kBlockN / kRows; ++chunk) {
         for (int block = 0; block < cols / 64; ++block) {
-          for (int r = 0; r < kPageChunkRows; ++r) {
+          for (int r = 0; r < kRows; ++r) {
             for (int c : {0, 9, 63}) {
-              if (int(layout(chunk * kPageChunkRows + r, block * 64 + c, stage)) !=
-                  stage_offset(stage, cols) + chunk_offset(chunk, block) + int(SmemLayoutKVChunk{}(r, c))) {
+              if (int(layout(chunk * kRows + r, block * 64 + c, stage)) !=
+                  stage_offset(stage, cols) + chunk_offset(chunk, block, kRows) + int(SmemLayoutKVBox<kRows>{}(r, c))) {
                 return false;
               }
             }
@@ -177,8 +201,14 @@ struct FwdTraits {
     }
     return true;
   }
-  static_assert(!kPaged || chunks_match_stage(SmemLayoutK{}, kHeadDim), "a chunk box does not land in K's stage layout");
-  static_assert(!kPaged || chunks_match_stage(SmemLayoutV{}, kHeadDimV), "a chunk box does not land in V's stage layout");
+  static_assert(!kPaged || chunks_match_stage<kPageChunkRows>(SmemLayoutK{}, kHeadDim),
+                "a chunk box does not land in K's stage layout");
+  static_assert(!kPaged || chunks_match_stage<kPageChunkRows>(SmemLayoutV{}, kHeadDimV),
+                "a chunk box does not land in V's stage layout");
+  static_assert(!kWideChunks || chunks_match_stage<kPageWideRows>(SmemLayoutK{}, kHeadDim),
+                "a wide box does not land in K's stage layout");
+  static_assert(!kWideChunks || chunks_match_stage<kPageWideRows>(SmemLayoutV{}, kHeadDimV),
+                "a wide box does not land in V's stage layout");
 
   struct NoTmaO {};
   using TmaO = std::conditional_t<kTmaStoreO,
@@ -189,9 +219,11 @@ struct FwdTraits {
   static constexpr std::uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr std::uint32_t kTmaBytesK = kBlockN * kHeadDim * sizeof(Element);
   static constexpr std::uint32_t kTmaBytesV = kBlockN * kHeadDimV * sizeof(Element);
-  // One chunk of a paged key tile, every column block.
-  static constexpr std::uint32_t kTmaBytesChunkK = kPageChunkRows * kHeadDim * sizeof(Element);
-  static constexpr std::uint32_t kTmaBytesChunkV = kPageChunkRows * kHeadDimV * sizeof(Element);
+  // One box row range of a paged key tile (kRows rows), every column block.
+  template <int kRows>
+  static constexpr std::uint32_t kTmaBytesBoxK = kRows * kHeadDim * sizeof(Element);
+  template <int kRows>
+  static constexpr std::uint32_t kTmaBytesBoxV = kRows * kHeadDimV * sizeof(Element);
 
   struct NoStorage {};
   using OStorage = std::conditional_t<kSeparateO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoStorage>;

@@ -170,8 +170,8 @@ Args parse(int argc, char** argv) {
     else if (flag == "--decode") {
       for (const std::string& item : str_list(v)) {
         const std::vector<int> f = colon_ints(item);
-        if (f.size() != 3 || f[0] < 1 || f[1] < 1 || f[2] < 0 || f[2] % 16 != 0) {
-          throw std::runtime_error("--decode takes batch:context:page (page 0 or a multiple of 16), not " + item);
+        if (f.size() != 3 || f[0] < 1 || f[1] < 1 || f[2] < 0) {
+          throw std::runtime_error("--decode takes batch:context:page (page 0: a contiguous cache), not " + item);
         }
         a.decode.push_back({f[0], f[1], f[2]});
       }
