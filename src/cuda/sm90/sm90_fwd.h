@@ -169,9 +169,10 @@ inline constexpr bool kFwdPaged = FLASHATTN_SM90_FWD_PAGED != 0;
 inline constexpr int kFwdPageChunkRows = 16;
 // kFwdPaged as the library was compiled (the knob reaches nvcc's translation units only).
 bool fwd_paged_built();
-// The rows of the paged kernels' TMA boxes for pages of page_size rows: 64 where the page size is
-// a multiple of 64 (and the key tile too: the caller checks), else 16. FLASHATTN_SM90_FWD_PAGE_BOX=16
-// (read per call) keeps 16-row boxes everywhere: the two timed in one process.
+// The rows of the paged kernels' TMA boxes for pages of page_size rows: with
+// FLASHATTN_SM90_FWD_PAGE_BOX=64 (read per call), 64 where the page size is a multiple of 64 (and
+// the key tile too: the caller checks); else 16. Opt-in until it has run on a GPU, then the two
+// timed in one process.
 int fwd_page_box_rows(int page_size);
 
 // Split-KV in this family: each tile's key tiles spread over `splits` CTAs of the persistent
