@@ -23,6 +23,20 @@ SplitPartialsLayout split_partials_layout(const common::AttentionParams& p, int 
   return l;
 }
 
+SplitKvPartials carve_split_partials(const common::AttentionParams& p, int splits, void* workspace,
+                                     std::size_t workspace_bytes) {
+  SplitKvPartials partials;
+  if (splits <= 1 || workspace == nullptr) return partials;
+  const auto base = reinterpret_cast<std::uintptr_t>(workspace);
+  const std::size_t skip = detail::workspace_align_up(base) - base;
+  const SplitPartialsLayout layout = split_partials_layout(p, splits);
+  if (workspace_bytes < skip || workspace_bytes - skip < layout.out_bytes + layout.lse_bytes) return partials;
+  partials.out_partial = reinterpret_cast<float*>(base + skip);
+  partials.lse_partial = reinterpret_cast<float*>(base + skip + layout.out_bytes);
+  partials.num_splits = splits;
+  return partials;
+}
+
 void combine_split_partials(const common::AttentionParams& p, float* out_partial, float* lse_partial, int splits,
                             cudaStream_t stream) {
   CombineParams c;

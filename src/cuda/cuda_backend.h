@@ -12,6 +12,7 @@
 #include "common/params.h"
 #include "cuda/combine.h"
 #include "cuda/family.h"
+#include "cuda/split_kv.h"
 
 namespace flashattn::cuda {
 
@@ -68,6 +69,12 @@ struct SplitPartialsLayout {
   std::size_t lse_bytes = 0;
 };
 SplitPartialsLayout split_partials_layout(const common::AttentionParams& p, int splits);
+
+// The partials of `splits` splits carved out of a forward's workspace (a misaligned workspace is
+// used from its first aligned byte on): num_splits 1 and no pointers when splits ≤ 1 or the
+// workspace does not hold them (the forward then runs unsplit).
+SplitKvPartials carve_split_partials(const common::AttentionParams& p, int splits, void* workspace,
+                                     std::size_t workspace_bytes);
 
 // Merges such partials into p.out and p.lse on `stream` (the combine kernel).
 void combine_split_partials(const common::AttentionParams& p, float* out_partial, float* lse_partial, int splits,

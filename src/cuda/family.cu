@@ -142,18 +142,8 @@ void family_forward(const FamilyChoice& choice, const common::AttentionParams& p
   };
   // Split-KV (FLASHATTN_SM90_FWD_SPLIT) where the workspace holds the partials (a misaligned
   // workspace is used from its first aligned byte on), as in the sm80 family.
-  SplitKvPartials partials;
   const int splits = workspace != nullptr && workspace_bytes > 0 ? family_num_splits(choice, p) : 1;
-  if (splits > 1) {
-    const auto base = reinterpret_cast<std::uintptr_t>(workspace);
-    const std::size_t skip = detail::workspace_align_up(base) - base;
-    const SplitPartialsLayout layout = split_partials_layout(p, splits);
-    if (workspace_bytes >= skip && workspace_bytes - skip >= layout.out_bytes + layout.lse_bytes) {
-      partials.out_partial = reinterpret_cast<float*>(base + skip);
-      partials.lse_partial = reinterpret_cast<float*>(base + skip + layout.out_bytes);
-      partials.num_splits = splits;
-    }
-  }
+  const SplitKvPartials partials = carve_split_partials(p, splits, workspace, workspace_bytes);
   check(sm90::dispatch_fwd(p.storage, choice.head_dim, p, partials, rng_state, stream));
   if (partials.num_splits > 1) {
     combine_split_partials(p, partials.out_partial, partials.lse_partial, partials.num_splits, stream);

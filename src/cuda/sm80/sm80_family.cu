@@ -151,19 +151,11 @@ void forward(const common::AttentionParams& p, int head_dim, const std::uint64_t
   // same head dim.)
   const bool split_compiled = head_dim_for(Family::fwd_split, p) == head_dim;
   const int splits = workspace != nullptr && workspace_bytes > 0 && split_compiled ? forward_num_splits(p) : 1;
-  if (splits > 1) {
-    const auto base = reinterpret_cast<std::uintptr_t>(workspace);
-    const std::size_t skip = detail::workspace_align_up(base) - base;
-    const SplitPartialsLayout layout = split_partials_layout(p, splits);
-    if (workspace_bytes >= skip && workspace_bytes - skip >= layout.out_bytes + layout.lse_bytes) {
-      SplitKvPartials partials;
-      partials.out_partial = reinterpret_cast<float*>(base + skip);
-      partials.lse_partial = reinterpret_cast<float*>(base + skip + layout.out_bytes);
-      partials.num_splits = splits;
-      check_launch("forward", dispatch_fwd_split(p.storage, head_dim, p, partials, rng_state, stream));
-      combine_split_partials(p, partials.out_partial, partials.lse_partial, splits, stream);
-      return;
-    }
+  const SplitKvPartials partials = carve_split_partials(p, splits, workspace, workspace_bytes);
+  if (partials.num_splits > 1) {
+    check_launch("forward", dispatch_fwd_split(p.storage, head_dim, p, partials, rng_state, stream));
+    combine_split_partials(p, partials.out_partial, partials.lse_partial, partials.num_splits, stream);
+    return;
   }
   check_launch("forward", dispatch_fwd(p.storage, head_dim, p, rng_state, stream));
 }
