@@ -156,7 +156,10 @@ INSTANTIATE_TEST_SUITE_P(
                     PagedGpuCase{DType::f16, 8, 8, 64, 5, false, -1, PagedLengths::cu_seqlens_k, 3},
                     PagedGpuCase{DType::bf16, 8, 2, 128, 24, true, 63, PagedLengths::both, 0, 0, true},
                     PagedGpuCase{DType::bf16, 4, 1, 256, 100, true, -1, PagedLengths::seqused_k, 1},
-                    PagedGpuCase{DType::f16, 8, 4, 128, 7, true, -1, PagedLengths::seqused_k, 1, 0, true}),
+                    PagedGpuCase{DType::f16, 8, 4, 128, 7, true, -1, PagedLengths::seqused_k, 1, 0, true},
+                    // d 96 (the sm90 96 kernel's 32-column boxes where built), pages of 16 and 64.
+                    PagedGpuCase{DType::bf16, 4, 2, 96, 16, true, -1, PagedLengths::seqused_k, 0},
+                    PagedGpuCase{DType::f16, 4, 4, 96, 64, false, -1, PagedLengths::cu_seqlens_k, 1, 0, true}),
     paged_case_name);
 
 // A page size that is not a multiple of 16: the sm90 family declines it with the reason (a forced

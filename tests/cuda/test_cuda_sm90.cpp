@@ -204,7 +204,7 @@ TEST(CudaSm90Host, FeaturesItDoesNotServeYetAreNamed) {
 }
 
 TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
-  for (int d : {64, 128, 192, 256}) {
+  for (int d : {64, 96, 128, 192, 256}) {
     const fc::sm90::FwdTileShape t = fc::sm90::fwd_tile(d);
     const int dv = fc::sm90::fwd_head_dim_v(d);
     EXPECT_EQ(t.block_m % 64, 0) << d;  // consumer warpgroups of 64 rows: two, or three at d 64
@@ -447,7 +447,7 @@ TEST_P(CudaSm90Forward, StridedLayouts) {
 // mask, and rows that see no key at all.
 TEST_P(CudaSm90Forward, LongerSequences) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     for (auto [sq, sk] : {std::pair{300, 717}, std::pair{717, 300}, std::pair{640, 640}}) {
       for (bool causal : {false, true}) {
         AttnConfig cfg = feature_config(GetParam(), d, sq, sk);
@@ -469,7 +469,7 @@ TEST_P(CudaSm90Forward, Softcap) {
 
 TEST_P(CudaSm90Forward, Alibi) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
       for (bool causal : {false, true}) {
         AttnConfig cfg = feature_config(GetParam(), d, 300, 129);

@@ -55,19 +55,24 @@ struct FwdEpilogue {
     }
 
     // Shared memory → global: 16 bytes (8 elements) per thread and access, kChunks threads per
-    // row, consecutive rows for consecutive thread groups.
+    // row, consecutive rows for consecutive thread groups. Where kChunks does not divide the
+    // warpgroup (dv 96: 12), the last kWgThreads % kChunks threads idle and the last pass is short.
     constexpr int kChunk = 16 / int(sizeof(Element));
     constexpr int kChunks = kHeadDimV / kChunk;
-    static_assert(kWgThreads % kChunks == 0 && kRowsPerWg % (kWgThreads / kChunks) == 0,
-                  "a warpgroup's threads tile its rows evenly");
     constexpr int kRowsPerPass = kWgThreads / kChunks;
+    constexpr bool kEven = kWgThreads % kChunks == 0 && kRowsPerWg % kRowsPerPass == 0;
+    constexpr int kPasses = (kRowsPerWg + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kRowsPerPass > 0, "a row is at most one warpgroup's accesses");
     const int wg = thread / kWgThreads;
     const int lane = thread % kWgThreads;
     const int col = (lane % kChunks) * kChunk;
     Element* const out_rows = static_cast<Element*>(p.out.data) + p.q_offset_at(p.out, t.batch, Traits::kVarlen ? t.q_row0 : 0, m_start, t.head);
     auto for_each_row = [&](auto&& store_row) {
       CUTE_UNROLL
-      for (int pass = 0; pass < kRowsPerWg / kRowsPerPass; ++pass) {
+      for (int pass = 0; pass < kPasses; ++pass) {
+        if constexpr (!kEven) {
+          if (lane >= kRowsPerPass * kChunks || pass * kRowsPerPass + lane / kChunks >= kRowsPerWg) continue;
+        }
         const int row = wg * kRowsPerWg + pass * kRowsPerPass + lane / kChunks;
         if (m_start + row < t.seqlen_q && col < p.head_dim_v) {
           store_row(row, reinterpret_cast<uint4*>(out_rows + std::int64_t(row) * p.out.row_stride + col));

@@ -85,7 +85,7 @@ struct FwdMainloop {
   // [j / page_size]), from row j % page_size (a page holds whole boxes). Boxes past the sequence's
   // keys are not loaded (the block_table entries there may be anything): their K rows are masked
   // and their V rows zeroed (compute), as are the rows past the keys inside the last box.
-  // kColumnBlocks: 64-column blocks of the tensor's tile (K: d / 64, V: dv / 64).
+  // kColumnBlocks: the tensor's tile in blocks of Traits::kAtomCols columns (K: d, V: dv).
   template <int kRows, int kColumnBlocks, class Tma, class MKV>
   __device__ static void load_paged_tile(const Tma& tma, const MKV& mKV, Element* stage, std::uint64_t& full,
                                          const int (&box_page)[Traits::kChunksPerTile], int page_size,
@@ -101,7 +101,8 @@ struct FwdMainloop {
       Tensor gPage = mKV(_, _, t.kv_head, box_page[c]);  // (page rows, cols)
       CUTE_UNROLL
       for (int block = 0; block < kColumnBlocks; ++block) {
-        Tensor g = local_tile(gPage, Shape<Int<kRows>, _64>{}, make_coord(in_page / kRows, block));
+        Tensor g = local_tile(gPage, Shape<Int<kRows>, typename Traits::BoxCols>{},
+                              make_coord(in_page / kRows, block));
         Tensor sBox = make_tensor(make_smem_ptr(stage + Traits::chunk_offset(c, block, kRows)),
                                   typename Traits::template SmemLayoutKVBox<kRows>{});
         copy(tma.with(full, 0, kKeep), slice.partition_S(g), slice.partition_D(sBox));

@@ -55,8 +55,12 @@ struct FwdTraits {
   static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
   static_assert(kBlockM % kRowsPerWarpgroup == 0, "each consumer warpgroup owns 64 whole rows");
   static_assert(!kPingPong || kConsumerWarpgroups == 2, "ping-pong pairs two consumer warpgroups");
-  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0,
-                "head dims are instantiated in multiples of 64 (one 128-byte swizzle row)");
+  // Shared memory: rows of d elements in swizzled atoms of 8 rows × kAtomCols elements, the layout
+  // both the TMA boxes and the wgmma descriptors use: 128-byte rows (64 elements) where d and dv
+  // are multiples of 64, else 64-byte rows (32 elements: d 96).
+  static constexpr int kAtomCols = kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 ? 64 : 32;
+  static_assert(kHeadDim % kAtomCols == 0 && kHeadDimV % kAtomCols == 0,
+                "head dims are instantiated in multiples of 32 (one 64-byte swizzle row)");
   static_assert(kHeadDimV <= kHeadDim, "O is staged in Q's bytes where there is no room beside");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "a key tile is one wgmma N (multiple of 16, at most 256)");
   static_assert(sizeof(Element) == 2, "16-bit inputs: the S accumulator's layout is the P·V A-operand layout");
@@ -74,9 +78,8 @@ struct FwdTraits {
       SM90::GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
 
-  // Shared memory: rows of d elements in 128-byte swizzled atoms (8 rows × 64 elements), the
-  // layout both the TMA boxes and the wgmma descriptors use.
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemAtom = std::conditional_t<kAtomCols == 64, GMMA::Layout_K_SW128_Atom<Element>,
+                                      GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));  // (M, d)
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));  // (N, d, stage)
   using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));  // (N, dv, stage)
@@ -114,17 +117,18 @@ struct FwdTraits {
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   // Paged: K/V as (page rows, d, heads_k, pages) and one box per chunk of kPageChunkRows rows and
-  // 64 columns. In SmemLayoutK and SmemLayoutV (8-row swizzle atoms stacked along the rows, then
-  // along the columns) such a chunk is contiguous and starts on a 1024-byte swizzle period, so the
-  // box lands in the stage's own layout (chunk_offset).
+  // kAtomCols columns. In SmemLayoutK and SmemLayoutV (8-row swizzle atoms stacked along the rows,
+  // then along the columns) such a chunk is contiguous and starts on a swizzle period, so the box
+  // lands in the stage's own layout (chunk_offset).
   static constexpr int kPageChunkRows = kFwdPageChunkRows;
   static constexpr int kChunksPerTile = kBlockN / kPageChunkRows;
-  static constexpr int kColumnBlocksK = kHeadDim / 64;
-  static constexpr int kColumnBlocksV = kHeadDimV / 64;
+  static constexpr int kColumnBlocksK = kHeadDim / kAtomCols;
+  static constexpr int kColumnBlocksV = kHeadDimV / kAtomCols;
+  using BoxCols = Int<kAtomCols>;
   static_assert(!kPaged || kBlockN % kPageChunkRows == 0, "a key tile is whole chunks");
-  using SmemLayoutKVChunk = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageChunkRows>, _64>{}));
+  using SmemLayoutKVChunk = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageChunkRows>, BoxCols>{}));
   using TmaKVChunk = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVChunk{},
-                                            Shape<Int<kPageChunkRows>, _64>{}, _1{}));
+                                            Shape<Int<kPageChunkRows>, BoxCols>{}, _1{}));
   using TmaK = std::conditional_t<kPaged, TmaKVChunk,
                                   decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
                                                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}))>;
@@ -135,7 +139,7 @@ struct FwdTraits {
   template <class Gmem>
   static TmaK make_tma_k(const Gmem& gmem) {
     if constexpr (kPaged) {
-      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVChunk{}, Shape<Int<kPageChunkRows>, _64>{}, _1{});
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVChunk{}, Shape<Int<kPageChunkRows>, BoxCols>{}, _1{});
     } else {
       return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
     }
@@ -143,7 +147,7 @@ struct FwdTraits {
   template <class Gmem>
   static TmaV make_tma_v(const Gmem& gmem) {
     if constexpr (kPaged) {
-      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVChunk{}, Shape<Int<kPageChunkRows>, _64>{}, _1{});
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVChunk{}, Shape<Int<kPageChunkRows>, BoxCols>{}, _1{});
     } else {
       return make_tma_copy(SM90_TMA_LOAD{}, gmem, take<0, 2>(SmemLayoutV{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
                            _1{});
@@ -154,16 +158,16 @@ struct FwdTraits {
   // TMA issues and block_table reads of the producer's one thread.
   static constexpr int kPageWideRows = 64;
   static constexpr bool kWideChunks = kPaged && kBlockN % kPageWideRows == 0;
-  using SmemLayoutKVWide = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageWideRows>, _64>{}));
+  using SmemLayoutKVWide = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageWideRows>, BoxCols>{}));
   struct NoTmaWide {};
   using TmaKVWide = std::conditional_t<kWideChunks,
                                        decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutKVWide{},
-                                                              Shape<Int<kPageWideRows>, _64>{}, _1{})),
+                                                              Shape<Int<kPageWideRows>, BoxCols>{}, _1{})),
                                        NoTmaWide>;
   template <class Gmem>
   static TmaKVWide make_tma_kv_wide(const Gmem& gmem) {
     if constexpr (kWideChunks) {
-      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVWide{}, Shape<Int<kPageWideRows>, _64>{}, _1{});
+      return make_tma_copy(SM90_TMA_LOAD{}, gmem, SmemLayoutKVWide{}, Shape<Int<kPageWideRows>, BoxCols>{}, _1{});
     } else {
       return {};
     }
@@ -173,11 +177,11 @@ struct FwdTraits {
   using SmemLayoutKVBox = std::conditional_t<kRows == kPageWideRows, SmemLayoutKVWide, SmemLayoutKVChunk>;
 
   // Element offsets in K's and V's shared tiles: of stage `stage` (its columns `cols`: kHeadDim for
-  // K, kHeadDimV for V), and of box `chunk` of `rows` rows, columns [64·block, 64·block + 64) inside
-  // a stage.
+  // K, kHeadDimV for V), and of box `chunk` of `rows` rows, columns [kAtomCols·block, kAtomCols·
+  // (block + 1)) inside a stage.
   __host__ __device__ static constexpr int stage_offset(int stage, int cols) { return stage * kBlockN * cols; }
   __host__ __device__ static constexpr int chunk_offset(int chunk, int block, int rows = kPageChunkRows) {
-    return chunk * rows * 64 + block * kBlockN * 64;
+    return chunk * rows * kAtomCols + block * kBlockN * kAtomCols;
   }
   // Whether the elements of every box of kRows rows (SmemLayoutKVBox from stage_offset +
   // chunk_offset) are where `layout` (SmemLayoutK or SmemLayoutV, of `cols` columns) keeps them:
@@ -187,10 +191,10 @@ struct FwdTraits {
   static constexpr bool chunks_match_stage(Layout layout, int cols) {
     for (int stage = 0; stage < kStages; ++stage) {
       for (int chunk = 0; chunk < kBlockN / kRows; ++chunk) {
-        for (int block = 0; block < cols / 64; ++block) {
+        for (int block = 0; block < cols / kAtomCols; ++block) {
           for (int r = 0; r < kRows; ++r) {
-            for (int c : {0, 9, 63}) {
-              if (int(layout(chunk * kRows + r, block * 64 + c, stage)) !=
+            for (int c : {0, 9, kAtomCols - 1}) {
+              if (int(layout(chunk * kRows + r, block * kAtomCols + c, stage)) !=
                   stage_offset(stage, cols) + chunk_offset(chunk, block, kRows) + int(SmemLayoutKVBox<kRows>{}(r, c))) {
                 return false;
               }

@@ -16,6 +16,11 @@ const KernelEntry kKernels[] = {
 #else
     {Family::fwd, common::Storage::f16, 64, false},
 #endif
+#ifdef FLASHATTN_SM90_FWD_F16_96
+    {Family::fwd, common::Storage::f16, 96, true},
+#else
+    {Family::fwd, common::Storage::f16, 96, false},
+#endif
 #ifdef FLASHATTN_SM90_FWD_F16_128
     {Family::fwd, common::Storage::f16, 128, true},
 #else
@@ -35,6 +40,11 @@ const KernelEntry kKernels[] = {
     {Family::fwd, common::Storage::bf16, 64, true},
 #else
     {Family::fwd, common::Storage::bf16, 64, false},
+#endif
+#ifdef FLASHATTN_SM90_FWD_BF16_96
+    {Family::fwd, common::Storage::bf16, 96, true},
+#else
+    {Family::fwd, common::Storage::bf16, 96, false},
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_128
     {Family::fwd, common::Storage::bf16, 128, true},
@@ -119,7 +129,7 @@ std::string missing_kernel_reason(Family family, common::Storage storage, int ne
   if (need > largest) return why + " (the largest instantiated head dim is " + std::to_string(largest) + ")";
   return why + " in this build (compiled: " + compiled_head_dims(family, storage) +
          "); the CMake options FLASHATTN_CUDA_HEAD_DIMS and FLASHATTN_CUDA_DTYPES choose the kernels "
-         "that are built (all: -DFLASHATTN_CUDA_HEAD_DIMS=\"64;128;192;256\" -DFLASHATTN_CUDA_DTYPES=\"f16;bf16\")";
+         "that are built (all: -DFLASHATTN_CUDA_HEAD_DIMS=\"64;96;128;192;256\" -DFLASHATTN_CUDA_DTYPES=\"f16;bf16\")";
 }
 
 cudaError_t dispatch_fwd(common::Storage storage,
@@ -131,6 +141,11 @@ cudaError_t dispatch_fwd(common::Storage storage,
 #ifdef FLASHATTN_SM90_FWD_F16_64
   if (storage == common::Storage::f16 && head_dim == 64) {
     return run_fwd<common::Storage::f16, 64>(p, split, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_FWD_F16_96
+  if (storage == common::Storage::f16 && head_dim == 96) {
+    return run_fwd<common::Storage::f16, 96>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_F16_128
@@ -151,6 +166,11 @@ cudaError_t dispatch_fwd(common::Storage storage,
 #ifdef FLASHATTN_SM90_FWD_BF16_64
   if (storage == common::Storage::bf16 && head_dim == 64) {
     return run_fwd<common::Storage::bf16, 64>(p, split, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_FWD_BF16_96
+  if (storage == common::Storage::bf16 && head_dim == 96) {
+    return run_fwd<common::Storage::bf16, 96>(p, split, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_FWD_BF16_128
