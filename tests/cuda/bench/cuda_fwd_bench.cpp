@@ -19,10 +19,10 @@
 // before every timed call of the grid too, as bench/compare.py's timing does.
 //
 // --env-variants "alt:FLASHATTN_SM90_FWD_L2_SECTION_ALT=1;off:FLASHATTN_SM90_FWD_L2_SECTION_MB=0"
-// times every grid case under each setting of the runtime knobs (name:VAR=V,VAR=V; a name alone:
-// none of the variables set), the settings taking turns call by call, so that the GPU's drift
-// (clocks settling under a long load) falls on all of them alike; the JSON rows then name their
-// variant. Every variable that any variant names is unset before each variant's own are set.
+// times every grid case (and every --decode case) under each setting of the runtime knobs
+// (name:VAR=V,VAR=V; a name alone: none of the variables set), the settings taking turns call by
+// call, so that the GPU's drift (clocks settling under a long load) falls on all of them alike;
+// the JSON rows then name their variant. Every variable that any variant names is unset before each variant's own are set.
 // A variant may change the call's features too, through FLASHATTN_BENCH_DETERMINISTIC=0|1,
 // FLASHATTN_BENCH_SOFTCAP=X, FLASHATTN_BENCH_ALIBI=0|1 and FLASHATTN_BENCH_DROPOUT=P (over the
 // command line's), e.g. "plain:;det:FLASHATTN_BENCH_DETERMINISTIC=1" times the deterministic
@@ -265,12 +265,6 @@ std::vector<double> medians_ms(int warmup, int repeats, int variants, Call&& cal
   return out;
 }
 
-// The median of one call's timings (medians_ms of a single variant).
-template <class Call, class Before>
-double median_ms(int warmup, int repeats, Call&& call, Before&& before_each) {
-  return medians_ms(warmup, repeats, 1, call, [](int) {}, before_each)[0];
-}
-
 // A buffer larger than the L2 of any current GPU, cleared before a timed call so that the call
 // starts with its inputs in device memory only.
 struct L2Flush {
@@ -285,7 +279,8 @@ struct L2Flush {
 
 // One decoding case: q (b, sq, h, d) against a cache of `context` keys per sequence, contiguous
 // (b, context, hk, d) or paged (pages, page, hk, d) with a shuffled block table. Returns the JSON
-// object of the result.
+// objects of the result, one per --env-variants entry (the variants taking turns call by call, as
+// in the grid), or one.
 std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   const int b = dc.batch, sq = args.decode_sq, h = args.decode_heads, hk = args.decode_heads_k;
   const int pages_per_seq = dc.page > 0 ? (dc.context + dc.page - 1) / dc.page : 0;
@@ -331,27 +326,48 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
     p.cache_batches = std::int64_t(host.size());  // the pages
   }
   set_lse_and_scale(p, lse, h, sq, d);
-  const std::size_t ws_bytes = flashattn::cuda::forward_workspace_size(p);
+  const int variants = std::max(1, int(args.env_variants.size()));
+  auto select = [&](int vi) {
+    if (args.env_variants.empty()) return;
+    for (const Args::EnvVariant& other : args.env_variants) {
+      for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
+    }
+    for (const auto& kv : args.env_variants[std::size_t(vi)].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+  };
+  // The workspace for every variant (one may choose another kernel family or split count).
+  std::size_t ws_bytes = 0;
+  for (int vi = 0; vi < variants; ++vi) {
+    select(vi);
+    ws_bytes = std::max(ws_bytes, flashattn::cuda::forward_workspace_size(p));
+  }
   void* ws = nullptr;
   if (ws_bytes > 0) check(cudaMalloc(&ws, ws_bytes), "cudaMalloc");
   const L2Flush flush;
-  const double ms = median_ms(
-      args.warmup, args.repeats, [&] { flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes); }, flush);
+  const std::vector<double> medians = medians_ms(
+      args.warmup, args.repeats, variants, [&] { flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes); },
+      select, flush);
   check(cudaGetLastError(), "kernel");
   const double bytes = 2.0 * double(b) * dc.context * hk * d * 2 + 2.0 * double(nq) * 2;
-  const double gbps = bytes / (ms * 1e-3) / 1e9;
-  const int splits = ws_bytes > 0 ? flashattn::cuda::forward_num_splits(p) : 1;
-  const char* family = flashattn::cuda::family_name(flashattn::cuda::choose_forward_family(p).family);
-  std::printf("flashattn %s decode %s d=%d b=%d sq=%d h=%d hk=%d context=%d page=%d splits=%d: %.4f ms, %.0f GB/s\n",
-              family, args.storage == c::Storage::f16 ? "f16" : "bf16", d, b, sq, h, hk, dc.context, dc.page, splits, ms,
-              gbps);
-  for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), ws}) cudaFree(ptr);
   std::ostringstream js;
-  js << "{\"impl\": \"flashattn_" << family << "\", \"pass\": \"decode\", \"dtype\": \""
-     << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d << ", \"seqlen\": " << dc.context
-     << ", \"batch\": " << b << ", \"sq\": " << sq << ", \"heads\": " << h << ", \"heads_k\": " << hk
-     << ", \"page\": " << dc.page << ", \"splits\": " << splits << ", \"causal\": false, \"ms\": " << ms
-     << ", \"gbps\": " << gbps << "}";
+  for (int vi = 0; vi < variants; ++vi) {
+    select(vi);
+    const double ms = medians[std::size_t(vi)];
+    const double gbps = bytes / (ms * 1e-3) / 1e9;
+    const int splits = ws_bytes > 0 ? flashattn::cuda::forward_num_splits(p) : 1;
+    const char* family = flashattn::cuda::family_name(flashattn::cuda::choose_forward_family(p).family);
+    const std::string variant = args.env_variants.empty() ? "" : args.env_variants[std::size_t(vi)].name;
+    std::printf("flashattn%s%s %s decode %s d=%d b=%d sq=%d h=%d hk=%d context=%d page=%d splits=%d: %.4f ms, "
+                "%.0f GB/s\n",
+                variant.empty() ? "" : " variant ", variant.c_str(), family,
+                args.storage == c::Storage::f16 ? "f16" : "bf16", d, b, sq, h, hk, dc.context, dc.page, splits, ms, gbps);
+    js << (vi > 0 ? ",\n  " : "") << "{\"impl\": \"flashattn_" << family << "\", \"pass\": \"decode\", \"dtype\": \""
+       << (args.storage == c::Storage::f16 ? "f16" : "bf16") << "\", \"d\": " << d << ", \"seqlen\": " << dc.context
+       << ", \"batch\": " << b << ", \"sq\": " << sq << ", \"heads\": " << h << ", \"heads_k\": " << hk
+       << ", \"page\": " << dc.page << ", \"splits\": " << splits << ", \"causal\": false"
+       << (variant.empty() ? "" : ", \"variant\": \"" + variant + "\"") << ", \"ms\": " << ms
+       << ", \"gbps\": " << gbps << "}";
+  }
+  for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), ws}) cudaFree(ptr);
   return js.str();
 }
 
