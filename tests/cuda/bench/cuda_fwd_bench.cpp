@@ -277,6 +277,16 @@ struct L2Flush {
   void operator()() const { check(cudaMemsetAsync(buffer, 0, kBytes), "cudaMemsetAsync"); }
 };
 
+// Makes --env-variants entry vi current: every variable that any entry names unset, then the
+// entry's own set (nothing where there are none).
+void set_env_variant(const Args& args, int vi) {
+  if (args.env_variants.empty()) return;
+  for (const Args::EnvVariant& other : args.env_variants) {
+    for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
+  }
+  for (const auto& kv : args.env_variants[std::size_t(vi)].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+}
+
 // One decoding case: q (b, sq, h, d) against a cache of `context` keys per sequence, contiguous
 // (b, context, hk, d) or paged (pages, page, hk, d) with a shuffled block table. Returns the JSON
 // objects of the result, one per --env-variants entry (the variants taking turns call by call, as
@@ -327,13 +337,7 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   }
   set_lse_and_scale(p, lse, h, sq, d);
   const int variants = std::max(1, int(args.env_variants.size()));
-  auto select = [&](int vi) {
-    if (args.env_variants.empty()) return;
-    for (const Args::EnvVariant& other : args.env_variants) {
-      for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
-    }
-    for (const auto& kv : args.env_variants[std::size_t(vi)].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
-  };
+  auto select = [&](int vi) { set_env_variant(args, vi); };
   // The workspace for every variant (one may choose another kernel family or split count).
   std::size_t ws_bytes = 0;
   for (int vi = 0; vi < variants; ++vi) {
@@ -489,10 +493,7 @@ int main(int argc, char** argv) try {
           const int variants = std::max(1, int(args.env_variants.size()));
           auto select = [&](int vi) {
             if (args.env_variants.empty()) return;
-            for (const Args::EnvVariant& other : args.env_variants) {
-              for (const auto& kv : other.vars) unsetenv(kv.first.c_str());
-            }
-            for (const auto& kv : args.env_variants[std::size_t(vi)].vars) setenv(kv.first.c_str(), kv.second.c_str(), 1);
+            set_env_variant(args, vi);
             set_features(env_or("FLASHATTN_BENCH_DETERMINISTIC", args.deterministic ? 1.0f : 0.0f) != 0.0f,
                          env_or("FLASHATTN_BENCH_SOFTCAP", args.softcap),
                          env_or("FLASHATTN_BENCH_ALIBI", args.alibi ? 1.0f : 0.0f) != 0.0f,
