@@ -117,8 +117,6 @@ struct BwdTileShape {
   int block_n;
   int stages;
 };
-// (d 96, where built, takes d 128's tile; BwdTraits::SmemAtomD lays its d-wide tiles in 64-byte
-// swizzle rows.)
 constexpr BwdTileShape bwd_tile(int head_dim) {
   return head_dim <= 64 ? BwdTileShape{128, 128, 2} : head_dim <= 128 ? BwdTileShape{64, 128, 2} : BwdTileShape{64, 64, 1};
 }

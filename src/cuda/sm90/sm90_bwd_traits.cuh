@@ -78,7 +78,7 @@ struct BwdTraits {
   static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups: the register split assumes it");
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
                 "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
-  static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0, "whole swizzle rows (64 bytes of d, 128 of rows)");
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle rows");
 
   // (M, N, K) of each product.
   using TileShapeSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // Sᵀ, dPᵀ
@@ -115,12 +115,9 @@ struct BwdTraits {
       Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows × 64 elements, 128-byte swizzle
-  // Tiles of d columns: the 128-byte swizzle where d is a multiple of 64, else 8 rows × 32
-  // elements with a 64-byte swizzle (d 96: three atoms per row); dS (keys × rows) always 128-byte.
-  using SmemAtomD = std::conditional_t<kHeadDim % 64 == 0, SmemAtom, GMMA::Layout_K_SW64_Atom<Element>>;
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (keys, d)
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (keys, d)
   using SmemLayoutV = SmemLayoutK;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
   using SmemLayoutdO = SmemLayoutQ;
   using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));  // (keys, rows, buffer)
   // The same bytes with the first two coordinates swapped: Qᵀ and dOᵀ (d, rows, stage) for dK/dV,
