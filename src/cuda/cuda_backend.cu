@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/mask.h"
 #include "cuda/cuda_common.h"
 #include "cuda/family.h"
 #include "flashattn/error.h"
@@ -93,6 +94,19 @@ int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_spl
     if (eligible(s) && efficiency(s) >= kNearBest * best) return s;
   }
   return 1;
+}
+
+int widest_row_block_key_tiles(const common::AttentionParams& p, int block_m, int block_n, int pack) {
+  const common::Mask mask = common::make_mask(p.causal, p.window_left, p.window_right, p.max_seqlen_k,
+                                              p.max_seqlen_q, p.max_seqlen_k);
+  auto tiles_of_rows = [&](int row_begin, int row_end) {
+    const int lo = mask.block_col_begin(row_begin) / block_n;
+    const int hi = (mask.block_col_end(row_end) + block_n - 1) / block_n;
+    return std::max(hi - lo, 0);
+  };
+  const int m_blocks = (p.max_seqlen_q * pack + block_m - 1) / block_m;
+  return std::max(tiles_of_rows(0, std::min((block_m + pack - 1) / pack, p.max_seqlen_q)),
+                  tiles_of_rows((m_blocks - 1) * block_m / pack, p.max_seqlen_q));
 }
 
 int forward_num_splits(const common::AttentionParams& p) {

@@ -56,6 +56,12 @@ inline constexpr int kMaxSplits = 128;
 // reaches 224/264 = 0.85 ≥ 0.85 · 0.97: 7 splits, 224 CTAs of at most 19 tiles, one wave.
 int num_splits_heuristic(std::int64_t ctas, int n_blocks, int slots, int max_splits);
 
+// The key tiles (of block_n keys) that the widest row block of p sees, row blocks of block_m rows
+// of a kernel that packs `pack` query heads per row (packed row r is query row r / pack): with a
+// bottom-right aligned causal mask the last block sees the most keys; with a window (or sq > sk)
+// the first can, so both ends are asked. p has at least one query row.
+int widest_row_block_key_tiles(const common::AttentionParams& p, int block_m, int block_n, int pack);
+
 // The number of splits the forward of p uses on the current device when the workspace suffices,
 // as the kernel family that runs it plans them (1: that family does not split p; the sm80 family:
 // p.num_splits when > 0, at most kMaxSplits, else num_splits_heuristic over the SMs of the device

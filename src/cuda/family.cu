@@ -135,16 +135,14 @@ void family_forward(const FamilyChoice& choice, const common::AttentionParams& p
     sm80::forward(p, choice.head_dim, rng_state, workspace, workspace_bytes, stream);
     return;
   }
-  auto check = [](cudaError_t err) {
-    if (err != cudaSuccess) {
-      throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
-    }
-  };
   // Split-KV (FLASHATTN_SM90_FWD_SPLIT) where the workspace holds the partials (a misaligned
   // workspace is used from its first aligned byte on), as in the sm80 family.
   const int splits = workspace != nullptr && workspace_bytes > 0 ? family_num_splits(choice, p) : 1;
   const SplitKvPartials partials = carve_split_partials(p, splits, workspace, workspace_bytes);
-  check(sm90::dispatch_fwd(p.storage, choice.head_dim, p, partials, rng_state, stream));
+  const cudaError_t err = sm90::dispatch_fwd(p.storage, choice.head_dim, p, partials, rng_state, stream);
+  if (err != cudaSuccess) {
+    throw Error(std::string("flashattn::forward (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
+  }
   if (partials.num_splits > 1) {
     combine_split_partials(p, partials.out_partial, partials.lse_partial, partials.num_splits, stream);
   }

@@ -108,10 +108,17 @@ std::string forward_refusal(const common::AttentionParams& p, int* head_dim) {
   return "";
 }
 
+namespace {
+// Packed GQA (fwd_pack) of the forward of p at head_dim, whose variant is full or not: a row block
+// holds (query row, head) pairs of one kv head; the full variant never packs.
+int pack_of(const common::AttentionParams& p, int head_dim, bool full) {
+  return full ? 1 : fwd_pack(p, fwd_tile(head_dim, false).block_m);
+}
+}  // namespace
+
 int forward_pack(const common::AttentionParams& p) {
   const int head_dim = head_dim_for(Family::fwd, p);
-  if (head_dim == 0 || fwd_runs_full(p, head_dim, smem_per_block_limit())) return 1;
-  return fwd_pack(p, fwd_tile(head_dim, false).block_m);
+  return head_dim == 0 ? 1 : pack_of(p, head_dim, fwd_runs_full(p, head_dim, smem_per_block_limit()));
 }
 
 int forward_num_splits(const common::AttentionParams& p) {
@@ -119,26 +126,13 @@ int forward_num_splits(const common::AttentionParams& p) {
   const int head_dim = head_dim_for(Family::fwd, p);
   if (head_dim == 0 || p.batch <= 0 || p.heads <= 0 || p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return 1;
   const bool full = fwd_runs_full(p, head_dim, smem_per_block_limit());
-  const FwdTile plain_tile = fwd_tile(head_dim, full);
-  // Packed GQA (fwd_pack): a row block holds (query row, head) pairs of one kv head, in the packed
-  // kernel's tile.
-  const int pack = full ? 1 : fwd_pack(p, plain_tile.block_m);
+  // Packed GQA: in the packed kernel's tile.
+  const int pack = pack_of(p, head_dim, full);
   // The short-sequence tile runs unsplit (its CTAs are many and short already).
   if (!full && pack == 1 && fwd_runs_short(p, head_dim)) return 1;
-  const FwdTile tile = pack > 1 ? fwd_tile_packed(head_dim) : plain_tile;
+  const FwdTile tile = pack > 1 ? fwd_tile_packed(head_dim) : fwd_tile(head_dim, full);
   const int m_blocks = (p.max_seqlen_q * pack + tile.block_m - 1) / tile.block_m;
-  // Key tiles of the widest row block: with a bottom-right aligned causal mask the last block
-  // sees the most keys; with a window (or sq > sk) the first can, so both ends are asked.
-  const common::Mask mask = common::make_mask(p.causal, p.window_left, p.window_right, p.max_seqlen_k,
-                                              p.max_seqlen_q, p.max_seqlen_k);
-  auto tiles_of_rows = [&](int row_begin, int row_end) {
-    const int lo = mask.block_col_begin(row_begin) / tile.block_n;
-    const int hi = (mask.block_col_end(row_end) + tile.block_n - 1) / tile.block_n;
-    return std::max(hi - lo, 0);
-  };
-  // (Packed row r is query row r / pack.)
-  const int n_blocks = std::max(tiles_of_rows(0, std::min((tile.block_m + pack - 1) / pack, p.max_seqlen_q)),
-                                tiles_of_rows((m_blocks - 1) * tile.block_m / pack, p.max_seqlen_q));
+  const int n_blocks = widest_row_block_key_tiles(p, tile.block_m, tile.block_n, pack);
   const int ctas_per_sm = std::max(1, kRegisterFileSize / (tile.warps * kWarpSize * kMaxRegistersPerThread));
   const std::int64_t ctas = std::int64_t(m_blocks) * (p.heads / pack) * p.batch;
   return num_splits_heuristic(ctas, n_blocks, current_sm_count() * ctas_per_sm, kMaxSplits);

@@ -1,7 +1,6 @@
 // src/cuda/sm90/sm90_fwd.cu — which calls the Hopper forward family serves (host code).
 #include "cuda/sm90/sm90_fwd.h"
 
-#include "common/mask.h"
 #include "cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -124,17 +123,7 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
   if (head_dim <= 0 || p.batch <= 0 || p.heads <= 0 || p.max_seqlen_q <= 0 || p.max_seqlen_k <= 0) return 1;
   const FwdTileShape tile = fwd_tile(head_dim);
   const int m_blocks = (p.max_seqlen_q + tile.block_m - 1) / tile.block_m;
-  // The widest row block: the last under a bottom-right causal mask, possibly the first under a
-  // window (or where sq > sk); both are asked.
-  const common::Mask mask = common::make_mask(p.causal, p.window_left, p.window_right, p.max_seqlen_k,
-                                              p.max_seqlen_q, p.max_seqlen_k);
-  auto key_tiles = [&](int row_begin, int row_end) {
-    return std::max((mask.block_col_end(row_end) + tile.block_n - 1) / tile.block_n -
-                        mask.block_col_begin(row_begin) / tile.block_n,
-                    0);
-  };
-  const int n_blocks = std::max(key_tiles(0, std::min(tile.block_m, p.max_seqlen_q)),
-                                key_tiles((m_blocks - 1) * tile.block_m, p.max_seqlen_q));
+  const int n_blocks = widest_row_block_key_tiles(p, tile.block_m, tile.block_n, 1);
   return num_splits_heuristic(std::int64_t(m_blocks) * p.heads * p.batch, n_blocks, sms, kMaxSplits);
 }
 

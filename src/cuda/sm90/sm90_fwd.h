@@ -164,7 +164,7 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m);
 // never crosses a page, so page sizes are multiples of kFwdPageChunkRows, as in the sm80 family),
 // into the same swizzled stages the contiguous kernels fill; one block_table read per page of the
 // tile. On by default (-DFLASHATTN_SM90_FWD_PAGED=0 leaves paged calls to the sm80 family): on the
-// H200, paged prefill at 1.34–1.59× the sm80 paged kernel (docs/benchmarks-sm90.md).
+// H200, paged prefill at 1.34–1.67× the sm80 paged kernel (docs/benchmarks-sm90.md).
 #ifndef FLASHATTN_SM90_FWD_PAGED
 #define FLASHATTN_SM90_FWD_PAGED 1
 #endif

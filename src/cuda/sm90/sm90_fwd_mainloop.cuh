@@ -80,7 +80,8 @@ struct FwdMainloop {
 
   // Paged caches: key tile n of tile t of K or V (mKV: (page rows, cols, heads_k, pages) as TMA
   // reads it) into `stage`, completing on `full`, from the pages of sequence t.batch, in boxes of
-  // kRows rows (Traits::kPageChunkRows, or kPageWideRows where the pages allow it) × 64 columns.
+  // kRows rows (Traits::kPageChunkRows, or kPageWideRows where the pages allow it) × kAtomCols
+  // columns.
   // Box c holds keys j = n·kBlockN + c·kRows …: page box_page[c] (tile_pages: block_table[t.batch]
   // [j / page_size]), from row j % page_size (a page holds whole boxes). Boxes past the sequence's
   // keys are not loaded (the block_table entries there may be anything): their K rows are masked
