@@ -19,6 +19,7 @@
 #include "common/params.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/device_query.h"
+#include "cuda/sm90/sm90_fwd.h"
 #include "cuda/sm90/sm90_registry.h"
 #include "cuda/sm80/sm80_registry.h"
 #include "cuda/sm80/sm80_smem.h"
@@ -61,6 +62,22 @@ inline std::vector<const char*> families_here() {
   if (sm90_available(&why)) return {"sm80", "sm90"};
   std::printf("NOT RUN on the sm90 family: %s\n", why.c_str());
   return {"sm80"};
+}
+
+// Whether the sm90 forward serves paged caches of `page` rows in this build: built with its paged
+// kernels (FLASHATTN_SM90_FWD_PAGED) and a page of whole 16-row boxes; otherwise why not goes to
+// the test's output.
+inline bool sm90_takes_pages(int page) {
+  if (!flashattn::cuda::sm90::fwd_paged_built()) {
+    std::printf("NOT RUN on the sm90 family: paged caches (built without -DFLASHATTN_SM90_FWD_PAGED=1)\n");
+    return false;
+  }
+  if (page % flashattn::cuda::sm90::kFwdPageChunkRows != 0) {
+    std::printf("NOT RUN on the sm90 family: pages of %d rows (it takes multiples of %d)\n", page,
+                flashattn::cuda::sm90::kFwdPageChunkRows);
+    return false;
+  }
+  return true;
 }
 
 // Skips (saying why) where the sm90 family cannot run: no compute capability 9.0 GPU, or no

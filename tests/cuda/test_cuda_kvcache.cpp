@@ -14,7 +14,6 @@
 
 #include "common/rotary.h"
 #include "cuda/kvcache_append.h"
-#include "cuda/sm90/sm90_fwd.h"
 #include "cuda_test_util.h"
 #include "kvcache_test_util.h"
 
@@ -181,16 +180,7 @@ TEST_P(CudaKvcacheAppend, CacheMatchesCpuAndOutputMatchesReference) {
   for (const char* family : families_here()) {
     SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family);
     const FamilyOverride forced(family);
-    if (std::string(family) == "sm90" && ac.kind == CacheKind::paged && !flashattn::cuda::sm90::fwd_paged_built()) {
-      std::printf("NOT RUN on the sm90 family: paged caches (built without -DFLASHATTN_SM90_FWD_PAGED=1)\n");
-      continue;
-    }
-    if (std::string(family) == "sm90" && ac.kind == CacheKind::paged &&
-        ac.page % flashattn::cuda::sm90::kFwdPageChunkRows != 0) {
-      std::printf("NOT RUN on the sm90 family: pages of %d rows (it takes multiples of %d)\n", ac.page,
-                  flashattn::cuda::sm90::kFwdPageChunkRows);
-      continue;
-    }
+    if (std::string(family) == "sm90" && ac.kind == CacheKind::paged && !sm90_takes_pages(ac.page)) continue;
     const KvcacheCall call(ac);
 
     // The CPU backend on a deep copy of the cache.

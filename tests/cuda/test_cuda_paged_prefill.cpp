@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/sm90/sm90_fwd.h"
 #include "cuda_test_util.h"
 #include "paged_test_util.h"
 
@@ -99,16 +98,8 @@ TEST_P(CudaPagedPrefill, MatchesReference) {
   // -DFLASHATTN_SM90_FWD_PAGED=1; it does not split, so num_splits is moot there).
   std::vector<const char*> families = {""};
   for (const char* family : families_here()) {
-    if (std::string(family) == "sm90" && !fa::cuda::sm90::fwd_paged_built()) {
-      std::printf("NOT RUN on the sm90 family: paged caches (built without -DFLASHATTN_SM90_FWD_PAGED=1)\n");
-      continue;
-    }
-    if (std::string(family) == "sm90" && g.page % fa::cuda::sm90::kFwdPageChunkRows != 0) {
-      std::printf("NOT RUN on the sm90 family: pages of %d rows (it takes multiples of %d; "
-                  "CudaPagedPrefillRefusal checks its reason)\n",
-                  g.page, fa::cuda::sm90::kFwdPageChunkRows);
-      continue;
-    }
+    // (CudaPagedPrefillRefusal checks the sm90 family's reason for other page sizes.)
+    if (std::string(family) == "sm90" && !sm90_takes_pages(g.page)) continue;
     families.push_back(family);
   }
   for (const char* family : families) {
