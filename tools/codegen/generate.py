@@ -4,6 +4,7 @@
     python3 tools/codegen/generate.py           # (re)write src/cuda/<arch>/inst/*.cu and the registries
     python3 tools/codegen/generate.py --check   # exit 1 if any generated file is missing or stale,
                                                 # or an inst/ folder holds a file the manifest does not name
+    python3 tools/codegen/generate.py --check-subset  # print the compile-check's instantiations
 
 The manifest (tools/codegen/kernels.json) lists, per kernel family ("arch": sm80, sm90), the GPU
 architectures its code is compiled for, its kinds of kernel (launcher template, the header that
@@ -228,11 +229,32 @@ def arch_outputs(m):
     return files
 
 
+def check_subset(manifest):
+    """The instantiations a compile-check on a small machine builds (scripts/test, via
+    FLASHATTN_CUDA_KERNELS): every (arch, kind, head dim) once, in one dtype. The dtype alternates
+    along an arch's head dims and starts one further at each kind, so that every kind meets every
+    dtype and every head dim of an arch meets every dtype across its kinds. The dtypes differ only
+    in the element type the templates take; the kinds and the head dims differ in code (tiles,
+    layouts, branches), which is what a compile-check is for. The GPU machine builds them all."""
+    names = []
+    for m in manifest["archs"]:
+        dtypes = m["dtypes"]
+        for k, f in enumerate(m["families"]):
+            for i, d in enumerate(head_dims(m, f)):
+                names.append(inst_name(m["arch"], f, dtypes[(i + k) % len(dtypes)], d)[: -len(".cu")])
+    return names
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="verify instead of writing")
+    ap.add_argument("--check-subset", action="store_true",
+                    help="print the compile-check's instantiations (a CMake list for FLASHATTN_CUDA_KERNELS)")
     args = ap.parse_args()
     manifest = json.loads(MANIFEST.read_text())
+    if args.check_subset:
+        print(";".join(check_subset(manifest)))
+        return 0
     files = outputs(manifest)
     orphans = sorted(p for m in manifest["archs"] for p in (ROOT / "src" / "cuda" / m["arch"] / "inst").glob("*.cu")
                      if p not in files)
