@@ -233,7 +233,7 @@ TEST_P(CudaSm90BackwardFeatures, StridedLayouts) {
 // rows that see no key (zero dQ).
 TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     for (auto [sq, sk] : {std::pair{300, 717}, std::pair{717, 300}, std::pair{640, 640}}) {
       for (bool causal : {false, true}) {
         AttnConfig cfg = feature_config(GetParam(), d, sq, sk);
@@ -323,7 +323,7 @@ TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
   for (const AttnConfig& cfg : softcap_configs(GetParam())) {
     expect_sm90_backward_matches(cfg);
   }
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
       for (bool causal : {false, true}) {
         AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
@@ -346,7 +346,7 @@ TEST_P(CudaSm90BackwardFeatures, Dropout) {
   for (const AttnConfig& cfg : dropout_configs(GetParam())) {
     expect_sm90_backward_matches(cfg);
   }
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     for (bool softcap : {false, true}) {
       AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
       cfg.varlen_q = {130, 0, 47};

@@ -49,8 +49,13 @@ __device__ __forceinline__ void group_row_dots(float (&dot)[kRows], const Elemen
   }
 }
 
-// The lanes per row of a head dim: 8 elements each, at most a warp.
-constexpr int row_dot_lanes(int head_dim) { return head_dim / 8 < 32 ? head_dim / 8 : 32; }
+// The lanes per row of a head dim: 8 elements each, at most a warp, a power of two (d 96: 8 lanes,
+// half of them taking a second step).
+constexpr int row_dot_lanes(int head_dim) {
+  int lanes = 1;
+  while (lanes < 32 && 2 * lanes * 8 <= head_dim) lanes *= 2;
+  return lanes;
+}
 
 // One thread's share of a preprocess block of kThreads threads over kRows rows of (batch, head)
 // from row `block_row0`: groups of row_dot_lanes(kHeadDim) lanes take a row each, kPasses rows per

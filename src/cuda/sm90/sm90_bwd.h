@@ -117,6 +117,8 @@ struct BwdTileShape {
   int block_n;
   int stages;
 };
+// (d 96, where built, takes d 128's tile; BwdTraits lays its d-wide tiles in 64-byte swizzle rows,
+// K in 32-byte ones: dQ's two 48-column halves of Kᵀ must each start on a swizzle atom.)
 constexpr BwdTileShape bwd_tile(int head_dim) {
   return head_dim <= 64 ? BwdTileShape{128, 128, 2} : head_dim <= 128 ? BwdTileShape{64, 128, 2} : BwdTileShape{64, 64, 1};
 }

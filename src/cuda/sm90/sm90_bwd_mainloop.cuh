@@ -25,8 +25,8 @@ struct BwdParams {
   common::AttentionParams p;
   typename Traits::TmaRows tma_q;
   typename Traits::TmaRows tma_do;
-  typename Traits::TmaKeys tma_k;
-  typename Traits::TmaKeys tma_v;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
   typename Traits::ShapeRows shape_q;   // (sq, d, h, b); varlen (total_q, d, h, 1)
   typename Traits::ShapeRows shape_do;  // (sq, dv, h, b)
   typename Traits::ShapeRows shape_k;   // (sk, d, hk, b); varlen (total_k, d, hk, 1)
@@ -675,14 +675,19 @@ struct BwdMainloop {
     constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16-byte access
     constexpr int kChunks = kHeadDim / kChunk;          // threads per key row
     constexpr int kRowsPerPass = Traits::kConsumerThreads / kChunks;
-    static_assert(Traits::kConsumerThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0,
-                  "the consumer threads tile the key rows evenly");
+    // Where kChunks does not divide the threads (d 96: 12), the last threads idle and the last pass
+    // is short.
+    constexpr bool kEven = Traits::kConsumerThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0;
+    constexpr int kPasses = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
     const int col = (thread % kChunks) * kChunk;
     const int key0 = t.n_block * kBlockN;
     Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, t.k_row0, key0, t.kv_head);
     Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, t.k_row0, key0, t.kv_head);
     CUTE_UNROLL
-    for (int pass = 0; pass < kBlockN / kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if constexpr (!kEven) {
+        if (thread >= kRowsPerPass * kChunks || pass * kRowsPerPass + thread / kChunks >= kBlockN) continue;
+      }
       const int key = pass * kRowsPerPass + thread / kChunks;
       if (key0 + key < t.seqlen_k) {
         if (col < p.head_dim) {

@@ -78,7 +78,7 @@ struct BwdTraits {
   static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups: the register split assumes it");
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
                 "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
-  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0, "whole 128-byte swizzle rows");
+  static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0, "whole swizzle rows (64 bytes of d, 128 of rows)");
 
   // (M, N, K) of each product.
   using TileShapeSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // Sᵀ, dPᵀ
@@ -115,9 +115,23 @@ struct BwdTraits {
       Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
 
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows × 64 elements, 128-byte swizzle
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (keys, d)
-  using SmemLayoutV = SmemLayoutK;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
+  // Tiles of d columns: the 128-byte swizzle where d is a multiple of 64, else 8 rows × 32
+  // elements with a 64-byte swizzle (d 96: three atoms per row); dS (keys × rows) always 128-byte.
+  using SmemAtomD = std::conditional_t<kHeadDim % 64 == 0, SmemAtom, GMMA::Layout_K_SW64_Atom<Element>>;
+  // K is also dQ's B operand (Kᵀ, d × keys), whose d columns the warpgroups split (kdQWarpgroupsN):
+  // a wgmma descriptor starts on a swizzle atom, so each warpgroup's slice must hold whole atoms.
+  // d 96 with two 48-column slices: 8 rows × 16 elements with a 32-byte swizzle.
+  static constexpr int kdQColsPerWarpgroup = kHeadDim / kdQWarpgroupsN;
+  using SmemAtomK = std::conditional_t<
+      kdQColsPerWarpgroup % 64 == 0, SmemAtom,
+      std::conditional_t<kdQColsPerWarpgroup % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
+  // The rule for every operand whose d columns the warpgroups split (dQ's Kᵀ; split d: dK's Qᵀ and
+  // dV's dOᵀ), checked here because the compiler accepts a descriptor that starts inside an atom.
+  static_assert(kdQColsPerWarpgroup % size<1>(SmemAtomK{}) == 0, "each dQ warpgroup's K^T columns start on a swizzle atom");
+  static_assert(kdKVColsPerWarpgroup % size<1>(SmemAtomD{}) == 0, "each dK/dV warpgroup's Q^T and dO^T columns start on a swizzle atom");
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (keys, d)
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
   using SmemLayoutdO = SmemLayoutQ;
   using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));  // (keys, rows, buffer)
   // The same bytes with the first two coordinates swapped: Qᵀ and dOᵀ (d, rows, stage) for dK/dV,
@@ -137,8 +151,10 @@ struct BwdTraits {
                                           StrideRows{}));
   using TmaRows = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
                                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKeys = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
-                                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
+                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 
   static constexpr std::uint32_t kTmaBytesRows = kBlockM * kHeadDim * sizeof(Element);
   static constexpr std::uint32_t kTmaBytesKeys = kBlockN * kHeadDim * sizeof(Element);

@@ -66,6 +66,11 @@ const KernelEntry kKernels[] = {
 #else
     {Family::bwd, common::Storage::f16, 64, false},
 #endif
+#ifdef FLASHATTN_SM90_BWD_F16_96
+    {Family::bwd, common::Storage::f16, 96, true},
+#else
+    {Family::bwd, common::Storage::f16, 96, false},
+#endif
 #ifdef FLASHATTN_SM90_BWD_F16_128
     {Family::bwd, common::Storage::f16, 128, true},
 #else
@@ -80,6 +85,11 @@ const KernelEntry kKernels[] = {
     {Family::bwd, common::Storage::bf16, 64, true},
 #else
     {Family::bwd, common::Storage::bf16, 64, false},
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_96
+    {Family::bwd, common::Storage::bf16, 96, true},
+#else
+    {Family::bwd, common::Storage::bf16, 96, false},
 #endif
 #ifdef FLASHATTN_SM90_BWD_BF16_128
     {Family::bwd, common::Storage::bf16, 128, true},
@@ -208,6 +218,11 @@ cudaError_t dispatch_bwd(common::Storage storage,
     return run_bwd<common::Storage::f16, 64>(p, scratch, rng_state, stream);
   }
 #endif
+#ifdef FLASHATTN_SM90_BWD_F16_96
+  if (storage == common::Storage::f16 && head_dim == 96) {
+    return run_bwd<common::Storage::f16, 96>(p, scratch, rng_state, stream);
+  }
+#endif
 #ifdef FLASHATTN_SM90_BWD_F16_128
   if (storage == common::Storage::f16 && head_dim == 128) {
     return run_bwd<common::Storage::f16, 128>(p, scratch, rng_state, stream);
@@ -221,6 +236,11 @@ cudaError_t dispatch_bwd(common::Storage storage,
 #ifdef FLASHATTN_SM90_BWD_BF16_64
   if (storage == common::Storage::bf16 && head_dim == 64) {
     return run_bwd<common::Storage::bf16, 64>(p, scratch, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_96
+  if (storage == common::Storage::bf16 && head_dim == 96) {
+    return run_bwd<common::Storage::bf16, 96>(p, scratch, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_BWD_BF16_128
