@@ -31,9 +31,8 @@ constexpr int kPagedDecodeRows = 64;
 // instantiated head dim that would run p); "" when they hold.
 std::string sm90_kernel_refusal(sm90::Family kind, const common::AttentionParams& p, int* head_dim,
                                 std::initializer_list<std::pair<const char*, const common::RowHeadTensor*>> tensors) {
-  // The forward's 192 instantiation has dv 128 (sm90::fwd_head_dim_v).
-  const int need = kind == sm90::Family::fwd ? sm90::fwd_head_dim_need(p.head_dim, p.head_dim_v)
-                                             : std::max(p.head_dim, p.head_dim_v);
+  // The 192 instantiations have dv 128 (sm90::fwd_head_dim_v, bwd_head_dim_v).
+  const int need = sm90::fwd_head_dim_need(p.head_dim, p.head_dim_v);
   if (p.storage == common::Storage::f16 || p.storage == common::Storage::bf16) {
     *head_dim = sm90::compiled_head_dim(kind, p.storage, need);
     if (*head_dim == 0) return sm90::missing_kernel_reason(kind, p.storage, need);
@@ -177,14 +176,16 @@ std::size_t family_backward_workspace_size(const FamilyChoice& choice, const com
 std::size_t family_backward_workspace_bound(const common::AttentionParams& p, std::int64_t total_q_rows) {
   Family forced;
   const bool only_one = forced_family(&forced);
-  const int need = std::max(p.head_dim, p.head_dim_v);
   std::size_t bound = 0;
   for (Family f : kPreference) {
     if (only_one && f != forced) continue;
     FamilyChoice choice;
     choice.family = f;
-    choice.head_dim = f == Family::sm90 ? sm90::compiled_head_dim(sm90::Family::bwd, p.storage, need)
-                                        : sm80::compiled_head_dim(sm80::Family::bwd, p.storage, need);
+    // The head dim each family's choice would take (family_choose's rules).
+    choice.head_dim =
+        f == Family::sm90
+            ? sm90::compiled_head_dim(sm90::Family::bwd, p.storage, sm90::fwd_head_dim_need(p.head_dim, p.head_dim_v))
+            : sm80::compiled_head_dim(sm80::Family::bwd, p.storage, std::max(p.head_dim, p.head_dim_v));
     if (choice.head_dim != 0) bound = std::max(bound, family_backward_workspace_size(choice, p, total_q_rows));
   }
   return bound;

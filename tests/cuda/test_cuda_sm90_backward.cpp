@@ -66,6 +66,14 @@ TEST(CudaSm90BackwardHost, ServedFeaturesAndTheReasonsForTheOthers) {
   wide.opt.causal = true;
   wide.opt.deterministic = true;
   EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(wide)), 256), "");
+  // The 192 instantiation is 192 / 128 (bwd_head_dim_v): it takes dv ≤ 128 and refuses more.
+  static_assert(fc::sm90::bwd_head_dim_v(192) == 128 && fc::sm90::bwd_head_dim_v(96) == 96);
+  AttnConfig mla = feature_config(DType::bf16, 192, 64, 64);
+  mla.head_dim_v = 128;
+  EXPECT_EQ(fc::sm90::bwd_unsupported(backward_params_of(make_problem(mla)), 192), "");
+  mla.head_dim_v = 192;
+  const std::string wide_v = fc::sm90::bwd_unsupported(backward_params_of(make_problem(mla)), 192);
+  EXPECT_NE(wide_v.find("exceed the instantiation's 192 / 128"), std::string::npos) << wide_v;
 }
 
 // The launch order (sm90_bwd.h, bwd_tile_major): key tiles slowest only for a masked call whose grid
@@ -184,6 +192,20 @@ TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
         backward_params_of(make_problem(feature_config(DType::bf16, 256, 100, 100))));
     EXPECT_TRUE(wide.served);
     EXPECT_EQ(wide.family, fc::Family::sm90);
+    // d 192: the 192 / 128 kernel where built and dv allows, else the 256 one; the workspace
+    // bound (sized before the choice) covers the kernel chosen.
+    for (int dv : {128, 192}) {
+      AttnConfig mla = feature_config(DType::bf16, 192, 100, 100);
+      mla.head_dim_v = dv;
+      const c::AttentionParams mp = backward_params_of(make_problem(mla));
+      const fc::FamilyChoice choice = fc::choose_backward_family(mp);
+      EXPECT_TRUE(choice.served);
+      EXPECT_EQ(choice.family, fc::Family::sm90);
+      const bool native = dv == 128 && fc::sm90::compiled_head_dim(fc::sm90::Family::bwd, c::Storage::bf16, 192) == 192;
+      EXPECT_EQ(choice.head_dim, native ? 192 : 256) << "dv " << dv;
+      const std::int64_t rows = std::int64_t(mla.batch) * mla.seqlen_q;
+      EXPECT_GE(fc::family_backward_workspace_bound(mp, rows), fc::family_backward_workspace_size(choice, mp, rows));
+    }
   }
   AttnConfig sinks = feature_config(DType::bf16, 128, 100, 100);  // sinks: sm80's
   sinks.sinks = true;
@@ -195,6 +217,16 @@ TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
   const fc::FamilyChoice refused = fc::choose_backward_family(backward_params_of(make_problem(sinks)));
   EXPECT_FALSE(refused.served);
   EXPECT_NE(refused.why_not.find("sinks"), std::string::npos) << refused.why_not;
+}
+
+// The (d, dv) pairs of the feature tests: every instantiated head dim (where a build leaves one out,
+// its calls run the next larger kernel) and DeepSeek's 192 / 128.
+constexpr std::pair<int, int> kFeatureDims[] = {{64, 64}, {96, 96}, {128, 128}, {192, 128}, {256, 256}};
+
+AttnConfig feature_config_dv(DType dtype, std::pair<int, int> dims, int sq, int sk) {
+  AttnConfig cfg = feature_config(dtype, dims.first, sq, sk);
+  cfg.head_dim_v = dims.second;
+  return cfg;
 }
 
 // --- the shape grid -----------------------------------------------------------------------------
@@ -233,20 +265,20 @@ TEST_P(CudaSm90BackwardFeatures, StridedLayouts) {
 // rows that see no key (zero dQ).
 TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
   FA_SKIP_WITHOUT_SM90();
-  for (int d : {64, 96, 128, 256}) {
+  for (auto d : kFeatureDims) {
     for (auto [sq, sk] : {std::pair{300, 717}, std::pair{717, 300}, std::pair{640, 640}}) {
       for (bool causal : {false, true}) {
-        AttnConfig cfg = feature_config(GetParam(), d, sq, sk);
+        AttnConfig cfg = feature_config_dv(GetParam(), d, sq, sk);
         cfg.opt.causal = causal;
         expect_sm90_backward_matches(cfg);
       }
     }
-    AttnConfig mqa = feature_config(GetParam(), d, 333, 333);
+    AttnConfig mqa = feature_config_dv(GetParam(), d, 333, 333);
     mqa.heads = 8;
     mqa.heads_k = 1;
     mqa.opt.causal = true;
     expect_sm90_backward_matches(mqa);
-    AttnConfig cfg = feature_config(GetParam(), d, 300, 100);
+    AttnConfig cfg = feature_config_dv(GetParam(), d, 300, 100);
     cfg.opt.window_left = 0;
     cfg.opt.window_right = 0;  // rows 0…199 see no key
     expect_sm90_backward_matches(cfg);
@@ -323,10 +355,10 @@ TEST_P(CudaSm90BackwardFeatures, SoftcapAndAlibi) {
   for (const AttnConfig& cfg : softcap_configs(GetParam())) {
     expect_sm90_backward_matches(cfg);
   }
-  for (int d : {64, 96, 128, 256}) {
+  for (auto d : kFeatureDims) {
     for (Alibi a : {Alibi::per_head, Alibi::per_batch_head}) {
       for (bool causal : {false, true}) {
-        AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
+        AttnConfig cfg = feature_config_dv(GetParam(), d, 200, 333);
         cfg.alibi = a;
         cfg.opt.causal = causal;
         expect_sm90_backward_matches(cfg);
@@ -346,9 +378,9 @@ TEST_P(CudaSm90BackwardFeatures, Dropout) {
   for (const AttnConfig& cfg : dropout_configs(GetParam())) {
     expect_sm90_backward_matches(cfg);
   }
-  for (int d : {64, 96, 128, 256}) {
+  for (auto d : kFeatureDims) {
     for (bool softcap : {false, true}) {
-      AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+      AttnConfig cfg = feature_config_dv(GetParam(), d, 0, 0);
       cfg.varlen_q = {130, 0, 47};
       cfg.varlen_k = {100, 30, 260};
       cfg.opt.dropout_p = 0.25f;
@@ -358,12 +390,12 @@ TEST_P(CudaSm90BackwardFeatures, Dropout) {
       if (softcap) cfg.opt.softcap = 10.0f;
       expect_sm90_backward_matches(cfg);
     }
-    AttnConfig alibi = feature_config(GetParam(), d, 150, 333);
+    AttnConfig alibi = feature_config_dv(GetParam(), d, 150, 333);
     alibi.alibi = Alibi::per_head;
     alibi.opt.dropout_p = 0.1f;
     alibi.opt.dropout_seed = 7;
     expect_sm90_backward_matches(alibi);
-    AttnConfig gqa = feature_config(GetParam(), d, 200, 257);
+    AttnConfig gqa = feature_config_dv(GetParam(), d, 200, 257);
     gqa.heads = 8;
     gqa.heads_k = 2;
     gqa.opt.dropout_p = 0.3f;

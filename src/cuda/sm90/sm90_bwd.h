@@ -11,6 +11,7 @@
 
 #include "common/macros.h"
 #include "common/params.h"
+#include "cuda/sm90/sm90_fwd.h"
 
 namespace flashattn::cuda::sm90 {
 
@@ -117,11 +118,18 @@ struct BwdTileShape {
   int block_n;
   int stages;
 };
-// (d 96, where built, takes d 128's tile; BwdTraits lays its d-wide tiles in 64-byte swizzle rows,
-// K in 32-byte ones: dQ's two 48-column halves of Kᵀ must each start on a swizzle atom.)
+// d 96 (where built) takes d 128's tile; BwdTraits picks each operand's swizzle so that every
+// warpgroup's slice of it starts on an atom (K in 32-byte rows there: dQ's two 48-column halves of
+// Kᵀ). d 192 (dv 128, bwd_head_dim_v; where built) splits d as d 256 does, with two Q/dO stages:
+// K 24 + V 16 + Q 2 · 24 + dO 2 · 16 + dSᵀ and Pᵀ 2 · 16 + the dQ slices 48 KiB.
 constexpr BwdTileShape bwd_tile(int head_dim) {
-  return head_dim <= 64 ? BwdTileShape{128, 128, 2} : head_dim <= 128 ? BwdTileShape{64, 128, 2} : BwdTileShape{64, 64, 1};
+  return head_dim <= 64    ? BwdTileShape{128, 128, 2}
+         : head_dim <= 128 ? BwdTileShape{64, 128, 2}
+         : head_dim <= 192 ? BwdTileShape{64, 64, 2}
+                           : BwdTileShape{64, 64, 1};
 }
+// The dv of an instantiation: the forward's pairing (sm90_fwd.h), 192 / 128 and d = dv elsewhere.
+constexpr int bwd_head_dim_v(int head_dim) { return fwd_head_dim_v(head_dim); }
 
 // The rows of the backward's scratch: per query head `head_stride` rows, in which sequence b's
 // rows start at bwd_row_start (a multiple of block_m) and take its query rows rounded up to a

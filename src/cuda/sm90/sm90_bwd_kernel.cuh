@@ -17,7 +17,8 @@ namespace flashattn::cuda::sm90 {
 inline constexpr int kBwdPrepostThreads = 256;
 inline constexpr int kBwdPreRows = 64;  // rows of sequence `batch` per preprocess block
 
-// Grid (rows.padded_rows / kBwdPreRows, heads, batch): groups of kHeadDim / 8 lanes take a row each,
+// Grid (rows.padded_rows / kBwdPreRows, heads, batch): kHeadDim is dv here (the rows of dO and O);
+// groups of device::row_dot_lanes(kHeadDim) lanes take a row each,
 // 8 consecutive columns of dO and O per lane (device::SoftmaxDRows), all of a thread's rows
 // loaded at once; the rows past sq up to the row-block padding get lse +∞ and softmax_d 0.
 template <class Element, int kHeadDim>
@@ -127,9 +128,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread = int(threadIdx.x) - Traits::kWarpgroupThreads;
-    typename Traits::TiledMmadKV mma_dkv;
-    Tensor acc_dk = partition_fragment_C(mma_dkv, select<0, 1>(typename Traits::TileShapedKV{}));
-    Tensor acc_dv = partition_fragment_C(mma_dkv, select<0, 1>(typename Traits::TileShapedKV{}));
+    Tensor acc_dk = partition_fragment_C(typename Traits::TiledMmadK{}, select<0, 1>(typename Traits::TileShapedK{}));
+    Tensor acc_dv = partition_fragment_C(typename Traits::TiledMmadV{}, select<0, 1>(typename Traits::TileShapedV{}));
     clear(acc_dk);
     clear(acc_dv);
     Mainloop::compute(params, ss, q_pipe, do_pipe, t, thread, acc_dk, acc_dv);

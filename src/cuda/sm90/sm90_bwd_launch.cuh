@@ -28,17 +28,17 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.shape_do = make_shape(rows_q, p.head_dim_v, p.heads, batch);
   params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch);
   params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch);
-  const auto rows_box = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
-  const auto keys_box = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
-  const auto rows_smem = take<0, 2>(typename Traits::SmemLayoutQ{});
-  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch), rows_smem,
-                               rows_box, _1{});
+  constexpr int kHeadDimV = Traits::kHeadDimV;
+  const auto q_box = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
+  const auto do_box = Shape<Int<Traits::kBlockM>, Int<kHeadDimV>>{};
+  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch),
+                               take<0, 2>(typename Traits::SmemLayoutQ{}), q_box, _1{});
   params.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.dout, rows_q, p.head_dim_v, p.heads, batch),
-                                rows_smem, rows_box, _1{});
+                                take<0, 2>(typename Traits::SmemLayoutdO{}), do_box, _1{});
   params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.k, rows_k, p.head_dim, p.heads_k, batch),
-                               typename Traits::SmemLayoutK{}, keys_box, _1{});
+                               typename Traits::SmemLayoutK{}, Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
   params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.v, rows_k, p.head_dim_v, p.heads_k, batch),
-                               typename Traits::SmemLayoutV{}, keys_box, _1{});
+                               typename Traits::SmemLayoutV{}, Shape<Int<Traits::kBlockN>, Int<kHeadDimV>>{}, _1{});
   params.dq_accum = ws.dq_accum;
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;
@@ -105,7 +105,7 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
   if (err != cudaSuccess) return err;
   const int row_blocks = ws.rows.padded_rows / kBwdPreRows;
   if (row_blocks > 0) {
-    bwd_preprocess_kernel<Element, kHeadDim><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
+    bwd_preprocess_kernel<Element, bwd_head_dim_v(kHeadDim)><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
         p, ws.lse_log2, ws.dpsum, ws.rows);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }

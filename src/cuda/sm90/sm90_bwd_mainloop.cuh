@@ -23,8 +23,8 @@ namespace flashattn::cuda::sm90 {
 template <class Traits>
 struct BwdParams {
   common::AttentionParams p;
-  typename Traits::TmaRows tma_q;
-  typename Traits::TmaRows tma_do;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmadO tma_do;
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
   typename Traits::ShapeRows shape_q;   // (sq, d, h, b); varlen (total_q, d, h, 1)
@@ -167,6 +167,7 @@ struct BwdMainloop {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kHeadDimV = Traits::kHeadDimV;
   static constexpr int kStages = Traits::kStages;
   using SharedStorage = typename Traits::SharedStorage;
   using Pipeline = TmaPipeline<kStages>;
@@ -218,8 +219,8 @@ struct BwdMainloop {
     Tensor gK = local_tile(domain_offset(make_coord(k_row0, _0{}), mK(_, _, t.kv_head, batch)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
     Tensor gV = local_tile(domain_offset(make_coord(k_row0, _0{}), mV(_, _, t.kv_head, batch)),
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(t.n_block, _0{}));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * Traits::kTmaBytesKeys);
+                           Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(t.n_block, _0{}));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, Traits::kTmaBytesKV);
     copy(params.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
     copy(params.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
 
@@ -232,15 +233,15 @@ struct BwdMainloop {
       Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, head, batch)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
       Tensor gdO = local_tile(domain_offset(make_coord(q_row0, _0{}), mdO(_, _, head, batch)),
-                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
+                              Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m, _0{}));
       const std::int64_t stats = stat_offset(params, t, head, m);
       {
-        std::uint64_t& full = q_pipe.producer_acquire(st, Traits::kTmaBytesRows + Traits::kStatBytes);
+        std::uint64_t& full = q_pipe.producer_acquire(st, Traits::kTmaBytesQ + Traits::kStatBytes);
         copy(params.tma_q.with(full, 0, kKeep), tma_q.partition_S(gQ), tma_q.partition_D(sQ(_, _, st.index)));
         SM90_BULK_COPY_G2S::copy(params.lse_log2 + stats, &full, ss.lse_log2[st.index], Traits::kStatBytes);
       }
       {
-        std::uint64_t& full = do_pipe.producer_acquire(st, Traits::kTmaBytesRows + Traits::kStatBytes);
+        std::uint64_t& full = do_pipe.producer_acquire(st, Traits::kTmaBytesdO + Traits::kStatBytes);
         copy(params.tma_do.with(full, 0, kKeep), tma_do.partition_S(gdO), tma_do.partition_D(sdO(_, _, st.index)));
         SM90_BULK_COPY_G2S::copy(params.dpsum + stats, &full, ss.dpsum[st.index], Traits::kStatBytes);
       }
@@ -323,16 +324,18 @@ struct BwdMainloop {
   // --- consumers: two warpgroups of 64 keys each (split d: of half the rows, then half of d) ----
   // thread: index among the consumer threads. Leaves dK and dV (fp32, dS already scaled by
   // softmax_scale) in acc_dk / acc_dv.
-  template <class AccKV>
+  template <class AccK, class AccV>
   __device__ static void compute(const BwdParams<Traits>& params, SharedStorage& ss, const Pipeline& q_pipe,
-                                 const Pipeline& do_pipe, const BwdTile& t, int thread, AccKV& acc_dk,
-                                 AccKV& acc_dv) {
+                                 const Pipeline& do_pipe, const BwdTile& t, int thread, AccK& acc_dk,
+                                 AccV& acc_dv) {
     const common::AttentionParams& p = params.p;
     typename Traits::TiledMmaSdP mma_sdp;
-    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadK mma_dk;
+    typename Traits::TiledMmadV mma_dv;
     typename Traits::TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(thread);
-    auto thr_dkv = mma_dkv.get_thread_slice(thread);
+    auto thr_dk = mma_dk.get_thread_slice(thread);
+    auto thr_dv = mma_dv.get_thread_slice(thread);
     auto thr_dq = mma_dq.get_thread_slice(thread);
     const int wg = thread / Traits::kWarpgroupThreads;
 
@@ -351,13 +354,13 @@ struct BwdMainloop {
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
     Tensor tPrV = thr_sdp.partition_fragment_A(sV);
     Tensor tPrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
-    Tensor tKrQt = thr_dkv.partition_fragment_B(sQt);
+    Tensor tVrdOt = thr_dv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tKrQt = thr_dk.partition_fragment_B(sQt);
     Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, MMA_M, MMA_K, buffer)
     Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
     // Split d: Pᵀ and dSᵀ of both warpgroups' rows as the A operands of dV and dK.
-    Tensor tVrP = thr_dkv.partition_fragment_A(sP);     // (MMA, MMA_M, MMA_K, buffer)
-    Tensor tKrdS = thr_dkv.partition_fragment_A(sdS);
+    Tensor tVrP = thr_dv.partition_fragment_A(sP);      // (MMA, MMA_M, MMA_K, buffer)
+    Tensor tKrdS = thr_dk.partition_fragment_A(sdS);
 
     constexpr auto kShapeSdP = select<0, 1>(typename Traits::TileShapeSdP{});
     Tensor acc_s = partition_fragment_C(mma_sdp, kShapeSdP);
@@ -560,7 +563,7 @@ struct BwdMainloop {
         if constexpr (Traits::kSplitD) {
           copy(r2s_ds, r2s_p_src, r2s_p_dst(_, _, _, buffer));
         } else {
-          wgmma<false>(mma_dkv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
+          wgmma<false>(mma_dv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
         }
       };
       cute::warpgroup_wait<0>();  // dPᵀ has landed
@@ -616,15 +619,15 @@ struct BwdMainloop {
       // dK += dSᵀ·Q: dSᵀ from registers, or (split d) both warpgroups' from shared memory.
       auto issue_dk = [&] {
         if constexpr (Traits::kSplitD) {
-          wgmma<false>(mma_dkv, tKrdS(_, _, _, buffer), tKrQt(_, _, _, st.index), acc_dk);
+          wgmma<false>(mma_dk, tKrdS(_, _, _, buffer), tKrQt(_, _, _, st.index), acc_dk);
         } else {
-          wgmma<false>(mma_dkv, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
+          wgmma<false>(mma_dk, ds_frag, tKrQt(_, _, _, st.index), acc_dk);
         }
       };
       if constexpr (!kBwdStageUnderDk && !Traits::kSplitD) issue_dk();  // under the barrier's wait
       named_barrier_sync(int(BwdBarrier::kDsWritten), Traits::kConsumerThreads);
       if constexpr (Traits::kSplitD) {  // this warpgroup's half of d, every row and key of the tile
-        wgmma<false>(mma_dkv, tVrP(_, _, _, buffer), tVrdOt(_, _, _, st.index), acc_dv);
+        wgmma<false>(mma_dv, tVrP(_, _, _, buffer), tVrdOt(_, _, _, st.index), acc_dv);
       }
       if constexpr (kBwdStageUnderDk && !Traits::kSplitD) {
         // dQ before dK (FlashAttention-3's order): once dV and dQ have landed (groups retire in
@@ -654,50 +657,53 @@ struct BwdMainloop {
   // element type, columns below d and dv: staged by stmatrix in K's and V's shared-memory tiles
   // (free once both warpgroups' last products are done: each dQ product reads every key of K),
   // then 16-byte row pieces to global memory.
-  template <class AccKV>
+  template <class AccK, class AccV>
   __device__ static void store(const BwdParams<Traits>& params, SharedStorage& ss, const BwdTile& t, int thread,
-                               const AccKV& acc_dk, const AccKV& acc_dv) {
+                               const AccK& acc_dk, const AccV& acc_dv) {
     const common::AttentionParams& p = params.p;
     Tensor sdK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
     Tensor sdV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
-    typename Traits::TiledMmadKV mma_dkv;
-    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
-    auto thr_r2s = r2s.get_thread_slice(thread);
+    auto r2s_dk = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadK{});
+    auto r2s_dv = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename Traits::TiledMmadV{});
+    auto thr_r2s_dk = r2s_dk.get_thread_slice(thread);
+    auto thr_r2s_dv = r2s_dv.get_thread_slice(thread);
     Tensor dk16 = make_tensor<Element>(acc_dk.layout());
     Tensor dv16 = make_tensor<Element>(acc_dv.layout());
     convert_fragment<Element>(acc_dk, dk16);
     convert_fragment<Element>(acc_dv, dv16);
     named_barrier_sync(int(BwdBarrier::kEpilogue), Traits::kConsumerThreads);
-    copy(r2s, thr_r2s.retile_S(dk16), thr_r2s.partition_D(sdK));
-    copy(r2s, thr_r2s.retile_S(dv16), thr_r2s.partition_D(sdV));
+    copy(r2s_dk, thr_r2s_dk.retile_S(dk16), thr_r2s_dk.partition_D(sdK));
+    copy(r2s_dv, thr_r2s_dv.retile_S(dv16), thr_r2s_dv.partition_D(sdV));
     named_barrier_sync(int(BwdBarrier::kEpilogue), Traits::kConsumerThreads);
 
-    constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16-byte access
-    constexpr int kChunks = kHeadDim / kChunk;          // threads per key row
-    constexpr int kRowsPerPass = Traits::kConsumerThreads / kChunks;
-    // Where kChunks does not divide the threads (d 96: 12), the last threads idle and the last pass
-    // is short.
-    constexpr bool kEven = Traits::kConsumerThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0;
-    constexpr int kPasses = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
-    const int col = (thread % kChunks) * kChunk;
     const int key0 = t.n_block * kBlockN;
     Element* const dk = static_cast<Element*>(p.dk.data) + p.k_offset_at(p.dk, t.batch, t.k_row0, key0, t.kv_head);
     Element* const dv = static_cast<Element*>(p.dv.data) + p.k_offset_at(p.dv, t.batch, t.k_row0, key0, t.kv_head);
+    store_rows<kHeadDim>(sdK, dk, p.dk.row_stride, p.head_dim, t.seqlen_k - key0, thread);
+    store_rows<kHeadDimV>(sdV, dv, p.dv.row_stride, p.head_dim_v, t.seqlen_k - key0, thread);
+  }
+
+  // The tile's first `keys` rows of a staged (keys, kCols) tile, columns below `cols`, to `dst`
+  // (rows `row_stride` apart), in 16-byte pieces: kCols / 8 consumer threads per row. Where those
+  // do not divide the threads (d 96: 12), the last threads idle and the last pass is short.
+  template <int kCols, class Tile>
+  __device__ static void store_rows(const Tile& tile, Element* dst, std::int64_t row_stride, int cols, int keys,
+                                    int thread) {
+    constexpr int kChunk = 16 / int(sizeof(Element));  // elements per 16-byte access
+    constexpr int kChunks = kCols / kChunk;             // threads per key row
+    constexpr int kRowsPerPass = Traits::kConsumerThreads / kChunks;
+    constexpr bool kEven = Traits::kConsumerThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0;
+    constexpr int kPasses = (kBlockN + kRowsPerPass - 1) / kRowsPerPass;
+    const int col = (thread % kChunks) * kChunk;
     CUTE_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
       if constexpr (!kEven) {
         if (thread >= kRowsPerPass * kChunks || pass * kRowsPerPass + thread / kChunks >= kBlockN) continue;
       }
       const int key = pass * kRowsPerPass + thread / kChunks;
-      if (key0 + key < t.seqlen_k) {
-        if (col < p.head_dim) {
-          *reinterpret_cast<uint4*>(dk + std::int64_t(key) * p.dk.row_stride + col) =
-              *reinterpret_cast<const uint4*>(&sdK(key, col));
-        }
-        if (col < p.head_dim_v) {
-          *reinterpret_cast<uint4*>(dv + std::int64_t(key) * p.dv.row_stride + col) =
-              *reinterpret_cast<const uint4*>(&sdV(key, col));
-        }
+      if (key < keys && col < cols) {
+        *reinterpret_cast<uint4*>(dst + std::int64_t(key) * row_stride + col) =
+            *reinterpret_cast<const uint4*>(&tile(key, col));
       }
     }
   }

@@ -1,6 +1,7 @@
 // src/cuda/sm90/sm90_bwd_traits.cuh — the compile-time shape of one Hopper backward kernel: the
 // tile, the warpgroups, the shared-memory layouts (GMMA swizzles, written by TMA and read by
-// wgmma, plain and transposed), the four tiled MMAs and the shared storage with its barriers.
+// wgmma, plain and transposed), the five tiled MMAs and the shared storage with its barriers.
+// Q and K have kHeadDim columns (d), V and dO kHeadDimV (dv: 128 in the 192 instantiation, else d).
 //
 // Each consumer warpgroup owns 64 keys of the CTA's key tile and computes, per query row block m:
 //   Sᵀ  = K·Qᵀ      (64 keys × block_m rows, both operands in shared memory)
@@ -17,7 +18,7 @@
 // computes Sᵀ and dPᵀ for half of the block's rows (64 keys × block_m / 2), both write Pᵀ and dSᵀ
 // to shared memory, and each then takes half of d in all three updates:
 //   dV[:, half] += Pᵀ·dO[:, half],  dK[:, half] += dSᵀ·Q[:, half],  dQ[:, half] = dS·K[:, half]
-// (all operands in shared memory), so that a thread keeps 2 · 64 · d / 2 / 128 fp32 of dK and dV.
+// (all operands in shared memory), so that a thread keeps 64 · (d + dv) / 2 / 128 fp32 of dK and dV.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -52,7 +53,8 @@ inline constexpr int kBwdModsAll = kBwdModSoftcap | kBwdModAlibi | kBwdModDropou
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kMods_, bool kVarlen_>
 struct BwdTraits {
   using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_;                  // of Q and K
+  static constexpr int kHeadDimV = bwd_head_dim_v(kHeadDim_);  // of V and dO (192: 128)
   static constexpr int kBlockM = kBlockM_;  // query rows per step
   static constexpr int kBlockN = kBlockN_;  // keys of the CTA
   static constexpr int kStages = kStages_;  // Q/dO ring
@@ -78,67 +80,81 @@ struct BwdTraits {
   static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups: the register split assumes it");
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
                 "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
-  static_assert(kHeadDim % 32 == 0 && kBlockM % 64 == 0, "whole swizzle rows (64 bytes of d, 128 of rows)");
+  static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kBlockM % 64 == 0,
+                "whole swizzle rows (32 bytes of d and dv at least, 128 of rows)");
 
   // (M, N, K) of each product.
-  using TileShapeSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // Sᵀ, dPᵀ
-  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;  // dK, dV
+  using TileShapeSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // Sᵀ (K = d), dPᵀ (K = dv)
+  using TileShapedK = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;   // dK
+  using TileShapedV = Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kBlockM>>;  // dV
   // dQ (block_m × d): the warpgroups split its rows when there are 128 of them, else its columns.
   static constexpr int kdQWarpgroupsM = kBlockM >= 128 ? 2 : 1;
   static constexpr int kdQWarpgroupsN = kConsumerWarpgroups / kdQWarpgroupsM;
+  static constexpr int kdQColsPerWarpgroup = kHeadDim / kdQWarpgroupsN;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using TileShapedQAtom = Shape<Int<kBlockM / kdQWarpgroupsM>, Int<kHeadDim / kdQWarpgroupsN>, Int<kBlockN>>;
+  using TileShapedQAtom = Shape<Int<kBlockM / kdQWarpgroupsM>, Int<kdQColsPerWarpgroup>, Int<kBlockN>>;
 
   // Warpgroups along the keys, or (split d) along the second coordinate: the rows of Sᵀ and dPᵀ,
   // the columns of dK and dV.
   using AtomLayoutWgs = std::conditional_t<kSplitD, Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>,
                                            Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>>;
   static constexpr int kSdPRowsPerWarpgroup = kSplitD ? kBlockM / kConsumerWarpgroups : kBlockM;
-  static constexpr int kdKVColsPerWarpgroup = kSplitD ? kHeadDim / kConsumerWarpgroups : kHeadDim;
+  static constexpr int kdKColsPerWarpgroup = kSplitD ? kHeadDim / kConsumerWarpgroups : kHeadDim;
+  static constexpr int kdVColsPerWarpgroup = kSplitD ? kHeadDimV / kConsumerWarpgroups : kHeadDimV;
+  // (The K extent of an op's shape does not enter its choice: Sᵀ and dPᵀ share the tiled MMA.)
   using TiledMmaSdP = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Element, Element, float,
                                  Shape<Int<kKeysPerWarpgroup>, Int<kSdPRowsPerWarpgroup>, Int<kHeadDim>>>(),
       AtomLayoutWgs{}));
   // dV += Pᵀ·dO: A from registers (split d: Pᵀ from shared memory, both warpgroups' rows); B = dO
-  // read as (d, rows), d contiguous ("MN-major"). dK += dSᵀ·Q the same way.
-  using ShapedKVAtom = Shape<Int<kKeysPerWarpgroup>, Int<kdKVColsPerWarpgroup>, Int<kBlockM>>;
-  using TiledMmadKV = decltype(make_tiled_mma(
-      std::conditional_t<kSplitD,
-                         decltype(SM90::GMMA::ss_op_selector<Element, Element, float, ShapedKVAtom, GMMA::Major::K,
-                                                             GMMA::Major::MN>()),
-                         decltype(SM90::GMMA::rs_op_selector<Element, Element, float, ShapedKVAtom, GMMA::Major::K,
-                                                             GMMA::Major::MN>())>{},
+  // read as (dv, rows), dv contiguous ("MN-major"). dK += dSᵀ·Q the same way over d.
+  template <int kCols>
+  using TiledMmaKeysBy = decltype(make_tiled_mma(
+      std::conditional_t<
+          kSplitD,
+          decltype(SM90::GMMA::ss_op_selector<Element, Element, float,
+                                              Shape<Int<kKeysPerWarpgroup>, Int<kCols>, Int<kBlockM>>, GMMA::Major::K,
+                                              GMMA::Major::MN>()),
+          decltype(SM90::GMMA::rs_op_selector<Element, Element, float,
+                                              Shape<Int<kKeysPerWarpgroup>, Int<kCols>, Int<kBlockM>>, GMMA::Major::K,
+                                              GMMA::Major::MN>())>{},
       AtomLayoutWgs{}));
+  using TiledMmadK = TiledMmaKeysBy<kdKColsPerWarpgroup>;
+  using TiledMmadV = TiledMmaKeysBy<kdVColsPerWarpgroup>;
   // dQ = dS·K: A = dS stored as dSᵀ (keys, rows) with rows contiguous; B = K read as (d, keys).
   using TiledMmadQ = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Element, Element, float, TileShapedQAtom, GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
 
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;  // 8 rows × 64 elements, 128-byte swizzle
-  // Tiles of d columns: the 128-byte swizzle where d is a multiple of 64, else 8 rows × 32
-  // elements with a 64-byte swizzle (d 96: three atoms per row); dS (keys × rows) always 128-byte.
-  using SmemAtomD = std::conditional_t<kHeadDim % 64 == 0, SmemAtom, GMMA::Layout_K_SW64_Atom<Element>>;
-  // K is also dQ's B operand (Kᵀ, d × keys), whose d columns the warpgroups split (kdQWarpgroupsN):
-  // a wgmma descriptor starts on a swizzle atom, so each warpgroup's slice must hold whole atoms.
-  // d 96 with two 48-column slices: 8 rows × 16 elements with a 32-byte swizzle.
-  static constexpr int kdQColsPerWarpgroup = kHeadDim / kdQWarpgroupsN;
-  using SmemAtomK = std::conditional_t<
-      kdQColsPerWarpgroup % 64 == 0, SmemAtom,
-      std::conditional_t<kdQColsPerWarpgroup % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
-  // The rule for every operand whose d columns the warpgroups split (dQ's Kᵀ; split d: dK's Qᵀ and
-  // dV's dOᵀ), checked here because the compiler accepts a descriptor that starts inside an atom.
+  // Shared-memory tiles in 8-row GMMA atoms, each tile with the widest swizzle (128, 64 or 32
+  // bytes: 64, 32 or 16 elements per row) whose atom columns divide the narrowest slice a
+  // warpgroup's product takes of it: a wgmma descriptor starts on an atom, and one that starts
+  // inside it reads the wrong elements (the compiler accepts it). Q: dK's Qᵀ (d, or d / 2 split
+  // d); dO: dV's dOᵀ; K: dQ's Kᵀ (d / kdQWarpgroupsN; d 96: 48, hence 32-byte rows); V: dPᵀ's
+  // whole dv. dSᵀ and Pᵀ (keys × rows): 128-byte.
+  template <int kCols>
+  using AtomFor = std::conditional_t<
+      kCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<kCols % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemAtomQ = AtomFor<kdKColsPerWarpgroup>;
+  using SmemAtomdO = AtomFor<kdVColsPerWarpgroup>;
+  using SmemAtomK = AtomFor<kdQColsPerWarpgroup>;
+  using SmemAtomV = AtomFor<kHeadDimV>;
   static_assert(kdQColsPerWarpgroup % size<1>(SmemAtomK{}) == 0, "each dQ warpgroup's K^T columns start on a swizzle atom");
-  static_assert(kdKVColsPerWarpgroup % size<1>(SmemAtomD{}) == 0, "each dK/dV warpgroup's Q^T and dO^T columns start on a swizzle atom");
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (keys, d)
-  using SmemLayoutV = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
-  using SmemLayoutdO = SmemLayoutQ;
+  static_assert(kdKColsPerWarpgroup % size<1>(SmemAtomQ{}) == 0, "each dK warpgroup's Q^T columns start on a swizzle atom");
+  static_assert(kdVColsPerWarpgroup % size<1>(SmemAtomdO{}) == 0, "each dV warpgroup's dO^T columns start on a swizzle atom");
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));   // (keys, d)
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));  // (keys, dv)
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomdO{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
   using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));  // (keys, rows, buffer)
-  // The same bytes with the first two coordinates swapped: Qᵀ and dOᵀ (d, rows, stage) for dK/dV,
-  // dS (rows, keys, buffer) and Kᵀ (d, keys) for dQ.
+  // The same bytes with the first two coordinates swapped: Qᵀ and dOᵀ (d or dv, rows, stage) for
+  // dK/dV, dS (rows, keys, buffer) and Kᵀ (d, keys) for dQ.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutdOt = SmemLayoutQt;
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_ordered_layout(Shape<Int<kHeadDimV>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, _2>{}, Step<_2, _1, _3>{})));
   using SmemLayoutKt = decltype(composition(
@@ -149,15 +165,16 @@ struct BwdTraits {
   using StrideRows = Stride<std::int64_t, _1, std::int64_t, std::int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeRows{},
                                           StrideRows{}));
-  using TmaRows = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}),
-                                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{},
-                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
-                                      Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  template <class SmemLayout, int kRows, int kCols>
+  using TmaOf = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayout{}, Shape<Int<kRows>, Int<kCols>>{}, _1{}));
+  using TmaQ = TmaOf<decltype(take<0, 2>(SmemLayoutQ{})), kBlockM, kHeadDim>;
+  using TmadO = TmaOf<decltype(take<0, 2>(SmemLayoutdO{})), kBlockM, kHeadDimV>;
+  using TmaK = TmaOf<SmemLayoutK, kBlockN, kHeadDim>;
+  using TmaV = TmaOf<SmemLayoutV, kBlockN, kHeadDimV>;
 
-  static constexpr std::uint32_t kTmaBytesRows = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr std::uint32_t kTmaBytesKeys = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesdO = kBlockM * kHeadDimV * sizeof(Element);
+  static constexpr std::uint32_t kTmaBytesKV = kBlockN * (kHeadDim + kHeadDimV) * sizeof(Element);
   static constexpr std::uint32_t kStatBytes = kBlockM * sizeof(float);  // one row block of lse or softmax_d
 
   // dQ of a row block leaves each consumer warpgroup through shared memory: its fp32 fragment in

@@ -76,6 +76,11 @@ const KernelEntry kKernels[] = {
 #else
     {Family::bwd, common::Storage::f16, 128, false},
 #endif
+#ifdef FLASHATTN_SM90_BWD_F16_192
+    {Family::bwd, common::Storage::f16, 192, true},
+#else
+    {Family::bwd, common::Storage::f16, 192, false},
+#endif
 #ifdef FLASHATTN_SM90_BWD_F16_256
     {Family::bwd, common::Storage::f16, 256, true},
 #else
@@ -95,6 +100,11 @@ const KernelEntry kKernels[] = {
     {Family::bwd, common::Storage::bf16, 128, true},
 #else
     {Family::bwd, common::Storage::bf16, 128, false},
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_192
+    {Family::bwd, common::Storage::bf16, 192, true},
+#else
+    {Family::bwd, common::Storage::bf16, 192, false},
 #endif
 #ifdef FLASHATTN_SM90_BWD_BF16_256
     {Family::bwd, common::Storage::bf16, 256, true},
@@ -228,6 +238,11 @@ cudaError_t dispatch_bwd(common::Storage storage,
     return run_bwd<common::Storage::f16, 128>(p, scratch, rng_state, stream);
   }
 #endif
+#ifdef FLASHATTN_SM90_BWD_F16_192
+  if (storage == common::Storage::f16 && head_dim == 192) {
+    return run_bwd<common::Storage::f16, 192>(p, scratch, rng_state, stream);
+  }
+#endif
 #ifdef FLASHATTN_SM90_BWD_F16_256
   if (storage == common::Storage::f16 && head_dim == 256) {
     return run_bwd<common::Storage::f16, 256>(p, scratch, rng_state, stream);
@@ -246,6 +261,11 @@ cudaError_t dispatch_bwd(common::Storage storage,
 #ifdef FLASHATTN_SM90_BWD_BF16_128
   if (storage == common::Storage::bf16 && head_dim == 128) {
     return run_bwd<common::Storage::bf16, 128>(p, scratch, rng_state, stream);
+  }
+#endif
+#ifdef FLASHATTN_SM90_BWD_BF16_192
+  if (storage == common::Storage::bf16 && head_dim == 192) {
+    return run_bwd<common::Storage::bf16, 192>(p, scratch, rng_state, stream);
   }
 #endif
 #ifdef FLASHATTN_SM90_BWD_BF16_256
