@@ -447,6 +447,12 @@ std::size_t backward_workspace_size(const BackwardInputs& in, const Options& opt
   if (in.varlen.enabled()) {
     p.batch = int(in.varlen.cu_seqlens_q.shape[0] - 1);
     p.max_seqlen_q = in.varlen.max_seqlen_q;
+    // The packed rows and the varlen mode, as the validated call has them: the sm90 backward lays
+    // its scratch rows out per sequence (total_q + (batch + 1) row blocks, which may exceed
+    // batch · max_seqlen_q). Only compared with nullptr here, never read.
+    static const int kVarlenMarker = 0;
+    p.cu_seqlens_q = &kVarlenMarker;
+    p.total_q = in.q.shape[0];
   } else {
     p.batch = int(in.q.shape[0]);
     p.max_seqlen_q = int(in.q.shape[1]);

@@ -332,34 +332,49 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
 // which one serves depends on layouts the size query does not see — for both dtypes, dense and
 // varlen, with and without deterministic counters: a caller who allocates
 // backward_workspace_size bytes is never refused.
+// The second shape is one varlen sequence of whole row blocks, where the sm90 family's rows (one
+// spare row block per sequence and one more) outnumber batch · max_seqlen_q; with the sm90
+// family forced its need alone is the bound (unforced, the sm80 family's is mostly larger).
 TEST(CudaBackwardWorkspace, PublicSizeCoversTheBackend) {
-  for (DType dtype : {DType::f16, DType::bf16}) {
-    for (bool varlen : {false, true}) {
-      for (bool deterministic : {false, true}) {
-        AttnConfig cfg = feature_config(dtype, 48, 130, 70);
-        cfg.head_dim_v = 64;  // the instantiated head dim follows max(d, dv)
-        if (varlen) {
-          cfg.varlen_q = {130, 0, 77};
-          cfg.varlen_k = {70, 9, 1};
-        }
-        cfg.opt.deterministic = deterministic;
-        const AttnProblem p = make_problem(cfg);
-        SCOPED_TRACE(describe(p.cfg));
-        const ForwardResult fwd = make_forward_outputs(p);
-        const BackwardResult r = make_backward_outputs(p);
-        const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
-        const flashattn::detail::Problem pr =
-            flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt);
-        const std::int64_t rows = p.is_varlen() ? p.total_q : std::int64_t(cfg.batch) * p.total_q;
-        const std::size_t expected = flashattn::cuda::backward_workspace_size(pr.params, rows);
-        flashattn::BackwardInputs in = p.backward_inputs(fwd);
-        in.q.device = {flashattn::DeviceType::cuda, 0};
-        const std::size_t bound = flashattn::backward_workspace_size(in, p.opt);
-        EXPECT_GE(bound, expected);
-        EXPECT_EQ(bound, flashattn::cuda::backward_workspace_bound(pr.params, rows));
-        // (A build that compiles no backward kernel for the dtype refuses the call anyway.)
-        if (flashattn::cuda::sm80::compiled_head_dim(flashattn::cuda::sm80::Family::bwd, pr.params.storage, 64) != 0) {
-          EXPECT_GT(expected, 0u);
+  struct Shape {
+    int d, dv, sq;
+    std::vector<int> varlen_q, varlen_k;
+  };
+  const Shape shapes[] = {{48, 64, 130, {130, 0, 77}, {70, 9, 1}}, {128, 128, 128, {128}, {70}}};
+  auto check = [](DType dtype, const Shape& shape, bool varlen, bool deterministic, bool forced) {
+    AttnConfig cfg = feature_config(dtype, shape.d, shape.sq, 70);
+    cfg.head_dim_v = shape.dv;  // the instantiated head dim follows max(d, dv)
+    if (varlen) {
+      cfg.varlen_q = shape.varlen_q;
+      cfg.varlen_k = shape.varlen_k;
+    }
+    cfg.opt.deterministic = deterministic;
+    const AttnProblem p = make_problem(cfg);
+    SCOPED_TRACE(describe(p.cfg));
+    const ForwardResult fwd = make_forward_outputs(p);
+    const BackwardResult r = make_backward_outputs(p);
+    const flashattn::BackwardOutputs outs{r.dq.tv(), r.dk.tv(), r.dv.tv(), r.softmax_d.tv()};
+    const flashattn::detail::Problem pr = flashattn::detail::validate_backward(p.backward_inputs(fwd), outs, p.opt);
+    const std::int64_t rows = p.is_varlen() ? p.total_q : std::int64_t(cfg.batch) * p.total_q;
+    const std::size_t expected = flashattn::cuda::backward_workspace_size(pr.params, rows);
+    flashattn::BackwardInputs in = p.backward_inputs(fwd);
+    in.q.device = {flashattn::DeviceType::cuda, 0};
+    const std::size_t bound = flashattn::backward_workspace_size(in, p.opt);
+    EXPECT_GE(bound, expected);
+    EXPECT_EQ(bound, flashattn::cuda::backward_workspace_bound(pr.params, rows));
+    // (A build that compiles no backward kernel for the dtype refuses the call anyway, as the
+    // forced sm90 family does without an sm90 GPU: then the size is 0.)
+    if (!forced &&
+        flashattn::cuda::sm80::compiled_head_dim(flashattn::cuda::sm80::Family::bwd, pr.params.storage, 64) != 0) {
+      EXPECT_GT(expected, 0u);
+    }
+  };
+  for (bool forced : {false, true}) {  // forced, the bound is the sm90 family's alone
+    const FamilyOverride family(forced ? "sm90" : "auto");
+    for (DType dtype : {DType::f16, DType::bf16}) {
+      for (const Shape& shape : shapes) {
+        for (bool varlen : {false, true}) {
+          for (bool deterministic : {false, true}) check(dtype, shape, varlen, deterministic, forced);
         }
       }
     }
