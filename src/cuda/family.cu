@@ -181,7 +181,7 @@ std::size_t family_backward_workspace_bound(const common::AttentionParams& p, st
     if (only_one && f != forced) continue;
     FamilyChoice choice;
     choice.family = f;
-    // The head dim each family's choice would take (family_choose's rules).
+    // The head dim each family's choice would take (choose_backward_family's rules).
     choice.head_dim =
         f == Family::sm90
             ? sm90::compiled_head_dim(sm90::Family::bwd, p.storage, sm90::fwd_head_dim_need(p.head_dim, p.head_dim_v))

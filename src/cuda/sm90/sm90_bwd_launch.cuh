@@ -16,7 +16,6 @@ template <class Traits>
 cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                        cudaStream_t stream) {
   using Element = typename Traits::Element;
-  constexpr int kHeadDim = Traits::kHeadDim;
   BwdParams<Traits> params;
   params.p = p;
   // Dense: (seqlen, d, heads, batch). Varlen: the packed rows as one batch (BwdTile::q_row0).
@@ -28,17 +27,10 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
   params.shape_do = make_shape(rows_q, p.head_dim_v, p.heads, batch);
   params.shape_k = make_shape(rows_k, p.head_dim, p.heads_k, batch);
   params.shape_v = make_shape(rows_k, p.head_dim_v, p.heads_k, batch);
-  constexpr int kHeadDimV = Traits::kHeadDimV;
-  const auto q_box = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
-  const auto do_box = Shape<Int<Traits::kBlockM>, Int<kHeadDimV>>{};
-  params.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch),
-                               take<0, 2>(typename Traits::SmemLayoutQ{}), q_box, _1{});
-  params.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.dout, rows_q, p.head_dim_v, p.heads, batch),
-                                take<0, 2>(typename Traits::SmemLayoutdO{}), do_box, _1{});
-  params.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.k, rows_k, p.head_dim, p.heads_k, batch),
-                               typename Traits::SmemLayoutK{}, Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{}, _1{});
-  params.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gmem_rows<Element>(p.v, rows_k, p.head_dim_v, p.heads_k, batch),
-                               typename Traits::SmemLayoutV{}, Shape<Int<Traits::kBlockN>, Int<kHeadDimV>>{}, _1{});
+  params.tma_q = Traits::TmaQ::make(gmem_rows<Element>(p.q, rows_q, p.head_dim, p.heads, batch));
+  params.tma_do = Traits::TmadO::make(gmem_rows<Element>(p.dout, rows_q, p.head_dim_v, p.heads, batch));
+  params.tma_k = Traits::TmaK::make(gmem_rows<Element>(p.k, rows_k, p.head_dim, p.heads_k, batch));
+  params.tma_v = Traits::TmaV::make(gmem_rows<Element>(p.v, rows_k, p.head_dim_v, p.heads_k, batch));
   params.dq_accum = ws.dq_accum;
   params.lse_log2 = ws.lse_log2;
   params.dpsum = ws.dpsum;

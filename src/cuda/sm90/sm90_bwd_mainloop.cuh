@@ -23,10 +23,10 @@ namespace flashattn::cuda::sm90 {
 template <class Traits>
 struct BwdParams {
   common::AttentionParams p;
-  typename Traits::TmaQ tma_q;
-  typename Traits::TmadO tma_do;
-  typename Traits::TmaK tma_k;
-  typename Traits::TmaV tma_v;
+  typename Traits::TmaQ::Type tma_q;
+  typename Traits::TmadO::Type tma_do;
+  typename Traits::TmaK::Type tma_k;
+  typename Traits::TmaV::Type tma_v;
   typename Traits::ShapeRows shape_q;   // (sq, d, h, b); varlen (total_q, d, h, 1)
   typename Traits::ShapeRows shape_do;  // (sq, dv, h, b)
   typename Traits::ShapeRows shape_k;   // (sk, d, hk, b); varlen (total_k, d, hk, 1)

@@ -165,8 +165,15 @@ struct BwdTraits {
   using StrideRows = Stride<std::int64_t, _1, std::int64_t, std::int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<const Element*>(nullptr)), ShapeRows{},
                                           StrideRows{}));
+  // One tensor's TMA load: its descriptor type and, on the host, the descriptor of a global view.
   template <class SmemLayout, int kRows, int kCols>
-  using TmaOf = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayout{}, Shape<Int<kRows>, Int<kCols>>{}, _1{}));
+  struct TmaOf {
+    using Type =
+        decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayout{}, Shape<Int<kRows>, Int<kCols>>{}, _1{}));
+    static Type make(const GmemTensor& g) {
+      return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayout{}, Shape<Int<kRows>, Int<kCols>>{}, _1{});
+    }
+  };
   using TmaQ = TmaOf<decltype(take<0, 2>(SmemLayoutQ{})), kBlockM, kHeadDim>;
   using TmadO = TmaOf<decltype(take<0, 2>(SmemLayoutdO{})), kBlockM, kHeadDimV>;
   using TmaK = TmaOf<SmemLayoutK, kBlockN, kHeadDim>;
