@@ -8,7 +8,10 @@
 // case batch:context:page (page 0: a contiguous cache; else a paged one whose block table lists
 // the pages in a shuffled order), --decode-sq query rows, GQA --decode-heads q/kv heads, each head
 // dim of --dims; reported in GB/s of the minimum traffic (K and V read once, q read, out written),
-// with the L2 cleared before every timed call.
+// with the L2 cleared before every timed call. A decoding variant with FLASHATTN_BENCH_INDEX_CHECK=1
+// times the device-side index check in front of each call, as the public KV-cache call launches it
+// (cache_seqlens, and the block table where paged): "plain:;checked:FLASHATTN_BENCH_INDEX_CHECK=1"
+// gives the check's cost on a decoding step.
 //
 // --gqa G gives the grid G query heads per key/value head (h / G of them; GQA, or MQA where G = h),
 // FLOPs counted per query head as for MHA, so that a GQA row reads against the MHA row of its shape.
@@ -56,6 +59,7 @@
 #include "common/philox.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/family.h"
+#include "cuda/index_check.h"
 
 namespace {
 
@@ -336,6 +340,24 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
     p.cache_batches = std::int64_t(host.size());  // the pages
   }
   set_lse_and_scale(p, lse, h, sq, d);
+  // The index values a KV-cache call of this shape hands the device-side check.
+  std::int32_t* cache_seqlens = nullptr;
+  {
+    const std::vector<std::int32_t> lengths(std::size_t(b), dc.context);
+    check(cudaMalloc(reinterpret_cast<void**>(&cache_seqlens), lengths.size() * sizeof(std::int32_t)), "cudaMalloc");
+    check(cudaMemcpy(cache_seqlens, lengths.data(), lengths.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+  }
+  c::IndexBounds ib;
+  ib.batch = b;
+  ib.api = c::IndexApi::forward_kvcache;
+  ib.cache_seqlens = cache_seqlens;
+  ib.block_table = table;
+  ib.block_table_batch_stride = pages_per_seq;
+  ib.page_size = dc.page;
+  ib.cache_rows = dc.page > 0 ? std::int64_t(b) * pages_per_seq : b;
+  ib.capacity = dc.page > 0 ? std::int64_t(pages_per_seq) * dc.page : dc.context;
+  ib.seqlen_q = sq;
   const int variants = std::max(1, int(args.env_variants.size()));
   auto select = [&](int vi) { set_env_variant(args, vi); };
   // The workspace for every variant (one may choose another kernel family or split count).
@@ -348,8 +370,13 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   if (ws_bytes > 0) check(cudaMalloc(&ws, ws_bytes), "cudaMalloc");
   const L2Flush flush;
   const std::vector<double> medians = medians_ms(
-      args.warmup, args.repeats, variants, [&] { flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes); },
+      args.warmup, args.repeats, variants,
+      [&] {
+        if (env_or("FLASHATTN_BENCH_INDEX_CHECK", 0.0f) != 0.0f) flashattn::cuda::check_indices(ib, nullptr);
+        flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes);
+      },
       select, flush);
+  if (flashattn::cuda::take_device_index_violation()) throw std::runtime_error("the index check failed a valid call");
   check(cudaGetLastError(), "kernel");
   const double bytes = 2.0 * double(b) * dc.context * hk * d * 2 + 2.0 * double(nq) * 2;
   std::ostringstream js;
@@ -371,7 +398,9 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
        << (variant.empty() ? "" : ", \"variant\": \"" + variant + "\"") << ", \"ms\": " << ms
        << ", \"gbps\": " << gbps << "}";
   }
-  for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), ws}) cudaFree(ptr);
+  for (void* ptr : {q, k, v, o, static_cast<void*>(lse), static_cast<void*>(table), static_cast<void*>(cache_seqlens), ws}) {
+    cudaFree(ptr);
+  }
   return js.str();
 }
 
