@@ -10,8 +10,12 @@ halved when causal. Used by scripts/gpu-check and scripts/gpu-variants.
 --l2-flush 1 zeroes a 256 MiB buffer before every timed call (outside the events), as
 flashattn_cuda_bench --l2-flush 1 and bench/compare.py do.
 
+--dv gives V, out and dout another head dim than q and k (e.g. --dims 192 --dv 128; FLOPs then
+2·b·h·s²·(d + dv), halved when causal, as flashattn_cuda_bench --dv counts them); a backend that
+refuses a shape is reported as not timed, and the others go on.
+
   python bench/sdpa_flash_grid.py --dims 64,128,256 --seqlens 1024,4096 [--dropout 0.1] [--l2-flush 1]
-                                  [--backends flash,cudnn,fa3] [--passes fwd,bwd] [--dtype bf16|f16]
+                                  [--backends flash,cudnn,fa3] [--passes fwd,bwd] [--dtype bf16|f16] [--dv 0]
                                   --json torch.json
 """
 
@@ -31,6 +35,7 @@ def ints(text):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", type=ints, default=[64, 128, 256])
+    ap.add_argument("--dv", type=int, default=0, help="head dim of V and out (0: each d)")
     ap.add_argument("--seqlens", type=ints, default=[1024, 4096])
     ap.add_argument("--causal", type=ints, default=[0, 1])
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (the forward as well)")
@@ -62,8 +67,9 @@ def main():
     for d in args.dims:
         for s in args.seqlens:
             b, h = max(1, tokens // s), width // d
-            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
-            dout = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+            dv = args.dv or d
+            q, k = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(2))
+            v, dout = (torch.randn(b, h, s, dv, device="cuda", dtype=dtype) for _ in range(2))
             for causal, backend in ((bool(c), be) for c in args.causal for be in chosen):
                 if backend == "fa3":  # (b, s, h, d) contiguous; the first output is out
                     xs = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
@@ -81,7 +87,12 @@ def main():
                 with chosen_kernel:
                     qx, kx, vx, dx = xs
                     qg, kg, vg = (t.detach().requires_grad_() for t in (qx, kx, vx))
-                    out = attend(qg, kg, vg)
+                    try:
+                        out = attend(qg, kg, vg)
+                    except RuntimeError as e:  # this backend does not serve the shape: say so
+                        print(f"{backend} d={d} dv={dv} s={s} causal={int(causal)}: not timed "
+                              f"({str(e).splitlines()[0][:160]})", flush=True)
+                        continue
                     passes = {
                         "fwd": lambda: attend(qx, kx, vx),
                         "bwd": lambda: torch.autograd.grad(out, (qg, kg, vg), dx, retain_graph=True),
@@ -104,8 +115,8 @@ def main():
                             events.append((start, stop))
                         torch.cuda.synchronize()
                         ms = sorted(e0.elapsed_time(e1) for e0, e1 in events)[len(events) // 2]
-                        flops = (2.5 if name == "bwd" else 1.0) * 4 * b * h * s * s * d / (2 if causal else 1)
-                        rows.append(dict(impl="fa3" if backend == "fa3" else f"torch_sdpa_{backend}", pass_=name, dtype=args.dtype, d=d, seqlen=s, batch=b,
+                        flops = (2.5 if name == "bwd" else 1.0) * 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
+                        rows.append(dict(impl="fa3" if backend == "fa3" else f"torch_sdpa_{backend}", pass_=name, dtype=args.dtype, d=d, dv=dv, seqlen=s, batch=b,
                                          heads=h, causal=causal, dropout=args.dropout, l2_flush=bool(flush is not None), ms=ms,
                                          tflops=flops / (ms * 1e-3) / 1e12))
                         print(f"{'' if backend == 'fa3' else 'torch sdpa '}{backend} {name} {args.dtype} d={d} s={s} causal={int(causal)}: {ms:.3f} ms, "
