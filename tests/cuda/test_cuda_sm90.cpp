@@ -281,6 +281,40 @@ TEST(CudaSm90Host, PagedBoxesOf64RowsWherePagesAllow) {
   }
 }
 
+// The dynamic schedule's counter (fwd_tile_counter): none without FLASHATTN_SM90_FWD_DYNAMIC; in
+// such a build one per stream, the same for every call on it, for masked and varlen calls only,
+// and none under FLASHATTN_SM90_FWD_SCHEDULE=static.
+TEST(CudaSm90Host, DynamicScheduleCounterPerStreamForMaskedCalls) {
+  c::AttentionParams p;
+  p.batch = 2;
+  p.heads = p.heads_k = 4;
+  p.head_dim = p.head_dim_v = 128;
+  p.max_seqlen_q = p.max_seqlen_k = 512;
+  p.causal = true;
+  const EnvOverride unset("FLASHATTN_SM90_FWD_SCHEDULE", "");
+  if (!fc::sm90::fwd_dynamic_built()) {
+    EXPECT_EQ(fc::sm90::fwd_tile_counter(p, nullptr), nullptr);
+    return;
+  }
+  std::string why;
+  if (!sm90_available(&why)) GTEST_SKIP() << "NOT RUN: the counters live on an sm90 GPU (" << why << ")";
+  int* const counter = fc::sm90::fwd_tile_counter(p, nullptr);
+  ASSERT_NE(counter, nullptr);
+  EXPECT_EQ(fc::sm90::fwd_tile_counter(p, nullptr), counter);
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&other), cudaSuccess);
+  int* const on_other = fc::sm90::fwd_tile_counter(p, other);
+  EXPECT_NE(on_other, nullptr);
+  EXPECT_NE(on_other, counter);
+  cudaStreamDestroy(other);
+  {
+    const EnvOverride fixed("FLASHATTN_SM90_FWD_SCHEDULE", "static");
+    EXPECT_EQ(fc::sm90::fwd_tile_counter(p, nullptr), nullptr);
+  }
+  p.causal = false;  // every tile alike: the static walk
+  EXPECT_EQ(fc::sm90::fwd_tile_counter(p, nullptr), nullptr);
+}
+
 TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   c::AttentionParams p;
   p.batch = 32;
@@ -522,6 +556,51 @@ TEST_P(CudaSm90Forward, ManyTiles) {
             expect_sm90_matches(cfg);
           }
         }
+      }
+    }
+  }
+}
+
+// The dynamic tile schedule (FLASHATTN_SM90_FWD_DYNAMIC builds): a tile's result does not depend on
+// which CTA computes it, so under the causal mask, a window and varlen the outputs and lse are bit
+// for bit those of the static walk (FLASHATTN_SM90_FWD_SCHEDULE=static), in every one of several
+// launches in a row (each resets its counter for the next); more tiles than SMs, empty tiles
+// among them (varlen rows past a short sequence), and the reference checked once.
+TEST_P(CudaSm90Forward, DynamicScheduleMatchesTheStaticWalkBitForBit) {
+  FA_SKIP_WITHOUT_SM90();
+  if (!fc::sm90::fwd_dynamic_built()) {
+    GTEST_SKIP() << "NOT RUN: built without -DFLASHATTN_SM90_FWD_DYNAMIC=1 (the static walk only)";
+  }
+  for (int d : {64, 128, 256}) {
+    for (int shape = 0; shape < 3; ++shape) {
+      AttnConfig cfg = feature_config(GetParam(), d, 0, 0);
+      cfg.heads = 34;
+      cfg.heads_k = 17;
+      cfg.opt.causal = true;
+      if (shape == 2) {  // varlen: sequences of 1 to 3 row blocks, so tiles of many lengths
+        cfg.varlen_q = {300, 7, 129, 260, 40};
+        cfg.varlen_k = {300, 513, 129, 260, 300};
+      } else {  // 4 · 34 · 3 = 408 tiles: three per SM and more
+        cfg.batch = 4;
+        cfg.seqlen_q = cfg.seqlen_k = 300;
+        if (shape == 1) cfg.opt.window_left = 100;
+      }
+      const AttnProblem p = make_problem(cfg);
+      SCOPED_TRACE(describe(p.cfg));
+      const FamilyOverride family("sm90");
+      ForwardResult fixed;
+      {
+        const EnvOverride walk("FLASHATTN_SM90_FWD_SCHEDULE", "static");
+        fixed = run_cuda_forward(p);
+      }
+      const EnvOverride walk("FLASHATTN_SM90_FWD_SCHEDULE", "");
+      for (int launch = 0; launch < 3; ++launch) {
+        const ForwardResult r = run_cuda_forward(p);
+        ASSERT_TRUE(bitwise_equal(r.out, fixed.out)) << "launch " << launch;
+        ASSERT_TRUE(bitwise_equal(r.lse, fixed.lse)) << "launch " << launch;
+        // The static walk's results are checked by the tests above; one reference check here
+        // (the fp64 reference of the larger shapes would take minutes of the machine's CPU).
+        if (launch == 0 && d == 64 && shape == 0) EXPECT_TRUE(check_forward(p, r));
       }
     }
   }

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -130,6 +132,54 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
 int fwd_page_box_rows(int page_size) {
   const bool wide = page_size > 0 && page_size % 64 == 0 && env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 16) == 64;
   return wide ? 64 : kFwdPageChunkRows;
+}
+
+bool fwd_dynamic_built() { return kFwdDynamic; }
+
+#if FLASHATTN_SM90_FWD_DYNAMIC
+namespace {
+// The dynamic schedule's counters, zero at load and again after every launch that uses one.
+__device__ int g_fwd_tile_counters[kFwdTileCounters];
+}  // namespace
+#endif
+
+int* fwd_tile_counter(const common::AttentionParams& p, cudaStream_t stream) {
+#if FLASHATTN_SM90_FWD_DYNAMIC
+  if (!p.has_mask() && !p.is_varlen()) return nullptr;
+  const char* env = std::getenv("FLASHATTN_SM90_FWD_SCHEDULE");
+  if (env != nullptr && std::string(env) == "static") return nullptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return nullptr;
+  // Each (device, stream) keeps the counter it was first given: launches on one stream run one
+  // after the other, so no two launches in flight share a counter.
+  static std::mutex mutex;
+  static std::map<int, std::pair<int*, std::map<cudaStream_t, int>>> devices;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& [base, streams] = devices[device];
+  if (base == nullptr) {
+    void* address = nullptr;
+    if (cudaGetSymbolAddress(&address, g_fwd_tile_counters) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    base = static_cast<int*>(address);
+  }
+  auto it = streams.find(stream);
+  if (it == streams.end()) {
+    if (int(streams.size()) >= kFwdTileCounters) return nullptr;
+    it = streams.emplace(stream, int(streams.size())).first;
+  }
+  return base + it->second;
+#else
+  (void)p;
+  (void)stream;
+  return nullptr;
+#endif
 }
 
 bool fwd_snake_walk() {

@@ -206,6 +206,32 @@ bool fwd_split_built();
 // key tiles of the widest row block. 1 where built without FLASHATTN_SM90_FWD_SPLIT.
 int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms);
 
+// A dynamic tile schedule for calls whose tiles differ in length (a causal or windowed mask, or
+// varlen): each persistent CTA takes its first tile by its index, then the next one of the same
+// order (longest first, in L2 sections) from a counter in device memory that every CTA advances
+// by one atomic add, so that a CTA whose tiles ran short takes more of them, where the static
+// walk (PersistentTileScheduler::index) fixes every CTA's tiles in advance. One thread of the
+// producer warp fetches, and hands each index to the consumer warpgroups (and the O storer)
+// through a ring of kFwdTileSlots slots in shared memory. The counter returns to 0 at the end of
+// every launch (the last fetch of the launch resets it), so it needs no clearing: one counter per
+// (device, stream), kFwdTileCounters of them per device, for streams beyond those and for launches
+// being captured into a CUDA graph (whose replays may run on other streams side by side) the
+// static walk. -DFLASHATTN_SM90_FWD_DYNAMIC=1 builds it (off by default until timed on a GPU); in
+// such a build FLASHATTN_SM90_FWD_SCHEDULE=static (read per call) keeps the static walk, for
+// timing the two in one process.
+#ifndef FLASHATTN_SM90_FWD_DYNAMIC
+#define FLASHATTN_SM90_FWD_DYNAMIC 0
+#endif
+inline constexpr bool kFwdDynamic = FLASHATTN_SM90_FWD_DYNAMIC != 0;
+inline constexpr int kFwdTileSlots = 4;
+inline constexpr int kFwdTileCounters = 64;
+bool fwd_dynamic_built();
+// The counter of p's dynamic schedule on `stream` (the current device's), or nullptr for the
+// static walk: without FLASHATTN_SM90_FWD_DYNAMIC, for calls whose tiles are alike (no mask, not
+// varlen), under FLASHATTN_SM90_FWD_SCHEDULE=static, during stream capture, and past
+// kFwdTileCounters streams on the device.
+int* fwd_tile_counter(const common::AttentionParams& p, cudaStream_t stream);
+
 // Whether a call takes the varlen kernel (per-sequence rows or key counts: varlen, seqused_k, a
 // KV cache) rather than the dense one.
 inline bool fwd_varlen_kernel(const common::AttentionParams& p) {

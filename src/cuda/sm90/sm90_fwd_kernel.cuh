@@ -19,6 +19,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   using Mainloop = FwdMainloop<Traits>;
   using Pipeline = typename Mainloop::Pipeline;
   using Scheduler = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>;
+  // The dynamic schedule's readers of each ring slot: every consumer warp, and the O storer.
+  constexpr int kRingReaders = 4 * Traits::kConsumerWarpgroups + (Traits::kTmaStoreO ? 1 : 0);
   if (params.p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);
@@ -37,6 +39,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     }
     if constexpr (Traits::kTmaStoreO && Traits::kSeparateO) {
       cutlass::arch::ClusterBarrier::init(&ss.o_empty, 1);  // the storer gives O's own tile back
+    }
+    if constexpr (kFwdDynamic) {
+      for (int i = 0; i < kFwdTileSlots; ++i) {
+        cutlass::arch::ClusterBarrier::init(&ss.ring.full[i], 1);
+        cutlass::arch::ClusterBarrier::init(&ss.ring.empty[i], kRingReaders);
+      }
     }
     Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
     Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
@@ -81,12 +89,76 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     return false;
   };
 
+  // The dynamic schedule (kFwdDynamic and a counter for this call, sm90_fwd.h). The CTA's n-th
+  // tile index: its own index first, then gridDim.x plus the counter's value. A launch fetches
+  // from the counter `tiles` times in all — each CTA until its first fetch past the order — so the
+  // fetch that returns tiles − 1 is its last, and resets the counter for the next launch.
+  [[maybe_unused]] const bool dynamic = kFwdDynamic && params.tile_counter != nullptr;
+  [[maybe_unused]] std::uint32_t ring_n = 0;  // ring slots this thread has written or taken
+  [[maybe_unused]] auto fetch_and_publish = [&]() {
+    int index = int(blockIdx.x);
+    if (ring_n > 0) {
+      const int v = atomicAdd(params.tile_counter, 1);
+      if (v == tiles - 1) atomicExch(params.tile_counter, 0);
+      index = int(gridDim.x) + v;
+    }
+    if (index >= tiles) index = -1;
+    if constexpr (kFwdDynamic) {
+      const int slot = int(ring_n % kFwdTileSlots);
+      cutlass::arch::ClusterBarrier::wait(&ss.ring.empty[slot], ((ring_n / kFwdTileSlots) & 1u) ^ 1u);
+      ss.ring.index[slot] = index;
+      cutlass::arch::ClusterBarrier::arrive(&ss.ring.full[slot]);
+    }
+    ++ring_n;
+    return index;
+  };
+  // A reader's next index from the ring (−1: none left); `arrive` once per reading warp (or for
+  // the storer's one thread), after the whole warp has read the slot.
+  [[maybe_unused]] auto take = [&](bool whole_warp) {
+    int index = -1;
+    if constexpr (kFwdDynamic) {
+      const int slot = int(ring_n % kFwdTileSlots);
+      cutlass::arch::ClusterBarrier::wait(&ss.ring.full[slot], (ring_n / kFwdTileSlots) & 1u);
+      index = ss.ring.index[slot];
+      if (whole_warp) __syncwarp();
+      if (!whole_warp || threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&ss.ring.empty[slot]);
+    }
+    ++ring_n;
+    return index;
+  };
+  // The next non-empty tile of the dynamic schedule, every index on the way published (or taken).
+  [[maybe_unused]] auto next_dynamic = [&](FwdTile& t, bool producer) {
+    for (;;) {
+      const int index = producer ? fetch_and_publish() : take(false);
+      if (index < 0) return false;
+      t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
+                                                                   params.section_rising, splits);
+      if (!t.empty()) return true;
+    }
+  };
+
   if (warpgroup == 0) {
     // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
-      if constexpr (Traits::kQStages == 1) {
+      if (dynamic) {
+        if constexpr (kFwdDynamic) {
+          FwdTile t, next;
+          bool have = next_dynamic(t, true), q_loaded = false;
+          while (have) {
+            const bool have_next = Traits::kQStages == 2 && next_dynamic(next, true);
+            Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, q_loaded, have_next ? next : t, have_next, st);
+            q_loaded = have_next;
+            if constexpr (Traits::kQStages == 2) {
+              t = next;
+              have = have_next;
+            } else {
+              have = next_dynamic(t, true);
+            }
+          }
+        }
+      } else if constexpr (Traits::kQStages == 1) {
         // (Round by round rather than through next_tile: ptxas spills less in the score-mod
         // kernels this way: 64 / 56 bytes at d 128, against 92 / 76.)
         for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
@@ -114,7 +186,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       // O of each non-empty tile, once staged, by one TMA store (FwdEpilogue::tma_store).
       int round = 0;
       FwdTile t;
-      for (std::uint32_t stored = 0; next_tile(round, t); ++stored) FwdEpilogue<Traits>::tma_store(params, ss, t, stored);
+      auto next_stored = [&] {
+        if constexpr (kFwdDynamic) {
+          if (dynamic) return next_dynamic(t, false);
+        }
+        return next_tile(round, t);
+      };
+      for (std::uint32_t stored = 0; next_stored(); ++stored) FwdEpilogue<Traits>::tma_store(params, ss, t, stored);
       FwdEpilogue<Traits>::tma_store_tail();
     }
   } else {
@@ -123,8 +201,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     const int consumer_wg = warpgroup - 1;
     PipelineState<Traits::kStages> k_st, v_st;
     Mainloop::pingpong_start(consumer_wg);
-    for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
-      const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+    for (int round = 0; kFwdDynamic || round * int(gridDim.x) < tiles; ++round) {
+      int index;
+      if constexpr (kFwdDynamic) {
+        // Every index the ring holds, empty tiles included (their rows still get an output).
+        if (dynamic) {
+          index = take(true);
+          if (index < 0) break;
+        } else {
+          if (round * int(gridDim.x) >= tiles) break;
+          index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+        }
+      } else {
+        index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+      }
       if (index >= tiles) continue;
       const FwdTile t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(
           params.p, index, params.section, params.section_rising, splits);

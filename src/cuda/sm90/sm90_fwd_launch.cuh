@@ -68,6 +68,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   const FwdSections sections = fwd_l2_sections(p, Traits::kBlockM);
   params.section = sections.pairs;
   params.section_rising = common::MaskedTileOrder::rising_parity_of(p.heads * p.batch, sections.pairs, sections.alternate);
+  params.tile_counter = fwd_tile_counter(p, stream);
 
   auto* kernel = &fwd_kernel<Traits>;
   const cudaError_t err =

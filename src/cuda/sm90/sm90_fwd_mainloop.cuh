@@ -43,6 +43,7 @@ struct FwdParams {
   bool snake;                          // the tile walk (PersistentTileScheduler::index)
   int section;                         // (head, batch) pairs per section of a masked order (≥ 1)
   int section_rising;                  // sections that go up (MaskedTileOrder::rising_parity)
+  int* tile_counter;                   // the dynamic schedule's counter (kFwdDynamic), or nullptr
   struct NoSplit {};
   // kSplit kernels: where the partials go, and how many splits each row block's key tiles take.
   std::conditional_t<Traits::kSplit, SplitKvPartials, NoSplit> split;

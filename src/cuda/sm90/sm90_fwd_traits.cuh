@@ -230,6 +230,15 @@ struct FwdTraits {
   static constexpr std::uint32_t kTmaBytesBoxV = kRows * kHeadDimV * sizeof(Element);
 
   struct NoStorage {};
+  // The dynamic schedule's ring (sm90_fwd.h, kFwdDynamic): slot i holds a fetched tile index (−1:
+  // none left); full[i] says the producer wrote it, empty[i] that every reader took it — each
+  // consumer warp and, with the TMA store, the O storer.
+  struct TileRing {
+    int index[kFwdTileSlots];
+    alignas(8) std::uint64_t full[kFwdTileSlots];
+    std::uint64_t empty[kFwdTileSlots];
+  };
+  using TileRingStorage = std::conditional_t<kFwdDynamic, TileRing, NoStorage>;
   using OStorage = std::conditional_t<kSeparateO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoStorage>;
 
   struct SharedStorage {
@@ -247,6 +256,7 @@ struct FwdTraits {
     std::uint64_t k_empty[kStages];    // every consumer warpgroup is done with a K stage
     std::uint64_t v_full[kStages];
     std::uint64_t v_empty[kStages];
+    TileRingStorage ring;  // kFwdDynamic: the tile indices the producer fetched
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   // The Q buffer of the CTA's `count`-th non-empty tile, and the parity of that buffer's barriers
