@@ -90,19 +90,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   };
 
   // The dynamic schedule (kFwdDynamic and a counter for this call, sm90_fwd.h). The CTA's n-th
-  // tile index: its own index first, then gridDim.x plus the counter's value. A launch fetches
-  // from the counter `tiles` times in all — each CTA until its first fetch past the order — so the
-  // fetch that returns tiles − 1 is its last, and resets the counter for the next launch.
+  // tile index: its own index first, then gridDim.x plus the counter's value (−1 past the order). A
+  // launch fetches from the counter `tiles` times in all — each CTA until its first fetch past the
+  // order — so the fetch that returns tiles − 1 is its last, and resets the counter for the next
+  // launch. Every index goes through the ring in the order fetched, empty tiles' too (their rows
+  // still get an output).
   [[maybe_unused]] const bool dynamic = kFwdDynamic && params.tile_counter != nullptr;
   [[maybe_unused]] std::uint32_t ring_n = 0;  // ring slots this thread has written or taken
-  [[maybe_unused]] auto fetch_and_publish = [&]() {
+  [[maybe_unused]] bool fetched_first = false;
+  [[maybe_unused]] auto fetch = [&]() {
     int index = int(blockIdx.x);
-    if (ring_n > 0) {
+    if (fetched_first) {
       const int v = atomicAdd(params.tile_counter, 1);
       if (v == tiles - 1) atomicExch(params.tile_counter, 0);
       index = int(gridDim.x) + v;
     }
-    if (index >= tiles) index = -1;
+    fetched_first = true;
+    return index < tiles ? index : -1;
+  };
+  // The producer's write of `index` into the next slot, once every reader has taken the slot's
+  // previous index. It may wait for the consumers, so it comes only after the loads of every tile
+  // published before it have been issued (a consumer waiting for a load that the producer would
+  // issue after its wait would never free a slot).
+  [[maybe_unused]] auto publish = [&](int index) {
     if constexpr (kFwdDynamic) {
       const int slot = int(ring_n % kFwdTileSlots);
       cutlass::arch::ClusterBarrier::wait(&ss.ring.empty[slot], ((ring_n / kFwdTileSlots) & 1u) ^ 1u);
@@ -110,7 +120,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       cutlass::arch::ClusterBarrier::arrive(&ss.ring.full[slot]);
     }
     ++ring_n;
-    return index;
   };
   // A reader's next index from the ring (−1: none left); `arrive` once per reading warp (or for
   // the storer's one thread), after the whole warp has read the slot.
@@ -126,15 +135,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     ++ring_n;
     return index;
   };
-  // The next non-empty tile of the dynamic schedule, every index on the way published (or taken).
-  [[maybe_unused]] auto next_dynamic = [&](FwdTile& t, bool producer) {
-    for (;;) {
-      const int index = producer ? fetch_and_publish() : take(false);
-      if (index < 0) return false;
-      t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
-                                                                   params.section_rising, splits);
-      if (!t.empty()) return true;
-    }
+  [[maybe_unused]] auto tile_of = [&](int index) {
+    return Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
+                                                                    params.section_rising, splits);
   };
 
   if (warpgroup == 0) {
@@ -144,18 +147,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
       if (dynamic) {
         if constexpr (kFwdDynamic) {
-          FwdTile t, next;
-          bool have = next_dynamic(t, true), q_loaded = false;
-          while (have) {
-            const bool have_next = Traits::kQStages == 2 && next_dynamic(next, true);
-            Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, q_loaded, have_next ? next : t, have_next, st);
-            q_loaded = have_next;
-            if constexpr (Traits::kQStages == 2) {
-              t = next;
-              have = have_next;
-            } else {
-              have = next_dynamic(t, true);
+          // Each index published once the loads of the tiles before it are issued; with two Q
+          // buffers a non-empty next tile's Q loads during this tile's loads, before its index is
+          // published (the consumers find it by the count of non-empty tiles, as in the walk).
+          int index = fetch();
+          publish(index);
+          FwdTile t = index >= 0 ? tile_of(index) : FwdTile{};
+          bool q_loaded = false;
+          while (index >= 0) {
+            if (t.empty()) {
+              index = fetch();
+              publish(index);
+              if (index >= 0) t = tile_of(index);
+              continue;
             }
+            // The next index is fetched before this tile's loads (the atomic's latency hidden
+            // behind them) and published after them.
+            const int next_index = fetch();
+            const FwdTile next = next_index >= 0 ? tile_of(next_index) : t;
+            const bool have_next = Traits::kQStages == 2 && next_index >= 0 && !next.empty();
+            Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, q_loaded, next, have_next, st);
+            publish(next_index);
+            q_loaded = have_next;
+            index = next_index;
+            t = next;
           }
         }
       } else if constexpr (Traits::kQStages == 1) {
@@ -188,7 +203,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       FwdTile t;
       auto next_stored = [&] {
         if constexpr (kFwdDynamic) {
-          if (dynamic) return next_dynamic(t, false);
+          if (dynamic) {
+            for (int index = take(false); index >= 0; index = take(false)) {
+              t = tile_of(index);
+              if (!t.empty()) return true;
+            }
+            return false;
+          }
         }
         return next_tile(round, t);
       };
