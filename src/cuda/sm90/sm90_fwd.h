@@ -44,9 +44,9 @@ struct FwdTileShape {
 #define FLASHATTN_SM90_FWD_D64_KEYS 96
 #endif
 // The key tile of the d 96 / d 128 kernels: 128 (the default) or a wider one, 144…192 in steps of
-// 16 (-DFLASHATTN_SM90_FWD_D128_KEYS=176: FlashAttention-3's tile without a mask), which halves
-// fewer times per row block the softmax's fixed work (row max, rescale, the consumers' barriers)
-// at the cost of registers (S: block_n / 2 fp32 per thread). At 176 the d 128 tile is 208 KiB
+// 16 (-DFLASHATTN_SM90_FWD_D128_KEYS=176: FlashAttention-3's tile without a mask), which runs the
+// softmax's fixed work per key tile (row max, rescale, the consumers' barriers) fewer times per
+// row block, at the cost of registers (S: block_n / 2 fp32 per thread). At 176 the d 128 tile is 208 KiB
 // (Q 32 + K 88 + V 88) and O is staged in Q's bytes. Not yet timed on a GPU.
 #ifndef FLASHATTN_SM90_FWD_D128_KEYS
 #define FLASHATTN_SM90_FWD_D128_KEYS 128

@@ -73,14 +73,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // count gives a tile its Q buffer and the phase of the buffer's barriers (Traits::q_buffer).
   std::uint32_t loaded = 0;
 
+  // Tile `index` of the order.
+  auto tile_of = [&](int index) {
+    return Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
+                                                                    params.section_rising, splits);
+  };
   // The CTA's tile of round `round`, or of a later round where that one has none or an empty one
   // (round then moves past it); false when no tile is left. The producer's and the O storer's walk.
   auto next_tile = [&](int& round, FwdTile& t) {
     for (; round * int(gridDim.x) < tiles; ++round) {
       const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
       if (index >= tiles) continue;
-      t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
-                                                                   params.section_rising, splits);
+      t = tile_of(index);
       if (!t.empty()) {
         ++round;
         return true;
@@ -135,11 +139,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     ++ring_n;
     return index;
   };
-  [[maybe_unused]] auto tile_of = [&](int index) {
-    return Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
-                                                                    params.section_rising, splits);
-  };
-
   if (warpgroup == 0) {
     // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
@@ -179,8 +178,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         for (int round = 0; round * int(gridDim.x) < tiles; ++round) {
           const int index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
           if (index >= tiles) continue;
-          const FwdTile t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(
-              params.p, index, params.section, params.section_rising, splits);
+          const FwdTile t = tile_of(index);
           if (t.empty()) continue;
           Mainloop::load(params, ss, k_pipe, v_pipe, t, loaded++, false, t, false, st);
         }
@@ -202,16 +200,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       int round = 0;
       FwdTile t;
       auto next_stored = [&] {
-        if constexpr (kFwdDynamic) {
-          if (dynamic) {
-            for (int index = take(false); index >= 0; index = take(false)) {
-              t = tile_of(index);
-              if (!t.empty()) return true;
-            }
-            return false;
-          }
+        if (!dynamic) return next_tile(round, t);
+        for (int index = take(false); index >= 0; index = take(false)) {
+          t = tile_of(index);
+          if (!t.empty()) return true;
         }
-        return next_tile(round, t);
+        return false;
       };
       for (std::uint32_t stored = 0; next_stored(); ++stored) FwdEpilogue<Traits>::tma_store(params, ss, t, stored);
       FwdEpilogue<Traits>::tma_store_tail();
@@ -222,23 +216,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     const int consumer_wg = warpgroup - 1;
     PipelineState<Traits::kStages> k_st, v_st;
     Mainloop::pingpong_start(consumer_wg);
-    for (int round = 0; kFwdDynamic || round * int(gridDim.x) < tiles; ++round) {
-      int index;
-      if constexpr (kFwdDynamic) {
-        // Every index the ring holds, empty tiles included (their rows still get an output).
-        if (dynamic) {
-          index = take(true);
-          if (index < 0) break;
-        } else {
-          if (round * int(gridDim.x) >= tiles) break;
-          index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
-        }
-      } else {
-        index = Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
-      }
+    for (int round = 0; dynamic || round * int(gridDim.x) < tiles; ++round) {
+      // Dynamic: every index the ring holds, empty tiles included (their rows still get an output).
+      const int index = dynamic ? take(true) : Scheduler::index(round, blockIdx.x, gridDim.x, params.snake);
+      if (dynamic && index < 0) break;
       if (index >= tiles) continue;
-      const FwdTile t = Scheduler::template tile<Traits::kPaged, Traits::kSplit>(
-          params.p, index, params.section, params.section_rising, splits);
+      const FwdTile t = tile_of(index);
       typename Traits::TiledMmaPV mma_pv;
       Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
       OnlineSoftmax<2> softmax(params.scale_log2);

@@ -359,7 +359,11 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   ib.capacity = dc.page > 0 ? std::int64_t(pages_per_seq) * dc.page : dc.context;
   ib.seqlen_q = sq;
   const int variants = std::max(1, int(args.env_variants.size()));
-  auto select = [&](int vi) { set_env_variant(args, vi); };
+  bool index_check = false;  // the variant's FLASHATTN_BENCH_INDEX_CHECK, read when it is selected
+  auto select = [&](int vi) {
+    set_env_variant(args, vi);
+    index_check = env_or("FLASHATTN_BENCH_INDEX_CHECK", 0.0f) != 0.0f;
+  };
   // The workspace for every variant (one may choose another kernel family or split count).
   std::size_t ws_bytes = 0;
   for (int vi = 0; vi < variants; ++vi) {
@@ -372,7 +376,7 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   const std::vector<double> medians = medians_ms(
       args.warmup, args.repeats, variants,
       [&] {
-        if (env_or("FLASHATTN_BENCH_INDEX_CHECK", 0.0f) != 0.0f) flashattn::cuda::check_indices(ib, nullptr);
+        if (index_check) flashattn::cuda::check_indices(ib, nullptr);
         flashattn::cuda::forward(p, nullptr, nullptr, ws, ws_bytes);
       },
       select, flush);
