@@ -125,16 +125,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     }
     ++ring_n;
   };
-  // A reader's next index from the ring (−1: none left); `arrive` once per reading warp (or for
-  // the storer's one thread), after the whole warp has read the slot.
+  // A reader's next index from the ring (−1: none left). A warp's lane 0 reads the slot, hands the
+  // index to the other lanes and gives the slot back (one arrival per reading warp, or the storer's
+  // one thread): the thread that frees the slot is the only one that read it, an order that
+  // compute-sanitizer's racecheck follows (a read by every lane, a __syncwarp and lane 0's arrival
+  // are ordered just as well, but racecheck reported the other lanes' reads as racing the next
+  // write).
   [[maybe_unused]] auto take = [&](bool whole_warp) {
     int index = -1;
     if constexpr (kFwdDynamic) {
       const int slot = int(ring_n % kFwdTileSlots);
       cutlass::arch::ClusterBarrier::wait(&ss.ring.full[slot], (ring_n / kFwdTileSlots) & 1u);
-      index = ss.ring.index[slot];
-      if (whole_warp) __syncwarp();
-      if (!whole_warp || threadIdx.x % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&ss.ring.empty[slot]);
+      const bool reader = !whole_warp || threadIdx.x % 32 == 0;
+      if (reader) {
+        index = ss.ring.index[slot];
+        cutlass::arch::ClusterBarrier::arrive(&ss.ring.empty[slot]);
+      }
+      if (whole_warp) index = __shfl_sync(0xffffffffu, index, 0);
     }
     ++ring_n;
     return index;
