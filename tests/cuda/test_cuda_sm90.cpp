@@ -267,18 +267,16 @@ TEST(CudaSm90Host, SplitsOnlyWhereBuilt) {
 // at most 64 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
 // head's, alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them,
 // switch them off or keep every section highest first.
-// Paged TMA boxes: with FLASHATTN_SM90_FWD_PAGE_BOX=64, 64 rows where the page size is a multiple
-// of 64 and 16 otherwise; 16 everywhere by default (and with the knob at 16).
+// Paged TMA boxes: 64 rows where the page size is a multiple of 64 and 16 otherwise, by default
+// (and with FLASHATTN_SM90_FWD_PAGE_BOX=64); 16 everywhere with the knob at 16.
 TEST(CudaSm90Host, PagedBoxesOf64RowsWherePagesAllow) {
-  {
-    const EnvOverride wide("FLASHATTN_SM90_FWD_PAGE_BOX", "64");
-    for (int page : {64, 128, 192, 256, 1024}) EXPECT_EQ(fc::sm90::fwd_page_box_rows(page), 64) << page;
-    for (int page : {16, 32, 48, 80, 208}) EXPECT_EQ(fc::sm90::fwd_page_box_rows(page), 16) << page;
+  for (const char* value : {"", "64"}) {
+    const EnvOverride wide("FLASHATTN_SM90_FWD_PAGE_BOX", value);
+    for (int page : {64, 128, 192, 256, 1024}) EXPECT_EQ(fc::sm90::fwd_page_box_rows(page), 64) << page << " " << value;
+    for (int page : {16, 32, 48, 80, 208}) EXPECT_EQ(fc::sm90::fwd_page_box_rows(page), 16) << page << " " << value;
   }
-  for (const char* value : {"", "16"}) {
-    const EnvOverride narrow("FLASHATTN_SM90_FWD_PAGE_BOX", value);
-    for (int page : {16, 64, 256}) EXPECT_EQ(fc::sm90::fwd_page_box_rows(page), 16) << page << " " << value;
-  }
+  const EnvOverride narrow("FLASHATTN_SM90_FWD_PAGE_BOX", "16");
+  for (int page : {16, 64, 256}) EXPECT_EQ(fc::sm90::fwd_page_box_rows(page), 16) << page;
 }
 
 // The dynamic schedule's counter (fwd_tile_counter): none without FLASHATTN_SM90_FWD_DYNAMIC; in

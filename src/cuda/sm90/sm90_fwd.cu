@@ -130,7 +130,7 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
 }
 
 int fwd_page_box_rows(int page_size) {
-  const bool wide = page_size > 0 && page_size % 64 == 0 && env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 16) == 64;
+  const bool wide = page_size > 0 && page_size % 64 == 0 && env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 64) != 16;
   return wide ? 64 : kFwdPageChunkRows;
 }
 
