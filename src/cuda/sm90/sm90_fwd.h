@@ -43,17 +43,6 @@ struct FwdTileShape {
 #ifndef FLASHATTN_SM90_FWD_D64_KEYS
 #define FLASHATTN_SM90_FWD_D64_KEYS 96
 #endif
-// The key tile of the d 96 / d 128 kernels: 128 (the default) or a wider one, 144…192 in steps of
-// 16 (-DFLASHATTN_SM90_FWD_D128_KEYS=176: FlashAttention-3's tile without a mask), which runs the
-// softmax's fixed work per key tile (row max, rescale, the consumers' barriers) fewer times per
-// row block, at the cost of registers (S: block_n / 2 fp32 per thread). At 176 the d 128 tile is 208 KiB
-// (Q 32 + K 88 + V 88) and O is staged in Q's bytes. Not yet timed on a GPU.
-#ifndef FLASHATTN_SM90_FWD_D128_KEYS
-#define FLASHATTN_SM90_FWD_D128_KEYS 128
-#endif
-inline constexpr int kD128Keys = FLASHATTN_SM90_FWD_D128_KEYS;
-static_assert(kD128Keys >= 128 && kD128Keys <= 192 && kD128Keys % 16 == 0,
-              "FLASHATTN_SM90_FWD_D128_KEYS is 128, 144, 160, 176 or 192");
 inline constexpr int kD64Rows = FLASHATTN_SM90_FWD_D64_ROWS;
 inline constexpr int kD64Keys = FLASHATTN_SM90_FWD_D64_KEYS;
 static_assert(kD64Rows == 192 || kD64Rows == 128, "FLASHATTN_SM90_FWD_D64_ROWS is 192 or 128");
@@ -61,7 +50,7 @@ static_assert(kD64Keys == 96 || kD64Keys == 128, "FLASHATTN_SM90_FWD_D64_KEYS is
 constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, kD64Keys, 2}
                                            : FwdTileShape{128, 128, 2})
-                        : head_dim <= 128 ? FwdTileShape{128, kD128Keys, 2}
+                        : head_dim <= 128 ? FwdTileShape{128, 128, 2}
                         : (head_dim <= 192 ? FwdTileShape{128, 128, 2}
                                            : FwdTileShape{128, 64, 2});
 }
@@ -184,10 +173,11 @@ inline constexpr bool kFwdPaged = FLASHATTN_SM90_FWD_PAGED != 0;
 inline constexpr int kFwdPageChunkRows = 16;
 // kFwdPaged as the library was compiled (the knob reaches nvcc's translation units only).
 bool fwd_paged_built();
-// The rows of the paged kernels' TMA boxes for pages of page_size rows: with
-// FLASHATTN_SM90_FWD_PAGE_BOX=64 (read per call), 64 where the page size is a multiple of 64 (and
-// the key tile too: the caller checks); else 16. Opt-in until it has run on a GPU, then the two
-// timed in one process.
+// The rows of the paged kernels' TMA boxes for pages of page_size rows: 64 where the page size is
+// a multiple of 64 (and the key tile too: the caller checks), else 16; FLASHATTN_SM90_FWD_PAGE_BOX=16
+// (read per call) keeps 16 everywhere. On an H100 (docs/benchmarks-sm90.md, 2026-12-05) a paged
+// prefill over pages of 64 and 256 rows ran 1.81–1.85× faster with 64-row boxes than with 16-row ones,
+// level with the contiguous cache.
 int fwd_page_box_rows(int page_size);
 
 // Split-KV in this family: each tile's key tiles spread over `splits` CTAs of the persistent
