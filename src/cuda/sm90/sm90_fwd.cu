@@ -134,6 +134,12 @@ int fwd_page_box_rows(int page_size) {
   return wide ? 64 : kFwdPageChunkRows;
 }
 
+bool fwd_page_gather_built() { return kFwdPageGather; }
+
+bool fwd_page_gather(int page_size) {
+  return kFwdPageGather && page_size > 0 && page_size % 64 != 0 && env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 64) != 16;
+}
+
 bool fwd_dynamic_built() { return kFwdDynamic; }
 
 #if FLASHATTN_SM90_FWD_DYNAMIC
