@@ -328,7 +328,11 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     // Only the KV-cache region is required; the split-KV part after it is optional.
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
     start_index_check(pr, stream.handle, false);
-    cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle, pr.index_bounds);
+    // Without an append kernel the check may fold into the attention's first kernel: the sm80
+    // forward's checks it (with rotary the append kernel runs, so the family chosen here stands;
+    // with no query row no kernel runs, and the check keeps its own).
+    cuda::kvcache_append(p, a, q_positions_per_row, region, workspace.data, stream.handle, pr.index_bounds,
+                         family.family == cuda::Family::sm80 && p.max_seqlen_q > 0);
     p.k_leftpad = leftpad;
     // The rotated q is a contiguous copy in the workspace, whose layout the family choice also
     // reads: chosen again for it.

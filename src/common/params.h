@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "common/index_check.h"
 #include "common/macros.h"
 #include "common/mask.h"
 #include "common/philox.h"
@@ -87,6 +88,9 @@ struct AttentionParams {
   // non-zero: a bad value found by the check is never used. nullptr: no check (host tensors, or
   // no index tensor).
   const int* index_error = nullptr;
+  // CUDA: this call's index check folded into the sm80 forward kernel's prologue (IndexFold, set
+  // by a KV-cache call without an append kernel; inactive otherwise, and for every other kernel).
+  IndexFold index_fold;
 
   // --- per-sequence accessors -------------------------------------------------------------------
   FA_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }

@@ -28,10 +28,15 @@ __device__ inline bool index_check_passes(const IndexFold& f) {
     const common::IndexViolation v = common::check_sequence_indices(f.bounds, b);
     if (v) {
       failed = 1;
-      record_index_violation(f.record, f.mirror, v, int(f.bounds.api));
+      record_index_violation(static_cast<IndexRecord*>(f.record), static_cast<IndexRecord*>(f.mirror), v,
+                             int(f.bounds.api));
     }
   }
   return __syncthreads_or(failed) == 0;
 }
+
+// index_check_passes as a call rather than inlined: for kernels whose registers are tight (the
+// sm80 forward), so that the check's code does not weigh on their register allocation.
+static __device__ __noinline__ bool index_check_passes_call(const IndexFold& f) { return index_check_passes(f); }
 
 }  // namespace flashattn::cuda

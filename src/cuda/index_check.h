@@ -25,17 +25,12 @@ struct IndexRecord {
   long long value, bound;
 };
 
-// The check folded into the prologue of the call's first kernel instead of a kernel of its own
-// (one launch less, which is most of the check's cost on a decoding step): every block of that
-// kernel checks every sequence (index_check.cuh: index_check_passes) and reads or writes nothing
-// when one fails, and the kernels after it read the flag as usual. Inactive (record null): the
-// check runs as its own kernel (check_indices).
-struct IndexFold {
-  common::IndexBounds bounds;
-  IndexRecord* record = nullptr;  // the device's record (index_error_flag's)
-  IndexRecord* mirror = nullptr;  // its mapped host mirror
-  FA_HOST_DEVICE bool active() const { return record != nullptr; }
-};
+// The check folded into the prologue of the call's first kernel (common::IndexFold; its record
+// and mirror are this device's IndexRecord and the record's mapped host copy): checked there by
+// index_check.cuh's index_check_passes. Folded into the KV-cache append kernel where that kernel
+// runs, else into the sm80 forward kernel (AttentionParams::index_fold) where that family runs the
+// call's attention.
+using common::IndexFold;
 
 // The most sequences a folded check takes: one pass of a 256-thread block.
 inline constexpr int kIndexFoldMaxBatch = 256;

@@ -132,7 +132,8 @@ KvcacheWorkspace kvcache_workspace(std::int64_t batch, std::int64_t q_elements, 
 }
 
 void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
-                    const KvcacheWorkspace& region, void* workspace, void* stream, const common::IndexBounds& check) {
+                    const KvcacheWorkspace& region, void* workspace, void* stream, const common::IndexBounds& check,
+                    bool forward_folds) {
   auto* base = static_cast<std::uint8_t*>(workspace);
   std::int32_t* seqlens_after = region.appends ? reinterpret_cast<std::int32_t*>(base + region.seqlens_after) : nullptr;
   void* q_rotated = region.rotary ? base + region.q_rotated : nullptr;
@@ -142,6 +143,8 @@ void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, boo
   if (check.any() && check.batch > 0) {
     if (runs && index_check_foldable(check)) {
       fold = fold_index_check(check);
+    } else if (!runs && forward_folds && index_check_foldable(check)) {
+      p.index_fold = fold_index_check(check);
     } else {
       check_indices(check, stream);
     }

@@ -34,10 +34,13 @@ KvcacheWorkspace kvcache_workspace(std::int64_t batch, std::int64_t q_elements, 
 // at a.cache_seqlens) and p.q at the rotated copy (with rotary). `region` is kvcache_workspace of
 // this call; workspace: device memory holding it, 256-byte aligned (the API layer checks both).
 // Validation has already happened on the host; the index VALUES in device memory are checked here
-// first, when `check` has index tensors (index_check.h): folded into the append kernel's prologue
-// where that kernel runs and index_check_foldable allows it, else by check_indices before it. Throws
-// flashattn::Error when a launch fails.
+// first, when `check` has index tensors (index_check.h): where index_check_foldable allows it,
+// folded into the append kernel's prologue when that kernel runs, else — when no kernel runs here
+// and forward_folds (the caller's attention runs in the sm80 forward kernel, which checks
+// p.index_fold) — into the attention's (p.index_fold); otherwise by check_indices before
+// anything else. Throws flashattn::Error when a launch fails.
 void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
-                    const KvcacheWorkspace& region, void* workspace, void* stream, const common::IndexBounds& check);
+                    const KvcacheWorkspace& region, void* workspace, void* stream, const common::IndexBounds& check,
+                    bool forward_folds = false);
 
 }  // namespace flashattn::cuda

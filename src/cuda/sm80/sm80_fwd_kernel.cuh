@@ -20,6 +20,7 @@
 #include "common/params.h"
 #include "common/sink.h"
 #include "cuda/device/math.cuh"
+#include "cuda/index_check.cuh"
 #include "cuda/device/score_mod.cuh"
 #include "cuda/sm80/sm80_fwd.h"
 
@@ -337,6 +338,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   constexpr int kHeadDim = Traits::kHeadDim;
   // An index tensor failed the device-side check (src/cuda/index_check.h): read and write nothing.
   if (p.index_check_failed()) return;
+  // The call's check folded in here (AttentionParams::index_fold): every block checks every
+  // sequence before it reads an index, and leaves on a violation (the flag then stops the combine).
+  // Never for a paged cache (index_check_foldable: a block table keeps the check kernel), whose
+  // kernels leave the code out (it cost the paged split kernel 80 bytes of spills at d 128).
+  if constexpr (!kPaged) {
+    if (p.index_fold.active() && !index_check_passes_call(p.index_fold)) return;
+  }
 
   // Highest row blocks first: under a causal mask they see the most keys, and starting the long
   // CTAs early shortens the tail of the grid. The splits of one row block are neighbours in the
