@@ -11,7 +11,10 @@
 // with the L2 cleared before every timed call. A decoding variant with FLASHATTN_BENCH_INDEX_CHECK=1
 // times the device-side index check in front of each call, as the public KV-cache call launches it
 // (cache_seqlens, and the block table where paged): "plain:;checked:FLASHATTN_BENCH_INDEX_CHECK=1"
-// gives the check's cost on a decoding step.
+// gives the check's cost on a decoding step; FLASHATTN_BENCH_INDEX_CHECK=2 folds it into the sm80
+// forward kernel's prologue instead (AttentionParams::index_fold, as a KV-cache call without new
+// keys does under FLASHATTN_INDEX_CHECK_FOLD=1), where the sm80 family runs the call and there is no
+// block table; elsewhere it launches the check kernel as 1 does.
 //
 // --gqa G gives the grid G query heads per key/value head (h / G of them; GQA, or MQA where G = h),
 // FLOPs counted per query head as for MHA, so that a GQA row reads against the MHA row of its shape.
@@ -362,7 +365,11 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   bool index_check = false;  // the variant's FLASHATTN_BENCH_INDEX_CHECK, read when it is selected
   auto select = [&](int vi) {
     set_env_variant(args, vi);
-    index_check = env_or("FLASHATTN_BENCH_INDEX_CHECK", 0.0f) != 0.0f;
+    const float mode = env_or("FLASHATTN_BENCH_INDEX_CHECK", 0.0f);
+    const bool fold = mode == 2.0f && ib.block_table == nullptr && ib.batch <= flashattn::cuda::kIndexFoldMaxBatch &&
+                      flashattn::cuda::choose_forward_family(p).family == flashattn::cuda::Family::sm80;
+    p.index_fold = fold ? flashattn::cuda::fold_index_check(ib) : flashattn::common::IndexFold{};
+    index_check = mode != 0.0f && !fold;
   };
   // The workspace for every variant (one may choose another kernel family or split count).
   std::size_t ws_bytes = 0;
