@@ -227,12 +227,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       int round = 0;
       FwdTile t;
       auto next_stored = [&] {
-        if (!dynamic) return next_tile(round, t);
-        for (int index = take(false); index >= 0; index = take(false)) {
-          t = tile_of(index);
-          if (!t.empty()) return true;
+        if constexpr (kFwdDynamic) {
+          if (dynamic) {
+            for (int index = take(false); index >= 0; index = take(false)) {
+              t = tile_of(index);
+              if (!t.empty()) return true;
+            }
+            return false;
+          }
         }
-        return false;
+        return next_tile(round, t);
       };
       for (std::uint32_t stored = 0; next_stored(); ++stored) FwdEpilogue<Traits>::tma_store(params, ss, t, stored);
       FwdEpilogue<Traits>::tma_store_tail();
