@@ -2,7 +2,7 @@
 // one producer warpgroup, of which one thread issues every TMA load, and kConsumerWarpgroups
 // consumer warpgroups of 64 query rows each that compute S, the online softmax and O (with
 // FLASHATTN_SM90_FWD_TMA_STORE, one thread of the producer's warp 1 stores each tile's O; with
-// FLASHATTN_SM90_FWD_PAGE_GATHER, warp 1 gathers paged K/V tiles for narrow pages). The body
+// FLASHATTN_SM90_FWD_PAGE_GATHER, warp 1 (and 2) gather paged K/V tiles for narrow pages). The body
 // only orchestrates: loads and products in sm90_fwd_mainloop.cuh, softmax in sm90_softmax.cuh,
 // the output in sm90_fwd_epilogue.cuh, the tile in sm90_tile_scheduler.cuh.
 #pragma once
@@ -212,13 +212,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           have = have_next;
         }
       }
-    } else if (gather && warp == Traits::kGatherWarp) {
+    } else if (gather && warp >= Traits::kGatherWarp && warp < Traits::kGatherWarp + Traits::kGatherWarps) {
       if constexpr (Traits::kPageGather) {
-        // K and V of every non-empty tile, in the producer's walk, by the warp's 32 lanes.
+        // K and V of every non-empty tile, in the producer's walk, by the gathering warps' lanes.
         PipelineState<Traits::kStages> st = Pipeline::producer_start();
         int round = 0;
         FwdTile t;
-        const int lane = int(threadIdx.x) % 32;
+        const int lane = int(threadIdx.x) - 32 * Traits::kGatherWarp;  // 0 … kGatherLanes − 1
         while (next_tile(round, t)) Mainloop::gather_paged(params, ss, k_pipe, v_pipe, t, st, lane);
         cute::cp_async_wait<0>();  // no lane leaves with copies in flight
       }

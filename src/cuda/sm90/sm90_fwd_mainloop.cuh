@@ -218,7 +218,7 @@ struct FwdMainloop {
 
   // --- the gather warp (Traits::kPageGather and FwdParams::gather_pages) -----------------------
   // K(n) and V(n) of tile t for n from the last key tile to the first — load's order — each into
-  // the next free stage of its ring, by the 32 lanes of warp Traits::kGatherWarp with cp.async. Chunk
+  // the next free stage of its ring, by the lanes of the gathering warps (Traits::kGatherLanes) with cp.async. Chunk
   // c of a key tile (keys j0 + 16c …) comes from page block_table[t.batch][(j0 + 16c) / page_size],
   // from its row (j0 + 16c) % page_size: page sizes are multiples of 16 rows, so a chunk lies in one
   // page. As in load_paged_tile, chunks past the keys are not copied (their block_table entries may

@@ -183,12 +183,15 @@ struct FwdTraits {
   template <int kRows>
   using SmemLayoutKVBox = std::conditional_t<kRows == kPageWideRows, SmemLayoutKVWide, SmemLayoutKVChunk>;
 
-  // kFwdPageGather (sm90_fwd.h): pages that take no 64-row boxes gathered with cp.async by the 32
-  // lanes of producer warp kGatherWarp, 16 bytes (kGatherVec elements) per copy, chunk by chunk of
-  // kPageChunkRows rows into SmemLayoutKVChunk's places (FwdMainloop::gather_paged). The paged
-  // kernels are of the varlen kind, which never stores O by TMA: warp 1 is free.
-  static constexpr int kGatherWarp = 1;
-  static constexpr int kGatherLanes = 32;
+  // kFwdPageGather (sm90_fwd.h): pages that take no 64-row boxes gathered with cp.async by the
+  // lanes of kGatherWarps producer warps from warp kGatherWarp on, 16 bytes (kGatherVec elements)
+  // per copy, chunk by chunk of kPageChunkRows rows into SmemLayoutKVChunk's places
+  // (FwdMainloop::gather_paged). The paged kernels are of the varlen kind, which never stores O by
+  // TMA: warps 1–3 are free.
+  static constexpr int kGatherWarp = 1;  // the first gathering warp
+  static constexpr int kGatherWarps = kFwdPageGatherWarps;
+  static constexpr int kGatherLanes = 32 * kGatherWarps;
+  static_assert(kGatherWarp + kGatherWarps <= 4, "the gathering warps are the producer warpgroup's");
   static constexpr int kGatherVec = 16 / int(sizeof(Element));
   static_assert(!kPageGather || !kTmaStoreO, "the gather warp is the O storer's");
   static_assert(kAtomCols % kGatherVec == 0, "a 16-byte copy stays inside a swizzle atom's row");
