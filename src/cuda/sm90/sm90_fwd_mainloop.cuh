@@ -9,6 +9,7 @@
 // The softmax of tile n thus runs while the tensor cores compute the P·V of tile n+1.
 #pragma once
 
+#include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 
 #include "common/philox.h"
@@ -247,7 +248,7 @@ struct FwdMainloop {
     }
   }
   // One key tile of K or V (kCols columns; head: the kv head's first element of page 0, whose pages
-  // are page_stride elements apart) into `stage`. Each round of the warp copies 32 consecutive
+  // are page_stride elements apart) into `stage`. Each round copies Traits::kGatherLanes consecutive
   // 16-byte pieces of the chunk's rows (row-major over every column block: the lanes of a row read
   // it whole), each to its place in the chunk's swizzled layout (Traits::SmemLayoutKVChunk, at
   // Traits::chunk_offset: where the chunk's TMA box would have put it).
@@ -259,8 +260,8 @@ struct FwdMainloop {
     constexpr int kVec = Traits::kGatherVec;
     constexpr int kVecsPerRow = kCols / kVec;
     constexpr int kVecsPerBlockRow = Traits::kAtomCols / kVec;
-    // Loops kept rolled: the producer warpgroup runs on Traits::kProducerRegs registers (24), and the
-    // unrolled copies spilled 2.8 KB at d 128.
+    // Loops kept rolled: the producer warpgroup runs on few registers (Traits::kProducerRegs), and
+    // unrolled copies spilled 2.8 KB at d 128 (at 24 registers).
 #pragma unroll 1
     for (int c = 0; c < Traits::kChunksPerTile; ++c) {
       const int j = j0 + c * Traits::kPageChunkRows;
@@ -275,8 +276,8 @@ struct FwdMainloop {
         const int col = (i % kVecsPerBlockRow) * kVec;  // in the column block
         const Element* src = chunk + row * row_stride + block * Traits::kAtomCols + col;
         Element* dst = stage + Traits::chunk_offset(c, block) + int(typename Traits::SmemLayoutKVChunk{}(row, col));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(cute::cast_smem_ptr_to_uint(dst)), "l"(src)
-                     : "memory");
+        SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(src),
+                                                         *reinterpret_cast<cute::uint128_t*>(dst));
       }
     }
   }
