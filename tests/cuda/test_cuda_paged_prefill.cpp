@@ -104,11 +104,10 @@ TEST_P(CudaPagedPrefill, MatchesReference) {
   }
   for (const char* family : families) {
     // sm90 with pages of a multiple of 64 rows: its 64-row boxes (the default), then the 16-row ones
-    // as well; so too for other page sizes in a build that gathers them (FLASHATTN_SM90_FWD_PAGE_GATHER:
-    // the gather warp by default, 16-row boxes with the knob at 16).
-    const bool two_ways = std::string(family) == "sm90" && (g.page % 64 == 0 || flashattn::cuda::sm90::fwd_page_gather_built());
+    // as well.
+    const bool wide = std::string(family) == "sm90" && g.page % 64 == 0;
     for (const char* box : {"", "16"}) {
-      if (*box != '\0' && !two_ways) continue;
+      if (*box != '\0' && !wide) continue;
       SCOPED_TRACE(std::string("FLASHATTN_CUDA_FAMILY=") + family + " FLASHATTN_SM90_FWD_PAGE_BOX=" + box);
       const FamilyOverride forced(family);
       const EnvOverride boxes("FLASHATTN_SM90_FWD_PAGE_BOX", box);

@@ -279,20 +279,6 @@ TEST(CudaSm90Host, PagedBoxesOf64RowsWherePagesAllow) {
   for (int page : {16, 64, 256}) EXPECT_EQ(fc::sm90::fwd_page_box_rows(page), 16) << page;
 }
 
-// The gather warp (FLASHATTN_SM90_FWD_PAGE_GATHER builds): the page sizes that take no 64-row
-// boxes, unless FLASHATTN_SM90_FWD_PAGE_BOX=16 asks for 16-row boxes everywhere; never without
-// the switch.
-TEST(CudaSm90Host, PagesGatheredWhereBoxesAreNarrow) {
-  const bool built = fc::sm90::fwd_page_gather_built();
-  for (const char* value : {"", "64"}) {
-    const EnvOverride unset("FLASHATTN_SM90_FWD_PAGE_BOX", value);
-    for (int page : {16, 32, 48, 80, 208}) EXPECT_EQ(fc::sm90::fwd_page_gather(page), built) << page << " " << value;
-    for (int page : {64, 128, 256}) EXPECT_FALSE(fc::sm90::fwd_page_gather(page)) << page << " " << value;
-  }
-  const EnvOverride narrow("FLASHATTN_SM90_FWD_PAGE_BOX", "16");
-  for (int page : {16, 48, 64}) EXPECT_FALSE(fc::sm90::fwd_page_gather(page)) << page;
-}
-
 // The dynamic schedule's counter (fwd_tile_counter): none without FLASHATTN_SM90_FWD_DYNAMIC; in
 // such a build one per stream, the same for every call on it, for masked and varlen calls only,
 // and none under FLASHATTN_SM90_FWD_SCHEDULE=static.

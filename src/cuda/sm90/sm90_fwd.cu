@@ -129,20 +129,9 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
   return num_splits_heuristic(std::int64_t(m_blocks) * p.heads * p.batch, n_blocks, sms, kMaxSplits);
 }
 
-namespace {
-// FLASHATTN_SM90_FWD_PAGE_BOX=16: 16-row TMA boxes for every page size (read per call).
-bool narrow_boxes_forced() { return env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 64) == 16; }
-}  // namespace
-
 int fwd_page_box_rows(int page_size) {
-  const bool wide = page_size > 0 && page_size % 64 == 0 && !narrow_boxes_forced();
+  const bool wide = page_size > 0 && page_size % 64 == 0 && env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 64) != 16;
   return wide ? 64 : kFwdPageChunkRows;
-}
-
-bool fwd_page_gather_built() { return kFwdPageGather; }
-
-bool fwd_page_gather(int page_size) {
-  return kFwdPageGather && page_size > 0 && page_size % 64 != 0 && !narrow_boxes_forced();
 }
 
 bool fwd_dynamic_built() { return kFwdDynamic; }

@@ -179,29 +179,6 @@ bool fwd_paged_built();
 // prefill over pages of 64 and 256 rows ran 1.81–1.85× faster with 64-row boxes than with 16-row ones,
 // level with the contiguous cache.
 int fwd_page_box_rows(int page_size);
-// Pages whose size is not a multiple of 64 rows (16, 32, 48, 80, …) in 16-row TMA boxes ran at
-// 0.59 of the contiguous cache on an H100 (pages of 16: eight boxes per 64 columns of a key tile,
-// all issued by one thread). Built with -DFLASHATTN_SM90_FWD_PAGE_GATHER=1, the paged kernels
-// instead gather such tiles with cp.async by the 32 lanes of a producer warp of their own (=2: two
-// warps, 64 lanes; each lane 16 bytes per copy, straight into the stage's swizzled layout; the
-// stage's full barrier then counts the lanes' completions), and the elected producer thread loads
-// only Q. The static tile
-// walk only (under the dynamic schedule the TMA boxes stay). Not yet run on a GPU.
-#ifndef FLASHATTN_SM90_FWD_PAGE_GATHER
-#define FLASHATTN_SM90_FWD_PAGE_GATHER 0
-#endif
-inline constexpr bool kFwdPageGather = FLASHATTN_SM90_FWD_PAGE_GATHER != 0;
-// The gathering warps: FLASHATTN_SM90_FWD_PAGE_GATHER=1 one (warp 1 of the producer warpgroup), 2
-// two (warps 1 and 2: twice the copies in flight, half the issue work per lane).
-inline constexpr int kFwdPageGatherWarps = FLASHATTN_SM90_FWD_PAGE_GATHER == 2 ? 2 : 1;
-static_assert(FLASHATTN_SM90_FWD_PAGE_GATHER >= 0 && FLASHATTN_SM90_FWD_PAGE_GATHER <= 2,
-              "FLASHATTN_SM90_FWD_PAGE_GATHER is 0, 1 or 2 (the gathering warps)");
-// kFwdPageGather as the library was compiled.
-bool fwd_page_gather_built();
-// Whether a paged call with pages of page_size rows gathers its K/V tiles (kFwdPageGather, a page
-// size that takes no 64-row boxes, and FLASHATTN_SM90_FWD_PAGE_BOX unset or 64: with 16, every page
-// size takes 16-row boxes, as without the switch). The dynamic schedule's calls never gather.
-bool fwd_page_gather(int page_size);
 
 // Split-KV in this family: each tile's key tiles spread over `splits` CTAs of the persistent
 // grid (the split innermost in the tile order), which write fp32 partials (cuda/split_kv.h) that

@@ -1,8 +1,7 @@
 // src/cuda/sm90/sm90_fwd_kernel.cuh — the Hopper forward kernel (warp-specialised, TMA + wgmma):
 // one producer warpgroup, of which one thread issues every TMA load, and kConsumerWarpgroups
 // consumer warpgroups of 64 query rows each that compute S, the online softmax and O (with
-// FLASHATTN_SM90_FWD_TMA_STORE, one thread of the producer's warp 1 stores each tile's O; with
-// FLASHATTN_SM90_FWD_PAGE_GATHER, warp 1 (and 2) gather paged K/V tiles for narrow pages). The body
+// FLASHATTN_SM90_FWD_TMA_STORE, one thread of the producer's warp 1 stores each tile's O). The body
 // only orchestrates: loads and products in sm90_fwd_mainloop.cuh, softmax in sm90_softmax.cuh,
 // the output in sm90_fwd_epilogue.cuh, the tile in sm90_tile_scheduler.cuh.
 #pragma once
@@ -29,9 +28,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // Warp-uniform indices (the shuffle tells the compiler they are uniform).
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);
   const int warpgroup = warp / 4;
-  // K/V tiles gathered by warp Traits::kGatherWarp instead of the TMA thread (the host sets it for
-  // the static walk only).
-  const bool gather = Traits::kPageGather && params.gather_pages;
 
   if (threadIdx.x == 0) {
     for (int b = 0; b < Traits::kQStages; ++b) {
@@ -50,9 +46,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         cutlass::arch::ClusterBarrier::init(&ss.ring.empty[i], kRingReaders);
       }
     }
-    const int fillers = gather ? Traits::kGatherLanes : 1;  // arrivals that fill a K/V stage
-    Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups, fillers);
-    Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups, fillers);
+    Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
+    Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();
   }
   if (warp == 0 && cute::elect_one_sync()) {
@@ -156,12 +151,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (warp == 0 && cute::elect_one_sync()) {
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
-      if (gather) {
-        // Q alone: the gather warp loads K and V.
-        int round = 0;
-        FwdTile t;
-        while (next_tile(round, t)) Mainloop::load_q(params, ss, t, loaded++);
-      } else if (dynamic) {
+      if (dynamic) {
         if constexpr (kFwdDynamic) {
           // Each index published once the loads of the tiles before it are issued; with two Q
           // buffers a non-empty next tile's Q loads during this tile's loads, before its index is
@@ -211,16 +201,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
           t = next;
           have = have_next;
         }
-      }
-    } else if (gather && warp >= Traits::kGatherWarp && warp < Traits::kGatherWarp + Traits::kGatherWarps) {
-      if constexpr (Traits::kPageGather) {
-        // K and V of every non-empty tile, in the producer's walk, by the gathering warps' lanes.
-        PipelineState<Traits::kStages> st = Pipeline::producer_start();
-        int round = 0;
-        FwdTile t;
-        const int lane = int(threadIdx.x) - 32 * Traits::kGatherWarp;  // 0 … kGatherLanes − 1
-        while (next_tile(round, t)) Mainloop::gather_paged(params, ss, k_pipe, v_pipe, t, st, lane);
-        cute::cp_async_wait<0>();  // no lane leaves with copies in flight
       }
     } else if (Traits::kTmaStoreO && warp == kOStoreWarp && cute::elect_one_sync()) {
       // O of each non-empty tile, once staged, by one TMA store (FwdEpilogue::tma_store).

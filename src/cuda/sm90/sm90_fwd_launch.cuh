@@ -69,10 +69,6 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   params.section = sections.pairs;
   params.section_rising = common::MaskedTileOrder::rising_parity_of(p.heads * p.batch, sections.pairs, sections.alternate);
   params.tile_counter = fwd_tile_counter(p, stream);
-  params.gather_pages = false;
-  if constexpr (Traits::kPageGather) {
-    params.gather_pages = params.tile_counter == nullptr && fwd_page_gather(p.page_size);
-  }
 
   auto* kernel = &fwd_kernel<Traits>;
   const cudaError_t err =

@@ -9,7 +9,6 @@
 // The softmax of tile n thus runs while the tensor cores compute the P·V of tile n+1.
 #pragma once
 
-#include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 
 #include "common/philox.h"
@@ -34,7 +33,6 @@ struct FwdParams {
   typename Traits::TmaKVWide tma_k_wide;
   typename Traits::TmaKVWide tma_v_wide;
   bool wide_pages;
-  bool gather_pages;  // Traits::kPageGather: this call's K/V tiles gathered by the gather warp
   typename Traits::ShapeRows shape_q;  // (max_seqlen_q, d, heads, batch)
   typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
   typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
@@ -214,71 +212,6 @@ struct FwdMainloop {
           v_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxV<kRows>), box_page, page_size, t, n);
       st.advance();
       if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
-    }
-  }
-
-  // --- the gather warp (Traits::kPageGather and FwdParams::gather_pages) -----------------------
-  // K(n) and V(n) of tile t for n from the last key tile to the first — load's order — each into
-  // the next free stage of its ring, by the lanes of the gathering warps (Traits::kGatherLanes) with cp.async. Chunk
-  // c of a key tile (keys j0 + 16c …) comes from page block_table[t.batch][(j0 + 16c) / page_size],
-  // from its row (j0 + 16c) % page_size: page sizes are multiples of 16 rows, so a chunk lies in one
-  // page. As in load_paged_tile, chunks past the keys are not copied (their block_table entries may
-  // be anything; compute masks their K rows and zeroes their V rows), and the rows past the keys
-  // inside the last chunk are copied from its page as they are.
-  __device__ static void gather_paged(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
-                                      const Pipeline& v_pipe, const FwdTile& t, PipelineState<kStages>& st,
-                                      int lane) {
-    const common::AttentionParams& p = params.p;
-    const std::int32_t* pages = p.block_table + std::int64_t(t.batch) * p.block_table_batch_stride;
-    const Element* k_head = static_cast<const Element*>(p.k.data) + std::int64_t(t.kv_head) * p.k.head_stride;
-    const Element* v_head = static_cast<const Element*>(p.v.data) + std::int64_t(t.kv_head) * p.v.head_stride;
-    for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
-      const int j0 = n * kBlockN;
-      const int rows = min(kBlockN, t.seqlen_k - j0);
-      k_pipe.producer_wait(st);
-      gather_tile<kHeadDim>(k_head, p.k.batch_stride, p.k.row_stride, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
-                            pages, p.page_size, j0, rows, lane);
-      k_pipe.gather_arrive(st);
-      v_pipe.producer_wait(st);
-      gather_tile<Traits::kHeadDimV>(v_head, p.v.batch_stride, p.v.row_stride,
-                                     ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV), pages, p.page_size,
-                                     j0, rows, lane);
-      v_pipe.gather_arrive(st);
-      st.advance();
-    }
-  }
-  // One key tile of K or V (kCols columns; head: the kv head's first element of page 0, whose pages
-  // are page_stride elements apart) into `stage`. Each round copies Traits::kGatherLanes consecutive
-  // 16-byte pieces of the chunk's rows (row-major over every column block: the lanes of a row read
-  // it whole), each to its place in the chunk's swizzled layout (Traits::SmemLayoutKVChunk, at
-  // Traits::chunk_offset: where the chunk's TMA box would have put it).
-  template <int kCols>
-  __device__ __forceinline__ static void gather_tile(const Element* head, std::int64_t page_stride,
-                                                     std::int64_t row_stride, Element* stage,
-                                                     const std::int32_t* pages, int page_size, int j0, int rows,
-                                                     int lane) {
-    constexpr int kVec = Traits::kGatherVec;
-    constexpr int kVecsPerRow = kCols / kVec;
-    constexpr int kVecsPerBlockRow = Traits::kAtomCols / kVec;
-    // Loops kept rolled: the producer warpgroup runs on few registers (Traits::kProducerRegs), and
-    // unrolled copies spilled 2.8 KB at d 128 (at 24 registers).
-#pragma unroll 1
-    for (int c = 0; c < Traits::kChunksPerTile; ++c) {
-      const int j = j0 + c * Traits::kPageChunkRows;
-      if (j >= j0 + rows) break;
-      const Element* chunk = head + std::int64_t(__ldg(pages + j / page_size)) * page_stride +
-                             std::int64_t(j % page_size) * row_stride;
-#pragma unroll 1
-      for (int r = 0; r < Traits::template kGatherRounds<kCols>; ++r) {
-        const int i = r * Traits::kGatherLanes + lane;
-        const int row = i / kVecsPerRow;  // in the chunk
-        const int block = (i % kVecsPerRow) / kVecsPerBlockRow;
-        const int col = (i % kVecsPerBlockRow) * kVec;  // in the column block
-        const Element* src = chunk + row * row_stride + block * Traits::kAtomCols + col;
-        Element* dst = stage + Traits::chunk_offset(c, block) + int(typename Traits::SmemLayoutKVChunk{}(row, col));
-        SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(src),
-                                                         *reinterpret_cast<cute::uint128_t*>(dst));
-      }
     }
   }
 

@@ -103,16 +103,9 @@ struct FwdTraits {
   // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDimV / 2) per thread. The sums
   // stay within the CTA's registers (setmaxnreg_pool: 63K of 384 threads, 64K of 512):
   // 128 · kProducerRegs + kConsumerThreads · kConsumerRegs. With O stored by TMA the producer
-  // warpgroup walks the tiles twice (loads, stores): 32, and the two consumer warpgroups 232. Where
-  // a warp gathers paged K/V (kPageGather, below) the producer gets 40 and the consumers 224: sm_90a,
-  // bf16, d 128, the paged kernels' spill stores (plain / softcap-ALiBi-dropout) were 284 / 384
-  // bytes at 24 producer registers, 124 / 228 at 32, 20 / 140 at 40 (0 / 72 without the switch).
-  static constexpr bool kPageGather = kPaged && kFwdPageGather;
-  static constexpr int kProducerRegs = kConsumerWarpgroups != 2 ? 32
-                                       : kPageGather             ? 40
-                                       : kTmaStoreO              ? 32
-                                                                 : 24;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups != 2 ? 160 : kPageGather ? 224 : kTmaStoreO ? 232 : 240;
+  // warpgroup walks the tiles twice (loads, stores): 32, and the two consumer warpgroups 232.
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 && !kTmaStoreO ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? (kTmaStoreO ? 232 : 240) : 160;
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
                 "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
 
@@ -182,26 +175,6 @@ struct FwdTraits {
   // The shared layout of one box of kRows rows (kPageChunkRows or kPageWideRows).
   template <int kRows>
   using SmemLayoutKVBox = std::conditional_t<kRows == kPageWideRows, SmemLayoutKVWide, SmemLayoutKVChunk>;
-
-  // kFwdPageGather (sm90_fwd.h): pages that take no 64-row boxes gathered with cp.async by the
-  // lanes of kGatherWarps producer warps from warp kGatherWarp on, 16 bytes (kGatherVec elements)
-  // per copy, chunk by chunk of kPageChunkRows rows into SmemLayoutKVChunk's places
-  // (FwdMainloop::gather_paged). The paged kernels are of the varlen kind, which never stores O by
-  // TMA: warps 1–3 are free.
-  static constexpr int kGatherWarp = 1;  // the first gathering warp
-  static constexpr int kGatherWarps = kFwdPageGatherWarps;
-  static constexpr int kGatherLanes = 32 * kGatherWarps;
-  static_assert(kGatherWarp + kGatherWarps <= 4, "the gathering warps are the producer warpgroup's");
-  static constexpr int kGatherVec = 16 / int(sizeof(Element));
-  static_assert(!kPageGather || !kTmaStoreO, "the gather warp is the O storer's");
-  static_assert(kAtomCols % kGatherVec == 0, "a 16-byte copy stays inside a swizzle atom's row");
-  // Copies of one chunk's rows (every column block) for a tile of `cols` columns, a whole number of
-  // rounds of the warp's lanes.
-  template <int kCols>
-  static constexpr int kGatherRounds = kPageChunkRows * (kCols / kGatherVec) / kGatherLanes;
-  static_assert(!kPageGather || (kPageChunkRows * (kHeadDim / kGatherVec) % kGatherLanes == 0 &&
-                                 kPageChunkRows * (kHeadDimV / kGatherVec) % kGatherLanes == 0),
-                "a chunk's copies fill whole rounds of the gather warp");
 
   // Element offsets in K's and V's shared tiles: of stage `stage` (its columns `cols`: kHeadDim for
   // K, kHeadDimV for V), and of box `chunk` of `rows` rows, columns [kAtomCols·block, kAtomCols·

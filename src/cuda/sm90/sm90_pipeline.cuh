@@ -41,12 +41,10 @@ struct TmaPipeline {
   std::uint64_t* full;
   std::uint64_t* empty;
 
-  // One thread, before any use; a fence and a CTA barrier must follow. producers: the arrivals that
-  // fill a stage — 1 (the TMA thread's, with the expected bytes), or the lanes of a warp that
-  // gathers the stage with cp.async (each lane's arrival once its copies have landed).
-  __device__ static void init(std::uint64_t* full, std::uint64_t* empty, int consumers, int producers = 1) {
+  // One thread, before any use; a fence and a CTA barrier must follow.
+  __device__ static void init(std::uint64_t* full, std::uint64_t* empty, int consumers) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&full[s], producers);
+      cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], consumers);
     }
   }
@@ -58,16 +56,6 @@ struct TmaPipeline {
     cutlass::arch::ClusterBarrier::wait(&empty[st.index], st.phase);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[st.index], bytes);
     return full[st.index];
-  }
-  // A gathering warp (init's producers = its lanes): wait until the stage is free, by every lane.
-  // The lanes' cp.async copies into it then complete on full_barrier(st) (gather_arrive).
-  __device__ __forceinline__ void producer_wait(PipelineState<kStages> st) const {
-    cutlass::arch::ClusterBarrier::wait(&empty[st.index], st.phase);
-  }
-  // One lane's arrival on the stage's full barrier once its cp.async copies issued so far have
-  // landed (the barrier's pending count not raised: init counted the lane).
-  __device__ __forceinline__ void gather_arrive(PipelineState<kStages> st) const {
-    cutlass::arch::cpasync_barrier_arrive_noinc(&full[st.index]);
   }
   // Consumer: wait until the stage's bytes have landed.
   __device__ __forceinline__ void consumer_wait(PipelineState<kStages> st) const {
