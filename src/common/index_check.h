@@ -103,10 +103,13 @@ FA_HOST_DEVICE IndexViolation check_cu_seqlens(const std::int32_t* cu, IndexSide
 
 }  // namespace index_detail
 
-// The first rule that sequence b breaks, or an IndexViolation that converts to false. Reads only
-// entry b (and b + 1 of cu_seqlens, cu_seqlens[0] for b = 0, the block_table entries of the pages
-// sequence b uses), so every sequence can be checked by its own thread.
-FA_HOST_DEVICE IndexViolation check_sequence_indices(const IndexBounds& ib, int b) {
+// The checks below read only entry b of each index tensor (and b + 1 of cu_seqlens, cu_seqlens[0]
+// for b = 0, the block_table entries of the pages sequence b uses), so that every sequence can be
+// checked on its own, and its block_table entries by threads of their own.
+//
+// The rules of sequence b other than its block_table entries (check_block_table_entry); *len:
+// the keys it reads, whose pages' entries are the ones to check.
+FA_HOST_DEVICE IndexViolation check_sequence_scalars(const IndexBounds& ib, int b, long long* len_out) {
   using index_detail::violation;
   IndexViolation v;
   // Keys sequence b reads: a KV cache's after the append (the whole capacity without
@@ -154,21 +157,42 @@ FA_HOST_DEVICE IndexViolation check_sequence_indices(const IndexBounds& ib, int 
   if (ib.cache_batch_idx != nullptr && (ib.cache_batch_idx[b] < 0 || ib.cache_batch_idx[b] >= ib.cache_rows)) {
     return violation(IndexRule::cache_batch_idx_range, IndexSide::k, b, b, ib.cache_batch_idx[b], ib.cache_rows);
   }
-  if (ib.block_table != nullptr) {
-    const std::int32_t* row = ib.block_table + b * ib.block_table_batch_stride;
-    for (long long blk = 0; blk * ib.page_size < len; ++blk) {
-      if (row[blk] < 0 || row[blk] >= ib.cache_rows) {
-        return violation(IndexRule::block_table_range, IndexSide::k, b, int(blk), row[blk], ib.cache_rows);
-      }
-    }
+  *len_out = len;
+  return {};
+}
+
+// The pages of sequence b's block_table row that hold its first len keys.
+FA_HOST_DEVICE long long block_table_pages(const IndexBounds& ib, long long len) {
+  return ib.block_table != nullptr && len > 0 ? (len + ib.page_size - 1) / ib.page_size : 0;
+}
+
+// Entry blk of sequence b's block_table row: a page of the cache.
+FA_HOST_DEVICE IndexViolation check_block_table_entry(const IndexBounds& ib, int b, long long blk) {
+  const std::int32_t page = ib.block_table[b * ib.block_table_batch_stride + blk];
+  if (page < 0 || page >= ib.cache_rows) {
+    return index_detail::violation(IndexRule::block_table_range, IndexSide::k, b, int(blk), page, ib.cache_rows);
+  }
+  return {};
+}
+
+// The first rule that sequence b breaks (check_sequence_scalars, then its block_table entries in
+// order), or an IndexViolation that converts to false.
+FA_HOST_DEVICE IndexViolation check_sequence_indices(const IndexBounds& ib, int b) {
+  long long len = 0;
+  const IndexViolation v = check_sequence_scalars(ib, b, &len);
+  if (v) return v;
+  const long long pages = block_table_pages(ib, len);
+  for (long long blk = 0; blk < pages; ++blk) {
+    const IndexViolation e = check_block_table_entry(ib, b, blk);
+    if (e) return e;
   }
   return {};
 }
 
 // A check folded into the prologue of a call's first kernel instead of a kernel of its own (one
 // launch less: most of the check's cost on a decoding step), src/cuda/index_check.h: every block of
-// that kernel checks every sequence and reads or writes nothing when one fails; the kernels after
-// it read the flag as usual. record and mirror: the device's violation record and its mapped host
+// that kernel checks every sequence (the append kernel) or the one it reads (the sm80 forward)
+// and reads or writes nothing when one fails; the kernels after it read the flag as usual. record and mirror: the device's violation record and its mapped host
 // mirror (cuda::IndexRecord, opaque here). Inactive (record null): the check, if any, runs as its
 // own kernel.
 struct IndexFold {

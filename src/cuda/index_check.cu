@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <climits>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -48,11 +49,51 @@ Record* mirror_of(int device) {
   return g_mirror[device].load(std::memory_order_acquire);
 }
 
+// Without a block table: one thread per sequence.
 __global__ void __launch_bounds__(kThreads) check_indices_kernel(const common::IndexBounds ib, Record* mirror) {
   const int b = blockIdx.x * kThreads + threadIdx.x;
   if (b >= ib.batch) return;
   const common::IndexViolation v = common::check_sequence_indices(ib, b);
   if (v) record_index_violation(&g_record, mirror, v, int(ib.api));
+}
+
+// With a block table: a block per sequence. Thread 0 checks its other rules, then every thread
+// the block_table entries of its pages, kPagedUnroll loads in flight at a time (one thread walking
+// a sequence's 256 pages of 16 rows entry by entry took 36 µs of a 196 µs decoding step), and the
+// first bad entry is recorded, as the host's check would name it.
+constexpr int kPagedThreads = 256;
+constexpr int kPagedUnroll = 8;
+
+__global__ void __launch_bounds__(kPagedThreads) check_paged_indices_kernel(const common::IndexBounds ib, Record* mirror) {
+  __shared__ long long pages;
+  __shared__ int first_bad;
+  const int b = blockIdx.x;
+  if (threadIdx.x == 0) {
+    long long len = 0;
+    const common::IndexViolation v = common::check_sequence_scalars(ib, b, &len);
+    if (v) record_index_violation(&g_record, mirror, v, int(ib.api));
+    pages = v ? 0 : common::block_table_pages(ib, len);
+    first_bad = INT_MAX;
+  }
+  __syncthreads();
+  const std::int32_t* row = ib.block_table + b * ib.block_table_batch_stride;
+  for (long long base = threadIdx.x; base < pages; base += kPagedThreads * kPagedUnroll) {
+    std::int32_t page[kPagedUnroll];
+#pragma unroll
+    for (int u = 0; u < kPagedUnroll; ++u) {
+      const long long blk = base + u * kPagedThreads;
+      page[u] = blk < pages ? __ldg(row + blk) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kPagedUnroll; ++u) {
+      const long long blk = base + u * kPagedThreads;
+      if (blk < pages && (page[u] < 0 || page[u] >= ib.cache_rows)) atomicMin(&first_bad, int(blk));
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && first_bad != INT_MAX) {
+    record_index_violation(&g_record, mirror, common::check_block_table_entry(ib, b, first_bad), int(ib.api));
+  }
 }
 
 common::IndexViolation violation_of(const Record& r) {
@@ -103,7 +144,7 @@ const int* index_error_flag() { return &device_record()->state; }
 bool index_check_foldable(const common::IndexBounds& ib) {
   if (ib.block_table != nullptr || ib.batch > kIndexFoldMaxBatch) return false;
   const char* env = std::getenv("FLASHATTN_INDEX_CHECK_FOLD");
-  return env != nullptr && env[0] == '1' && env[1] == '\0';
+  return env == nullptr || std::string(env) != "0";
 }
 
 IndexFold fold_index_check(const common::IndexBounds& ib) {
@@ -117,8 +158,12 @@ IndexFold fold_index_check(const common::IndexBounds& ib) {
 void check_indices(const common::IndexBounds& ib, void* stream) {
   if (!ib.any() || ib.batch <= 0) return;
   Record* mirror = mirror_of(current_device());
-  const int blocks = (ib.batch + kThreads - 1) / kThreads;
-  check_indices_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(ib, mirror);
+  if (ib.block_table != nullptr) {
+    check_paged_indices_kernel<<<ib.batch, kPagedThreads, 0, static_cast<cudaStream_t>(stream)>>>(ib, mirror);
+  } else {
+    const int blocks = (ib.batch + kThreads - 1) / kThreads;
+    check_indices_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(ib, mirror);
+  }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("flashattn (CUDA): index check launch failed: ") + cudaGetErrorString(err));
 }

@@ -39,4 +39,22 @@ __device__ inline bool index_check_passes(const IndexFold& f) {
 // sm80 forward), so that the check's code does not weigh on their register allocation.
 static __device__ __noinline__ bool index_check_passes_call(const IndexFold& f) { return index_check_passes(f); }
 
+// The folded check of sequence b alone, for a kernel whose blocks each read the indices of one
+// sequence only and write nothing but scratch that a later kernel reads after the flag (the sm80
+// split-KV forward: blockIdx.z; its combine writes the output): every thread checks b (the same
+// few loads, served together) and thread 0 records a violation; true when b passed and no earlier
+// kernel flagged one (`flag`: the device's violation flag, or null). The flag is read beside b's
+// indices rather than before them, so that the two trips to memory overlap. No block barrier: no
+// block depends on another's finding, and every sequence has blocks of its own. Inlined: a call
+// to code elsewhere is one more instruction fetch from memory at the kernel's start.
+__device__ __forceinline__ bool index_check_sequence_passes(const IndexFold& f, int b, const int* flag) {
+  const int earlier = flag != nullptr ? *flag : 0;
+  const common::IndexViolation v = common::check_sequence_indices(f.bounds, b);
+  if (v && threadIdx.x == 0) {
+    record_index_violation(static_cast<IndexRecord*>(f.record), static_cast<IndexRecord*>(f.mirror), v,
+                           int(f.bounds.api));
+  }
+  return !v && earlier == 0;
+}
+
 }  // namespace flashattn::cuda

@@ -36,9 +36,8 @@ using common::IndexFold;
 inline constexpr int kIndexFoldMaxBatch = 256;
 
 // Whether `ib`'s check may be folded into a kernel's prologue: at most kIndexFoldMaxBatch
-// sequences, no block table (a sequence's pages are a loop of their own), and
-// FLASHATTN_INDEX_CHECK_FOLD=1 (read per call; off by default until timed and tested on a GPU:
-// src/cuda/README.md, tuning knobs).
+// sequences, no block table (a sequence's pages are a loop of their own), and not turned off by
+// FLASHATTN_INDEX_CHECK_FOLD=0 (read per call; src/cuda/README.md, tuning knobs).
 bool index_check_foldable(const common::IndexBounds& ib);
 
 // The fold of `ib`'s check on the current device (the caller has decided it is foldable).

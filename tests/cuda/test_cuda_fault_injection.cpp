@@ -130,6 +130,7 @@ struct KVCall {
     std::vector<std::int32_t> table = {4, 1, 0, 5};
     std::int64_t rotary_rows = 0;  // rows of the rotary tables given (0: no rotary embedding)
     bool new_keys = true;          // k_new / v_new given (without them and rotary, nothing is appended)
+    int num_splits = 0;            // Options::num_splits (0: the heuristic's)
   };
   fa::KVCacheInputs inputs(const Args& a, bool on_device) {
     fa::KVCacheInputs in;
@@ -166,6 +167,7 @@ struct KVCall {
     in.v_cache = v_cache->view();
     fa::Options opt;
     opt.check_indices = synchronous;
+    opt.num_splits = a.num_splits;
     const std::size_t bytes = fa::forward_kvcache_workspace_size(in, opt);
     void* ws = dev.alloc(bytes);
     fa::forward_kvcache(in, {out->view(), lse->view()}, opt, {ws, bytes});
@@ -229,8 +231,9 @@ const KVFault kKVFaults[] = {
 
 // With check_indices the bad call itself throws; without, it returns and the next CUDA call on
 // the device (a valid one) throws the violation instead of running. Each case runs with the check
-// as a kernel of its own and folded into the append kernel's prologue (FLASHATTN_INDEX_CHECK_FOLD;
-// paged calls and calls that append nothing keep the kernel), with and without new keys.
+// as a kernel of its own and folded (FLASHATTN_INDEX_CHECK_FOLD; paged calls keep the kernel):
+// into the append kernel's prologue with new keys, into the sm80 forward's without — its split
+// kernel's blocks each checking their own sequence (2 splits), the other's every sequence.
 TEST(CudaFaultInjection, KVCacheBadIndexIsRefusedAndTheNextCallIsRight) {
   FA_SKIP_WITHOUT_GPU();
   if (!kernel_built(fa::cuda::sm80::Family::fwd, fa::common::Storage::bf16, kHeadDim, kHeadDim)) return;
@@ -239,31 +242,36 @@ TEST(CudaFaultInjection, KVCacheBadIndexIsRefusedAndTheNextCallIsRight) {
     for (bool new_keys : {true, false}) {
       for (bool synchronous : {true, false}) {
         for (const KVFault& f : kKVFaults) {
-          if (!new_keys && !f.without_new_keys_too) continue;
-          SCOPED_TRACE(std::string(f.name) + (synchronous ? " (check_indices)" : " (reported by the next call)") +
-                       (new_keys ? "" : ", no new keys") + (fold[0] == '1' ? ", folded" : ""));
-          KVCall c(f.paged);
-          KVCall::Args bad;
-          bad.new_keys = new_keys;
-          f.spoil(bad);
-          const auto before = c.snapshot();
-          if (synchronous) {
-            EXPECT_TRUE(throws_naming([&] { c.run_device(bad, true); }, f.arg));
-          } else {
-            ASSERT_NO_THROW(c.run_device(bad, false));
-            FA_CUDA_CHECK(cudaDeviceSynchronize());
-            EXPECT_TRUE(throws_naming([&] { c.run_device(KVCall::Args{}, false); }, f.arg));
+          for (int splits : {0, 2}) {
+            if (!new_keys && !f.without_new_keys_too) continue;
+            if (splits != 0 && new_keys) continue;
+            SCOPED_TRACE(std::string(f.name) + (synchronous ? " (check_indices)" : " (reported by the next call)") +
+                         (new_keys ? "" : ", no new keys") + (fold[0] == '1' ? ", folded" : "") +
+                         (splits != 0 ? ", 2 splits" : ""));
+            KVCall c(f.paged);
+            KVCall::Args bad;
+            bad.new_keys = new_keys;
+            bad.num_splits = splits;
+            f.spoil(bad);
+            const auto before = c.snapshot();
+            if (synchronous) {
+              EXPECT_TRUE(throws_naming([&] { c.run_device(bad, true); }, f.arg));
+            } else {
+              ASSERT_NO_THROW(c.run_device(bad, false));
+              FA_CUDA_CHECK(cudaDeviceSynchronize());
+              EXPECT_TRUE(throws_naming([&] { c.run_device(KVCall::Args{}, false); }, f.arg));
+            }
+            EXPECT_TRUE(c.snapshot() == before) << "a guarded buffer changed";
+            c.expect_valid_call_right();
           }
-          EXPECT_TRUE(c.snapshot() == before) << "a guarded buffer changed";
-          c.expect_valid_call_right();
         }
       }
     }
   }
 }
 
-// Which checks fold into the append kernel's prologue: at most kIndexFoldMaxBatch sequences, no
-// block table, and only when FLASHATTN_INDEX_CHECK_FOLD=1.
+// Which checks fold into a kernel's prologue: at most kIndexFoldMaxBatch sequences, no block
+// table, and not with FLASHATTN_INDEX_CHECK_FOLD=0.
 TEST(CudaIndexCheckHost, FoldsOnlySmallChecksWithoutBlockTables) {
   const std::int32_t entry = 0;
   fa::common::IndexBounds ib;
@@ -271,7 +279,11 @@ TEST(CudaIndexCheckHost, FoldsOnlySmallChecksWithoutBlockTables) {
   ib.cache_seqlens = &entry;
   {
     const EnvOverride unset("FLASHATTN_INDEX_CHECK_FOLD", "");
-    EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << "off unless asked for";
+    EXPECT_TRUE(fa::cuda::index_check_foldable(ib)) << "on by default";
+  }
+  {
+    const EnvOverride off("FLASHATTN_INDEX_CHECK_FOLD", "0");
+    EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << "off when turned off";
   }
   const EnvOverride on("FLASHATTN_INDEX_CHECK_FOLD", "1");
   EXPECT_TRUE(fa::cuda::index_check_foldable(ib));
@@ -283,10 +295,64 @@ TEST(CudaIndexCheckHost, FoldsOnlySmallChecksWithoutBlockTables) {
   ib.block_table = &entry;
   EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << "a paged cache keeps the check kernel";
   ib.block_table = nullptr;
-  for (const char* other : {"0", "yes", "10"}) {
-    const EnvOverride value("FLASHATTN_INDEX_CHECK_FOLD", other);
-    EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << other;
-  }
+  EXPECT_TRUE(fa::cuda::index_check_foldable(ib));
+}
+
+// The check kernel over long block tables (a block per sequence, its threads over the pages):
+// the first bad entry of the first bad sequence's pages is the one the host's check names, bad
+// entries past a sequence's keys are not read, and a table without a bad entry passes.
+TEST(CudaIndexCheck, LongBlockTablesReportTheFirstBadEntryAsTheHostDoes) {
+  FA_SKIP_WITHOUT_GPU();
+  constexpr int kBatch = 3, kPageRows = 16, kPagesPerSeq = 3000;
+  constexpr std::int64_t kCachePages = 9000;
+  std::vector<std::int32_t> table(std::size_t(kBatch) * kPagesPerSeq);
+  for (std::size_t i = 0; i < table.size(); ++i) table[i] = std::int32_t((i * 7919) % kCachePages);
+  const std::vector<std::int32_t> seqlens = {kPagesPerSeq * kPageRows, 2000 * kPageRows + 5, 1000 * kPageRows};
+  // Sequence 0 clean; sequence 1 bad at 1999 (2001 pages hold its keys: 0 … 2000), 2001 (past
+  // them), 1500 and 1800 (the first of these to name: 1500); sequence 2 bad at 2500 (past its keys).
+  auto at = [&](int b, int blk) -> std::int32_t& { return table[std::size_t(b) * kPagesPerSeq + std::size_t(blk)]; };
+  at(1, 1999) = -1, at(1, 2001) = std::int32_t(kCachePages), at(1, 1800) = std::int32_t(kCachePages) + 3;
+  at(1, 1500) = std::int32_t(kCachePages), at(2, 2500) = -7;
+  DeviceArena dev;
+  const fa::TensorView d_seqlens = device_i32(dev, seqlens, {kBatch});
+  fa::common::IndexBounds ib;
+  ib.batch = kBatch;
+  ib.api = fa::common::IndexApi::forward_kvcache;
+  ib.block_table_batch_stride = kPagesPerSeq;
+  ib.page_size = kPageRows;
+  ib.cache_rows = kCachePages;
+  ib.capacity = std::int64_t(kPagesPerSeq) * kPageRows;
+  ib.seqlen_q = 1;
+  auto device_check = [&](const fa::TensorView& d_table) {
+    ib.cache_seqlens = static_cast<const std::int32_t*>(d_seqlens.data);
+    ib.block_table = static_cast<const std::int32_t*>(d_table.data);
+    fa::cuda::check_indices(ib, nullptr);
+    return fa::cuda::take_index_violation(nullptr);
+  };
+  auto host_check = [&] {
+    ib.cache_seqlens = seqlens.data();
+    ib.block_table = table.data();
+    for (int b = 0; b < kBatch; ++b) {
+      if (const auto v = fa::common::check_sequence_indices(ib, b)) return v;
+    }
+    return fa::common::IndexViolation{};
+  };
+  const auto expected = host_check();
+  ASSERT_TRUE(bool(expected));
+  EXPECT_EQ(expected.batch, 1);
+  EXPECT_EQ(expected.entry, 1500);
+  const auto got = device_check(device_i32(dev, table, {kBatch, kPagesPerSeq}));
+  ASSERT_TRUE(bool(got)) << "the device check passed a bad table";
+  EXPECT_EQ(got.rule, expected.rule);
+  EXPECT_EQ(got.batch, expected.batch);
+  EXPECT_EQ(got.entry, expected.entry);
+  EXPECT_EQ(got.value, expected.value);
+  EXPECT_EQ(got.bound, expected.bound);
+  // Sequence 1 repaired but for its page past the keys: nothing left to report.
+  at(1, 1999) = 0, at(1, 1800) = 0, at(1, 1500) = 0;
+  ASSERT_FALSE(bool(host_check()));
+  EXPECT_FALSE(bool(device_check(device_i32(dev, table, {kBatch, kPagesPerSeq}))))
+      << "a clean table (bad entries past the keys only)";
 }
 
 TEST(CudaFaultInjection, CheckIndexErrorsWaitsAndThrows) {

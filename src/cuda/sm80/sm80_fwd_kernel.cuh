@@ -337,13 +337,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   // An index tensor failed the device-side check (src/cuda/index_check.h): read and write nothing.
-  if (p.index_check_failed()) return;
-  // The call's check folded in here (AttentionParams::index_fold): every block checks every
-  // sequence before it reads an index, and leaves on a violation (the flag then stops the combine).
-  // Never for a paged cache (index_check_foldable: a block table keeps the check kernel), whose
-  // kernels leave the code out (it cost the paged split kernel 80 bytes of spills at d 128).
-  if constexpr (!kPaged) {
-    if (p.index_fold.active() && !index_check_passes_call(p.index_fold)) return;
+  // Where the call's check is folded in here (AttentionParams::index_fold) it runs first: a split
+  // kernel's block checks the one sequence it reads (blockIdx.z), beside that flag — it writes
+  // only the partials, and the combine after it reads the flag before it writes the output; any
+  // other block checks every sequence (a block barrier), so that no block writes its rows of the
+  // output unless all passed. Never for a paged cache (index_check_foldable: a block table keeps
+  // the check kernel), whose kernels leave the code out (it cost the paged split kernel 80 bytes
+  // of spills at d 128).
+  bool folded = false;
+  if constexpr (!kPaged) folded = p.index_fold.active();
+  if (folded) {
+    if constexpr (!kPaged) {
+      if constexpr (kSplit) {
+        if (!index_check_sequence_passes(p.index_fold, int(blockIdx.z), p.index_error)) return;
+      } else {
+        if (!index_check_passes_call(p.index_fold) || p.index_check_failed()) return;
+      }
+    }
+  } else if (p.index_check_failed()) {
+    return;
   }
 
   // Highest row blocks first: under a causal mask they see the most keys, and starting the long
