@@ -11,7 +11,11 @@ and FlashAttention-3's flash_attn_with_kvcache where its flash_attn_interface mo
 --device cpu times this library's call alone (the CPU backend's dispatch), as CI does to keep the
 script running. --breakdown adds a row `flashattn_C`: _C.forward_kvcache alone on the same tensors
 and options (its DLPack conversions included), the extension's share of a call; the rest is the
-Python layer's (and torch.empty's for the result). The shape flags change the problem, e.g. the
+Python layer's (and torch.empty's for the result). It splits that share further:
+`flashattn_C_given_workspace` (the call handed a workspace allocated beforehand: without the
+allocator's round trip through Python), `flashattn_C_size_only` (_C.forward_kvcache_workspace_size
+on the same tensors: the conversions and checks without a launch), `to_dlpack` (one tensor's
+capsule) and `torch_empty_like` (the result's allocation). The shape flags change the problem, e.g. the
 small CPU call of python/README.md ("Per-call overhead"):
 
   python bench/host_overhead.py [--device cuda|cpu] [--calls 2000] [--repeats 7] [--json out.json]
@@ -51,9 +55,11 @@ def per_call_us(fn, calls, repeats, sync, busy=None):
     return statistics.median(samples)
 
 
-def extension_call(q, k_cache, v_cache, seqlens):
+def extension_calls(q, k_cache, v_cache, seqlens):
     """The call's _C.forward_kvcache alone, as flash_attn_with_kvcache makes it (the same options,
-    workspace allocator and stream; no softmax_lse), into one out tensor allocated here."""
+    workspace allocator and stream; no softmax_lse), into one out tensor allocated here; the same
+    call handed a workspace allocated beforehand; and the workspace-size query on the same tensors
+    (conversions and checks, no launch). -> {row name: function}."""
     from torch.utils.dlpack import to_dlpack
 
     from flashattn import _C, _torch_ops
@@ -62,12 +68,26 @@ def extension_call(q, k_cache, v_cache, seqlens):
     out = torch.empty_like(q)
     num_threads, alloc, stream = _torch_ops._launch(q.device)
     opt = shared_options(q.shape[-1] ** -0.5, False, -1, -1, 0.0, 0.0, False, num_threads, 0)
+    nbytes = _C.forward_kvcache_workspace_size(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), options=opt,
+                                               cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True)
+    workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
 
     def call():
         _C.forward_kvcache(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(out), None,
                            options=opt, cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True,
                            workspace_alloc=alloc, stream=stream)
-    return call
+
+    def given():
+        _C.forward_kvcache(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(out), None,
+                           options=opt, cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True,
+                           workspace=to_dlpack(workspace) if nbytes > 0 else None, stream=stream)
+
+    def size_only():
+        _C.forward_kvcache_workspace_size(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), options=opt,
+                                          cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True)
+
+    return {"flashattn_C": call, "flashattn_C_given_workspace": given, "flashattn_C_size_only": size_only,
+            "to_dlpack": lambda: to_dlpack(q), "torch_empty_like": lambda: torch.empty_like(q)}
 
 
 def main():
@@ -119,7 +139,8 @@ def main():
 
     record("flashattn", lambda: flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens))
     if args.breakdown:
-        record("flashattn_C", extension_call(q, k_cache, v_cache, seqlens))
+        for name, fn in extension_calls(q, k_cache, v_cache, seqlens).items():
+            record(name, fn)
     if dev.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
