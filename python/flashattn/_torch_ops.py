@@ -86,30 +86,66 @@ def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
     return buf[start:start + nbytes]
 
 
-# Per device, made on first use: its type, its index and its workspace_alloc for the _C entry
-# points (nbytes → a workspace on the device, as a capsule). torch.device.type costs about
-# 0.2 µs on every access, more than this lookup.
+# Per device, made on first use: its type, its index, its workspace_alloc for the _C entry
+# points (nbytes → a workspace on the device, as a capsule) and, on CUDA, one per stream
+# (_kept_workspace). torch.device.type costs about 0.2 µs on every access, more than this lookup.
 _DEVICES: dict = {}
 # The current stream's handle without a torch.cuda.Stream object (microseconds less per call; the
 # function inductor's generated code uses), where this PyTorch has it.
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or (
+    lambda: torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+# The largest workspace kept for a stream's next call: a decoding step's split-KV partials are a
+# few MB; a long backward's dQ accumulator may be gigabytes, which stay the caching allocator's.
+KEPT_WORKSPACE_MAX = 64 << 20
+
+
+def _kept_workspace(device: torch.device):
+    """workspace_alloc for the calls on one CUDA stream that keeps its last workspace (up to
+    KEPT_WORKSPACE_MAX bytes) for the next call that needs no more. Calls on one stream run in
+    order, so the next call's kernels use it only after the last call's are done with it; another
+    stream has its own. Each new workspace costs a round trip through torch.empty and its capsule
+    (about 7 µs of a decoding step's host time on an H100 machine, bench/host_overhead.py). Not
+    while the stream is captured into a CUDA graph: a captured call gets a workspace of the graph's
+    own pool, kept by nobody here, so that replays and later calls never share one."""
+    kept = [None]
+
+    def alloc(nbytes):
+        ws = kept[0]
+        capturing = _CAPTURING()
+        if ws is not None and nbytes <= ws.numel() and not capturing:
+            return to_dlpack(ws)
+        ws = _workspace(nbytes, device)
+        if nbytes <= KEPT_WORKSPACE_MAX and not capturing:
+            kept[0] = ws
+        return to_dlpack(ws)
+
+    alloc.kept = kept  # (for the tests)
+    return alloc
 
 
 def _launch(device: torch.device):
     """(num_threads, workspace_alloc, stream) of a call on device: the CPU backend's threads (it
     follows torch.set_num_threads, as PyTorch's own CPU kernels do; 0 elsewhere), the allocator
-    of its scratch, and the current CUDA stream's handle (0 off CUDA)."""
+    of its scratch (on CUDA the stream's, which keeps a workspace for the next call:
+    _kept_workspace), and the current CUDA stream's handle (0 off CUDA)."""
     entry = _DEVICES.get(device)
     if entry is None:
-        entry = _DEVICES[device] = (device.type, device.index, lambda nbytes: to_dlpack(_workspace(nbytes, device)))
-    kind, index, alloc = entry
+        entry = _DEVICES[device] = (device.type, device.index, lambda nbytes: to_dlpack(_workspace(nbytes, device)),
+                                    {})
+    kind, index, alloc, streams = entry
     if kind == "cpu":
         return torch.get_num_threads(), alloc, 0
     if kind != "cuda":
         return 0, alloc, 0
     if _RAW_STREAM is not None and index is not None:
-        return 0, alloc, _RAW_STREAM(index)
-    return 0, alloc, torch.cuda.current_stream(device).cuda_stream
+        stream = _RAW_STREAM(index)
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream
+    stream_alloc = streams.get(stream)
+    if stream_alloc is None:
+        stream_alloc = streams[stream] = _kept_workspace(device)
+    return 0, stream_alloc, stream
 
 
 def _stream(device: torch.device) -> int:

@@ -193,3 +193,54 @@ def test_cuda_workspace_alloc_gets_the_size_needed():
                         stream=stream)
         torch.cuda.synchronize()
         assert torch.isnan(dq).all(), "a rejected call wrote dq"
+
+
+def test_cuda_stream_keeps_its_workspace():
+    """On CUDA each stream's calls share one kept workspace (_torch_ops._kept_workspace): the next
+    call that needs no more gets the same bytes, a larger need replaces them, one past
+    KEPT_WORKSPACE_MAX is not kept, another stream has its own, and a call captured into a CUDA
+    graph gets a fresh workspace without touching the kept one; decoding steps on the kept
+    workspace stay right."""
+    torch = _torch()
+    _cuda_or_skip(torch)
+    from flashattn import _torch_ops
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    _, alloc, _ = _torch_ops._launch(dev)
+    assert _torch_ops._launch(dev)[1] is alloc, "one allocator per stream"
+
+    def address(capsule):
+        return torch.utils.dlpack.from_dlpack(capsule).data_ptr()
+
+    first = address(alloc(1000))
+    assert address(alloc(800)) == first
+    grown = address(alloc(1 << 20))
+    assert address(alloc(1000)) == grown
+    address(alloc(_torch_ops.KEPT_WORKSPACE_MAX + 1))
+    assert address(alloc(1000)) == grown, "a workspace past KEPT_WORKSPACE_MAX replaced the kept one"
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _torch_ops._launch(dev)[1] is not alloc, "another stream shares the kept workspace"
+    graph = torch.cuda.CUDAGraph()
+    marker = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(graph):
+        marker.add_(1)  # (a graph with a kernel in it)
+        captured = _torch_ops._launch(dev)[1]
+        before = captured.kept[0]
+        captured(1000)
+        captured(4096)
+        assert captured.kept[0] is before, "a captured call kept its workspace"
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, 64, generator=g).to("cuda", torch.bfloat16)
+    k_cache = torch.randn(2, 4096, 2, 64, generator=g).to("cuda", torch.bfloat16)
+    v_cache = torch.randn(2, 4096, 2, 64, generator=g).to("cuda", torch.bfloat16)
+    results = []
+    for context in (4096, 1000, 4096):
+        seqlens = torch.full((2,), context, dtype=torch.int32, device="cuda")
+        results.append(flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=4))
+    torch.cuda.synchronize()
+    assert torch.equal(results[0], results[2]), "the same step gave other values on the kept workspace"
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k_cache[:, :1000].float().transpose(1, 2).repeat_interleave(4, dim=1),
+        v_cache[:, :1000].float().transpose(1, 2).repeat_interleave(4, dim=1)).transpose(1, 2)
+    assert (results[1].float() - ref).abs().max().item() < 2e-2
