@@ -170,6 +170,21 @@ inline bool kernel_built(flashattn::cuda::sm80::Family family, const flashattn::
   return kernel_built(family, p.storage, p.head_dim, p.head_dim_v);
 }
 
+// Whether this build compiled bf16 kernels of head dim d for both families' forward (backward
+// where asked) — the family-choice tests compare the two on one call; when not, the skip names
+// the build options and false is returned.
+inline bool both_families_built(int d, bool backward = false) {
+  namespace fc = flashattn::cuda;
+  const auto storage = flashattn::common::Storage::bf16;
+  if (!kernel_built(backward ? fc::sm80::Family::bwd : fc::sm80::Family::fwd, storage, d, d)) return false;
+  if (fc::sm90::compiled_head_dim(backward ? fc::sm90::Family::bwd : fc::sm90::Family::fwd, storage, d) != d) {
+    record_not_run("no sm90 " + std::string(backward ? "backward" : "forward") + " kernel for bf16 and head dim " +
+                   std::to_string(d) + " in this build (FLASHATTN_CUDA_HEAD_DIMS)");
+    return false;
+  }
+  return true;
+}
+
 #define FA_CUDA_CHECK(expr)                                                                   \
   do {                                                                                        \
     const cudaError_t fa_err_ = (expr);                                                       \

@@ -26,6 +26,16 @@ namespace c = flashattn::common;
 namespace fc = flashattn::cuda;
 using flashattn::DType;
 
+// Params of a dense MHA call, for the host-side rules (no tensors).
+c::AttentionParams host_params(int batch, int heads, int head_dim, int seqlen) {
+  c::AttentionParams p;
+  p.batch = batch;
+  p.heads = p.heads_k = heads;
+  p.head_dim = p.head_dim_v = head_dim;
+  p.max_seqlen_q = p.max_seqlen_k = seqlen;
+  return p;
+}
+
 // The validated params of a problem (host pointers: the choice reads shapes and strides only).
 c::AttentionParams params_of(const AttnProblem& p, ForwardResult& r) {
   flashattn::ForwardOutputs outs{r.out.tv(), r.lse.tv()};
@@ -263,6 +273,46 @@ TEST(CudaSm90Host, SplitsOnlyWhereBuilt) {
   EXPECT_EQ(fc::sm90::fwd_num_splits(full, 128, 132), 1);
 }
 
+// The tall d 64 tile (fwd_d64_tall): dense calls without a mask or score mods whose queries and
+// keys reach FLASHATTN_SM90_FWD_D64_TALL_FROM (8192 by default; 0: never); never split, masked,
+// varlen, with seqused_k or a KV cache, paged or with softcap, ALiBi or dropout; never where the
+// build leaves it out.
+TEST(CudaSm90Host, TallD64TileForLongUnmaskedDenseCalls) {
+  const c::AttentionParams p = host_params(1, 32, 64, 8192);
+  const EnvOverride unset("FLASHATTN_SM90_FWD_D64_TALL_FROM", "");
+  const bool built = fc::sm90::fwd_d64_tall_built();
+  EXPECT_EQ(fc::sm90::fwd_d64_tall(p, 1), built);
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(p, 2)) << "split";
+  std::vector<std::pair<const char*, std::function<void(c::AttentionParams&)>>> refusals = {
+      {"fewer queries", [](c::AttentionParams& q) { q.max_seqlen_q = 8191; }},
+      {"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 4096; }},
+      {"causal", [](c::AttentionParams& q) { q.causal = true; }},
+      {"window", [](c::AttentionParams& q) { q.window_left = 100; }},
+      {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
+      {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }},
+  };
+  for (auto& [name, spoil] : refusals) {
+    c::AttentionParams q = p;
+    spoil(q);
+    EXPECT_FALSE(fc::sm90::fwd_d64_tall(q, 1)) << name;
+  }
+  const std::int32_t lengths[2] = {0, 8192};
+  c::AttentionParams kv = p;
+  kv.seqused_k = lengths;
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(kv, 1)) << "seqused_k";
+  c::AttentionParams varlen = p;
+  varlen.cu_seqlens_q = varlen.cu_seqlens_k = lengths;
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(varlen, 1)) << "varlen";
+  {
+    const EnvOverride never("FLASHATTN_SM90_FWD_D64_TALL_FROM", "0");
+    EXPECT_FALSE(fc::sm90::fwd_d64_tall(p, 1));
+  }
+  const EnvOverride early("FLASHATTN_SM90_FWD_D64_TALL_FROM", "100");
+  c::AttentionParams short_call = p;
+  short_call.max_seqlen_q = short_call.max_seqlen_k = 100;
+  EXPECT_EQ(fc::sm90::fwd_d64_tall(short_call, 1), built);
+}
+
 // The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
 // at most 64 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
 // head's, alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them,
@@ -283,11 +333,7 @@ TEST(CudaSm90Host, PagedBoxesOf64RowsWherePagesAllow) {
 // such a build one per stream, the same for every call on it, for masked and varlen calls only,
 // and none under FLASHATTN_SM90_FWD_SCHEDULE=static.
 TEST(CudaSm90Host, DynamicScheduleCounterPerStreamForMaskedCalls) {
-  c::AttentionParams p;
-  p.batch = 2;
-  p.heads = p.heads_k = 4;
-  p.head_dim = p.head_dim_v = 128;
-  p.max_seqlen_q = p.max_seqlen_k = 512;
+  c::AttentionParams p = host_params(2, 4, 128, 512);
   p.causal = true;
   const EnvOverride unset("FLASHATTN_SM90_FWD_SCHEDULE", "");
   if (!fc::sm90::fwd_dynamic_built()) {
@@ -359,6 +405,7 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
 
 TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
   FA_SKIP_WITHOUT_SM90();
+  if (!both_families_built(128)) return;
   const FamilyOverride ordered("");  // the ordered choice, also when the suite runs with a family forced
   // 16 row blocks × 8 heads × 4 sequences: a grid of several waves, which the sm80 family would
   // not split either.
@@ -408,6 +455,7 @@ TEST(CudaFamily, Sm90ServesPlainCallsAndSaysWhyNotOthers) {
 // reads each K/V tile once per group; sm90 still serves it when forced.
 TEST(CudaFamily, GqaDecodingPrefersThePackedSm80Kernel) {
   FA_SKIP_WITHOUT_SM90();
+  if (!both_families_built(128)) return;
   const FamilyOverride ordered("");
   AttnConfig cfg = feature_config(DType::bf16, 128, 1, 4096);
   cfg.batch = 32;
@@ -492,6 +540,29 @@ TEST_P(CudaSm90Forward, LongerSequences) {
     cfg.opt.window_right = 0;  // rows 0…199 see no key (the first row block none at all): out 0, lse +∞
     expect_sm90_matches(cfg);
   }
+}
+
+// The tall d 64 tile (192 rows, three consumer warpgroups) taken at every length
+// (FLASHATTN_SM90_FWD_D64_TALL_FROM=1): odd lengths (a partial last row block and key tile), more
+// keys than queries and fewer, GQA, several tiles per CTA, against the reference; the default then
+// keeps the 128-row tile on these lengths.
+TEST_P(CudaSm90Forward, TallD64Tile) {
+  FA_SKIP_WITHOUT_SM90();
+  if (!fc::sm90::fwd_d64_tall_built()) GTEST_SKIP() << "NOT RUN: built with -DFLASHATTN_SM90_FWD_D64_TALL=0";
+  const EnvOverride always("FLASHATTN_SM90_FWD_D64_TALL_FROM", "1");
+  for (auto [sq, sk] : {std::pair{1, 1}, std::pair{193, 129}, std::pair{300, 717}, std::pair{717, 300},
+                        std::pair{1000, 1000}}) {
+    AttnConfig cfg = feature_config(GetParam(), 64, sq, sk);
+    if (sq == 1000) {
+      cfg.heads = 34;  // 6 row blocks × 34 heads × 2 sequences: more tiles than SMs
+      cfg.heads_k = 17;
+    }
+    expect_sm90_matches(cfg);
+  }
+  AttnConfig gqa = feature_config(GetParam(), 64, 400, 400);
+  gqa.heads = 8;
+  gqa.heads_k = 1;
+  expect_sm90_matches(gqa);
 }
 
 TEST_P(CudaSm90Forward, Softcap) {

@@ -183,6 +183,7 @@ TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
 
 TEST(CudaSm90Backward, OrderedChoiceTakesItWhereItServes) {
   FA_SKIP_WITHOUT_SM90();
+  if (!both_families_built(128, true)) return;
   const FamilyOverride ordered("");  // the ordered choice, whatever family the run forces
   const c::AttentionParams plain = backward_params_of(make_problem(feature_config(DType::bf16, 128, 100, 100)));
   const fc::FamilyChoice served = fc::choose_backward_family(plain);

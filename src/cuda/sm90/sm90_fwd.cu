@@ -117,6 +117,16 @@ bool fwd_tma_store_built(int head_dim, bool score_mod) { return fwd_tma_store(he
 
 bool fwd_paged_built() { return kFwdPaged; }
 
+bool fwd_d64_tall_built() { return kFwdD64Tall; }
+
+bool fwd_d64_tall(const common::AttentionParams& p, int num_splits) {
+  if (!kFwdD64Tall || num_splits > 1 || p.has_mask() || fwd_score_mod(p) || fwd_varlen_kernel(p) || p.is_paged()) {
+    return false;
+  }
+  const int from = env_int("FLASHATTN_SM90_FWD_D64_TALL_FROM", 8192);
+  return from > 0 && p.max_seqlen_q >= from && p.max_seqlen_k >= from;
+}
+
 bool fwd_split_built() { return kFwdSplit; }
 
 int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {

@@ -47,6 +47,24 @@ inline constexpr int kD64Rows = FLASHATTN_SM90_FWD_D64_ROWS;
 inline constexpr int kD64Keys = FLASHATTN_SM90_FWD_D64_KEYS;
 static_assert(kD64Rows == 192 || kD64Rows == 128, "FLASHATTN_SM90_FWD_D64_ROWS is 192 or 128");
 static_assert(kD64Keys == 96 || kD64Keys == 128, "FLASHATTN_SM90_FWD_D64_KEYS is 96 or 128");
+// The tall d 64 tile: 192 × 128, three consumer warpgroups at 160 registers, compiled beside the
+// 128 × 128 one for the plain dense kernel only (FLASHATTN_SM90_FWD_D64_TALL=0 leaves it out), and
+// taken per call by fwd_d64_tall. On an H100 (2026-12-05, bf16, L2 cleared, the two taking turns
+// call by call in one process, no mask, 16k tokens, 32 heads), 192 ÷ 128 rows: 2k keys 0.95, 4k
+// 0.79, 8k 1.12, 16k 1.11 (529 and 515 TFLOP/s); under a causal mask the 192-row tile lost at
+// every length (built as the whole d 64 family's tile, -DFLASHATTN_SM90_FWD_D64_ROWS=192).
+#ifndef FLASHATTN_SM90_FWD_D64_TALL
+#define FLASHATTN_SM90_FWD_D64_TALL 1
+#endif
+inline constexpr bool kFwdD64Tall = FLASHATTN_SM90_FWD_D64_TALL != 0 && kD64Rows == 128;
+inline constexpr FwdTileShape kFwdD64TallTile{192, 128, 2};
+// Whether a call at the d 64 instantiation takes the tall tile: a build with it, a dense call (no
+// varlen, seqused_k or KV cache, not paged, not split) without a mask, softcap, ALiBi or dropout,
+// whose queries and keys both number at least FLASHATTN_SM90_FWD_D64_TALL_FROM (read per call;
+// default 8192, 0: never).
+bool fwd_d64_tall(const common::AttentionParams& p, int num_splits);
+bool fwd_d64_tall_built();
+
 constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, kD64Keys, 2}
                                            : FwdTileShape{128, 128, 2})

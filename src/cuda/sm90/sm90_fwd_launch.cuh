@@ -117,6 +117,13 @@ cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& spl
     }
   }
   if (p.is_paged()) return cudaErrorNotSupported;  // fwd_unsupported declines such calls
+  if constexpr (kHeadDim == 64 && kFwdD64Tall) {
+    if (fwd_d64_tall(p, split.num_splits)) {
+      constexpr FwdTileShape t = kFwdD64TallTile;
+      return launch_fwd<FwdTraits<Element, 64, t.block_m, t.block_n, t.stages, false, false, false>>(p, split,
+                                                                                                  rng_state, stream);
+    }
+  }
   if (score_mod) {
     return varlen ? launch_fwd<FwdTraitsOf<Element, kHeadDim, true, true>>(p, split, rng_state, stream)
                   : launch_fwd<FwdTraitsOf<Element, kHeadDim, true, false>>(p, split, rng_state, stream);
