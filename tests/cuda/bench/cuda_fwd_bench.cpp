@@ -13,7 +13,7 @@
 // (cache_seqlens, and the block table where paged): "plain:;checked:FLASHATTN_BENCH_INDEX_CHECK=1"
 // gives the check's cost on a decoding step; FLASHATTN_BENCH_INDEX_CHECK=2 folds it into the sm80
 // forward kernel's prologue instead (AttentionParams::index_fold, as a KV-cache call without new
-// keys does under FLASHATTN_INDEX_CHECK_FOLD=1), where the sm80 family runs the call and there is no
+// keys does by default), where the sm80 family runs the call and there is no
 // block table; elsewhere it launches the check kernel as 1 does.
 //
 // --gqa G gives the grid G query heads per key/value head (h / G of them; GQA, or MQA where G = h),
