@@ -191,8 +191,9 @@ FA_HOST_DEVICE IndexViolation check_sequence_indices(const IndexBounds& ib, int 
 
 // A check folded into the prologue of a call's first kernel instead of a kernel of its own (one
 // launch less: most of the check's cost on a decoding step), src/cuda/index_check.h: every block of
-// that kernel checks every sequence (the append kernel) or the one it reads (the sm80 forward)
-// and reads or writes nothing when one fails; the kernels after it read the flag as usual. record and mirror: the device's violation record and its mapped host
+// that kernel checks every sequence (the append kernel, the unsplit sm80 forward) or the one it
+// reads (the split sm80 forward) and reads or writes nothing when one fails; the kernels after it
+// read the flag as usual. record and mirror: the device's violation record and its mapped host
 // mirror (cuda::IndexRecord, opaque here). Inactive (record null): the check, if any, runs as its
 // own kernel.
 struct IndexFold {
