@@ -12,8 +12,9 @@ and FlashAttention-3's flash_attn_with_kvcache where its flash_attn_interface mo
 script running. --breakdown adds a row `flashattn_C`: _C.forward_kvcache alone on the same tensors
 and options (its DLPack conversions included), the extension's share of a call; the rest is the
 Python layer's (and torch.empty's for the result). It splits that share further:
-`flashattn_C_given_workspace` (the call handed a workspace allocated beforehand: without the
-allocator's round trip through Python), `flashattn_C_size_only` (_C.forward_kvcache_workspace_size
+`flashattn_C_python_alloc` (the call with a Python workspace_alloc that keeps its last workspace:
+the round trip into Python that the stream's _C.KeptWorkspace saves while its array suffices),
+`flashattn_C_given_workspace` (the call handed a workspace allocated beforehand), `flashattn_C_size_only` (_C.forward_kvcache_workspace_size
 on the same tensors: the conversions and checks without a launch), `to_dlpack` (one tensor's
 capsule) and `torch_empty_like` (the result's allocation). The shape flags change the problem, e.g. the
 small CPU call of python/README.md ("Per-call overhead"):
@@ -58,8 +59,9 @@ def per_call_us(fn, calls, repeats, sync, busy=None):
 def extension_calls(q, k_cache, v_cache, seqlens):
     """The call's _C.forward_kvcache alone, as flash_attn_with_kvcache makes it (the same options,
     workspace allocator and stream; no softmax_lse), into one out tensor allocated here; the same
-    call handed a workspace allocated beforehand; and the workspace-size query on the same tensors
-    (conversions and checks, no launch). -> {row name: function}."""
+    call with a Python allocator, and handed a workspace allocated beforehand; and the
+    workspace-size query on the same tensors (conversions and checks, no launch).
+    -> {row name: function}."""
     from torch.utils.dlpack import to_dlpack
 
     from flashattn import _C, _torch_ops
@@ -77,6 +79,18 @@ def extension_calls(q, k_cache, v_cache, seqlens):
                            options=opt, cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True,
                            workspace_alloc=alloc, stream=stream)
 
+    kept_ws = [None]
+
+    def python_alloc(nbytes):  # a Python allocator that keeps its last workspace, asked by every call
+        if kept_ws[0] is None or kept_ws[0].numel() < nbytes:
+            kept_ws[0] = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+        return to_dlpack(kept_ws[0])
+
+    def python_alloc_call():
+        _C.forward_kvcache(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(out), None,
+                           options=opt, cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True,
+                           workspace_alloc=python_alloc, stream=stream)
+
     def given():
         _C.forward_kvcache(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(out), None,
                            options=opt, cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True,
@@ -86,7 +100,8 @@ def extension_calls(q, k_cache, v_cache, seqlens):
         _C.forward_kvcache_workspace_size(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), options=opt,
                                           cache_seqlens=to_dlpack(seqlens), rotary_interleaved=True)
 
-    return {"flashattn_C": call, "flashattn_C_given_workspace": given, "flashattn_C_size_only": size_only,
+    return {"flashattn_C": call, "flashattn_C_python_alloc": python_alloc_call, "flashattn_C_given_workspace": given,
+            "flashattn_C_size_only": size_only,
             "to_dlpack": lambda: to_dlpack(q), "torch_empty_like": lambda: torch.empty_like(q)}
 
 

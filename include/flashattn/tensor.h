@@ -25,10 +25,18 @@ struct Stream {
 };
 
 // Scratch memory that the caller owns and the library may use for the duration of one call.
-// Ask the *_workspace_size functions how many bytes a call needs.
+// Ask the *_workspace_size functions how many bytes a call needs, or set `grow`: a call whose
+// need exceeds `bytes` (or that has no `data`) then asks grow(grow_context, need) once, after its
+// arguments are validated and before anything is written, and uses the workspace it returns
+// (at least `need` bytes, 256-byte aligned, valid until the call's work on its stream is done;
+// its own grow is ignored). The need is the call's own, for the kernels it chose, counted once;
+// a call that needs nothing, or no more than `bytes`, never asks, and an exception that grow
+// throws leaves the call with nothing written.
 struct Workspace {
   void* data = nullptr;
   std::size_t bytes = 0;
+  Workspace (*grow)(void* grow_context, std::size_t need) = nullptr;
+  void* grow_context = nullptr;
 };
 
 inline constexpr int kMaxDims = 5;

@@ -34,8 +34,9 @@ inputs are read through DLPack (capsules, _dl) with their strides, without copie
 workspace the core asks for (none for CPU tensors): a uint8 tensor from PyTorch's allocator, so
 that device scratch lives in the caching allocator and the library never allocates memory
 itself. The entry point asks for it through workspace_alloc (_launch) with the size it needs, in
-the same call: a separate size query would convert and check every argument a second time. The fake implementations need no
-workspace: it is internal to each op.
+the same call: a separate size query would convert and check every argument a second time. On
+CUDA that is the stream's _C.KeptWorkspace, whose array serves the next calls while it holds
+enough. The fake implementations need no workspace: it is internal to each op.
 
 `call(name, *args)` is how the flash_attn_* functions invoke these ops: the implementation runs
 directly when nothing needs the dispatcher (direct_call_allowed), else through torch.ops.flashattn.
@@ -101,34 +102,23 @@ KEPT_WORKSPACE_MAX = 64 << 20
 
 
 def _kept_workspace(device: torch.device):
-    """workspace_alloc for the calls on one CUDA stream that keeps its last workspace (up to
-    KEPT_WORKSPACE_MAX bytes) for the next call that needs no more. Calls on one stream run in
-    order, so the next call's kernels use it only after the last call's are done with it; another
-    stream has its own. Each new workspace costs a round trip through torch.empty and its capsule
-    (about 7 µs of a decoding step's host time on an H100 machine, bench/host_overhead.py). Not
-    while the stream is captured into a CUDA graph: a captured call gets a workspace of the graph's
-    own pool, kept by nobody here, so that replays and later calls never share one."""
-    kept = [None]
-
-    def alloc(nbytes):
-        ws = kept[0]
-        capturing = _CAPTURING()
-        if ws is not None and nbytes <= ws.numel() and not capturing:
-            return to_dlpack(ws)
-        ws = _workspace(nbytes, device)
-        if nbytes <= KEPT_WORKSPACE_MAX and not capturing:
-            kept[0] = ws
-        return to_dlpack(ws)
-
-    alloc.kept = kept  # (for the tests)
-    return alloc
+    """workspace_alloc for the calls on one CUDA stream: a _C.KeptWorkspace, whose last array (up
+    to KEPT_WORKSPACE_MAX bytes) is the next call's workspace while it holds enough, with no round
+    trip into Python; a call that needs more asks it for a new one through torch.empty. Calls on
+    one stream run in order, so the next call's kernels use the bytes after the last call's are
+    done with them; another stream has its own. Each round trip for a new workspace had cost about
+    7 µs of a decoding step's host time on an H100 machine (bench/host_overhead.py). _launch hands
+    it out only while the stream is not captured into a CUDA graph: a captured call gets a
+    workspace of the graph's own pool, kept by nobody here, so that replays and later calls never
+    share one."""
+    return _C.KeptWorkspace(lambda nbytes: to_dlpack(_workspace(nbytes, device)), KEPT_WORKSPACE_MAX)
 
 
 def _launch(device: torch.device):
     """(num_threads, workspace_alloc, stream) of a call on device: the CPU backend's threads (it
     follows torch.set_num_threads, as PyTorch's own CPU kernels do; 0 elsewhere), the allocator
-    of its scratch (on CUDA the stream's, which keeps a workspace for the next call:
-    _kept_workspace), and the current CUDA stream's handle (0 off CUDA)."""
+    of its scratch (on CUDA the stream's _kept_workspace, unless the stream is being captured
+    into a CUDA graph), and the current CUDA stream's handle (0 off CUDA)."""
     entry = _DEVICES.get(device)
     if entry is None:
         entry = _DEVICES[device] = (device.type, device.index, lambda nbytes: to_dlpack(_workspace(nbytes, device)),
@@ -142,10 +132,12 @@ def _launch(device: torch.device):
         stream = _RAW_STREAM(index)
     else:
         stream = torch.cuda.current_stream(device).cuda_stream
-    stream_alloc = streams.get(stream)
-    if stream_alloc is None:
-        stream_alloc = streams[stream] = _kept_workspace(device)
-    return 0, stream_alloc, stream
+    if _CAPTURING():
+        return 0, alloc, stream
+    kept = streams.get(stream)
+    if kept is None:
+        kept = streams[stream] = _kept_workspace(device)
+    return 0, kept, stream
 
 
 def _stream(device: torch.device) -> int:

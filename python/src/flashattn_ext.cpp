@@ -2,11 +2,13 @@
 // arrays that arrive through DLPack (PyTorch tensors, NumPy arrays), without copies.
 //
 // Every tensor argument, outputs and workspace included, is memory the caller owns: the Python
-// layer allocates out, lse, dq, ... and passes them in. The workspace comes either as an array
-// (its size from the *_workspace_size functions, which read only shapes, dtypes and devices) or
-// as workspace_alloc, a callable that the entry point asks for the bytes it needs — one call
-// instead of a size query and a call, each of which converts and checks every argument. Shapes and strides (in elements) are taken as they are,
-// so views into packed tensors are read in place. The GIL is released while the kernels run.
+// layer allocates out, lse, dq, ... and passes them in. The workspace comes as an array (its size
+// from the *_workspace_size functions, which read only shapes, dtypes and devices), and/or as
+// workspace_alloc: a callable that the call asks for the bytes it needs (the core's
+// Workspace::grow, once the call has counted them) — one call instead of a size query and a
+// call, each of which converts and checks every argument — or a KeptWorkspace, which also keeps
+// the array from call to call. Shapes and strides (in elements) are taken as they are, so views
+// into packed tensors are read in place. The GIL is released while the kernels run.
 // flashattn::Error surfaces as flashattn._C.Error, a subclass of ValueError and RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -15,6 +17,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -170,29 +173,71 @@ flashattn::Workspace workspace_of(const MaybeOut& workspace, const TensorView& q
   return ws;
 }
 
-// The workspace of a call: the caller's array, or, given workspace_alloc instead, what
-// workspace_alloc(nbytes) returns (a DLPack capsule or an object with __dlpack__; not called when
-// the call needs none) for the bytes `needed()` counts. `keep` holds that array until the call
-// returns, after its kernels are enqueued (a caching allocator may then hand the memory to later
-// work of the same stream, which runs after them).
-template <class Needed>
-flashattn::Workspace workspace_for(const MaybeOut& workspace, const nb::object& workspace_alloc, Needed&& needed,
-                                   const TensorView& q, MaybeOut& keep) {
-  if (workspace_alloc.is_none()) return workspace_of(workspace, q);
-  if (workspace) throw Error("workspace: pass the workspace or workspace_alloc, not both");
-  const std::size_t nbytes = needed();
-  if (nbytes == 0) return {};
+// A workspace kept from call to call: the Python layer makes one per CUDA stream and hands it to
+// the calls on that stream as workspace_alloc. A call takes its array as the workspace, with no
+// round trip into Python, and asks `alloc` (nbytes -> a DLPack array) only when it needs more;
+// the new array is kept for the next calls when it holds at most max_bytes. Calls on one stream
+// run in order on the device, so the next call's kernels use the bytes after the last call's.
+struct KeptWorkspace {
+  nb::object alloc;
+  std::size_t max_bytes = 0;
+  MaybeOut array;
+};
+
+// What a call's Workspace::grow reaches (grow_from_python): the allocator, the keeper (or null),
+// where the array lives until the call returns, and q (the device check).
+struct GrowSource {
+  nb::handle alloc;
+  KeptWorkspace* kept = nullptr;
+  MaybeOut* keep = nullptr;
+  const TensorView* q = nullptr;
+};
+
+// Workspace::grow of a call from Python, which the core calls with the GIL released: nbytes from
+// the allocator. `keep` holds the array until the call returns, after its kernels are enqueued
+// (a caching allocator may then hand the memory to later work of the same stream, which runs
+// after them).
+flashattn::Workspace grow_from_python(void* context, std::size_t nbytes) {
+  const GrowSource& g = *static_cast<const GrowSource*>(context);
+  nb::gil_scoped_acquire gil;
   OutArray array;
-  if (!nb::try_cast(workspace_alloc(nbytes), array)) {
+  if (!nb::try_cast(g.alloc(nbytes), array)) {
     throw Error("workspace_alloc: must return a 1-D uint8 array (DLPack) of " + std::to_string(nbytes) +
                 " bytes; got an object that is not an array");
   }
-  keep = array;
-  if (keep->ndim() != 1 || keep->shape(0) < nbytes) {
+  if (array.ndim() != 1 || array.shape(0) < nbytes) {
     throw Error("workspace_alloc: must return a 1-D uint8 array of at least " + std::to_string(nbytes) +
                 " bytes");
   }
-  return workspace_of(keep, q);
+  *g.keep = array;
+  const flashattn::Workspace ws = workspace_of(*g.keep, *g.q);
+  if (g.kept != nullptr && nbytes <= g.kept->max_bytes) g.kept->array = array;
+  return ws;
+}
+
+// The workspace of a call: the caller's array (none: empty), and given workspace_alloc — a
+// callable (nbytes -> a DLPack array or an object with __dlpack__) or a KeptWorkspace, whose
+// array stands in for a missing `workspace` — the core's Workspace::grow, asked for the call's
+// need only when the array holds less (not at all when the call needs none). `grow` and `keep`
+// belong to the caller's frame and outlive the call.
+flashattn::Workspace workspace_for(const MaybeOut& workspace, const nb::object& workspace_alloc, const TensorView& q,
+                                   MaybeOut& keep, GrowSource& grow) {
+  flashattn::Workspace ws = workspace_of(workspace, q);
+  if (workspace_alloc.is_none()) return ws;
+  grow.alloc = workspace_alloc;
+  if (nb::isinstance<KeptWorkspace>(workspace_alloc)) {
+    grow.kept = nb::inst_ptr<KeptWorkspace>(workspace_alloc);
+    grow.alloc = grow.kept->alloc;
+    if (!workspace && grow.kept->array) {
+      keep = grow.kept->array;
+      ws = workspace_of(keep, q);
+    }
+  }
+  grow.keep = &keep;
+  grow.q = &q;
+  ws.grow = grow_from_python;
+  ws.grow_context = &grow;
+  return ws;
 }
 
 flashattn::Stream stream_of(std::uintptr_t handle) { return flashattn::Stream{reinterpret_cast<void*>(handle)}; }
@@ -234,8 +279,8 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
   flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
   opt.return_lse = lse.has_value();
   MaybeOut keep;
-  const flashattn::Workspace ws = workspace_for(
-      workspace, workspace_alloc, [&] { return flashattn::forward_workspace_size(in, opt); }, in.q, keep);
+  GrowSource grow;
+  const flashattn::Workspace ws = workspace_for(workspace, workspace_alloc, in.q, keep, grow);
   nb::gil_scoped_release no_gil;
   flashattn::forward(in, outs, opt, ws, stream_of(stream));
 }
@@ -283,8 +328,8 @@ void backward(const InArray& dout, const InArray& q, const InArray& k, const InA
   outs.dsinks = maybe_view("dsinks", dsinks, false);
   const flashattn::Options opt = with_tensors(options, alibi_slopes, rng_state, in.q);
   MaybeOut keep;
-  const flashattn::Workspace ws = workspace_for(
-      workspace, workspace_alloc, [&] { return flashattn::backward_workspace_size(in, opt); }, in.q, keep);
+  GrowSource grow;
+  const flashattn::Workspace ws = workspace_for(workspace, workspace_alloc, in.q, keep, grow);
   nb::gil_scoped_release no_gil;
   flashattn::backward(in, outs, opt, ws, stream_of(stream));
 }
@@ -344,8 +389,8 @@ void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& 
   flashattn::Options opt = with_tensors(options, alibi_slopes, std::nullopt, in.q);
   opt.return_lse = lse.has_value();
   MaybeOut keep;
-  const flashattn::Workspace ws = workspace_for(
-      workspace, workspace_alloc, [&] { return flashattn::forward_kvcache_workspace_size(in, opt); }, in.q, keep);
+  GrowSource grow;
+  const flashattn::Workspace ws = workspace_for(workspace, workspace_alloc, in.q, keep, grow);
   nb::gil_scoped_release no_gil;
   flashattn::forward_kvcache(in, outs, opt, ws, stream_of(stream));
 }
@@ -403,6 +448,24 @@ NB_MODULE(_C, m) {
       .def_rw("num_splits", &flashattn::Options::num_splits)
       .def_rw("check_indices", &flashattn::Options::check_indices);
 
+  nb::class_<KeptWorkspace>(m, "KeptWorkspace",
+                            "A workspace kept from call to call (one per CUDA stream): passed as a call's "
+                            "workspace_alloc, its array is the call's workspace, and alloc(nbytes) (-> a 1-D "
+                            "uint8 DLPack array) is asked only for more; a new array of at most max_bytes is "
+                            "kept for the next calls.")
+      .def(
+          "__init__",
+          [](KeptWorkspace* self, nb::object alloc, std::size_t max_bytes) {
+            new (self) KeptWorkspace{std::move(alloc), max_bytes, std::nullopt};
+          },
+          nb::arg("alloc"), nb::arg("max_bytes"))
+      .def_ro("max_bytes", &KeptWorkspace::max_bytes)
+      .def_prop_ro("kept_bytes",
+                   [](const KeptWorkspace& w) { return w.array ? std::size_t(w.array->shape(0)) : std::size_t(0); })
+      .def_prop_ro("kept_address", [](const KeptWorkspace& w) {
+        return w.array ? reinterpret_cast<std::uintptr_t>(w.array->data()) : std::uintptr_t(0);
+      });
+
   m.def("forward", &forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(),
         nb::kw_only(), nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("rng_state").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),
@@ -414,9 +477,10 @@ NB_MODULE(_C, m) {
         "max_blocks_per_seq) int32 makes k/v paged caches (num_blocks, page_size, hk, d) of a varlen "
         "call, whose key counts come from seqused_k (or cu_seqlens_k, then optional). rng_state: int64 "
         "{seed, offset} on q's device, read instead of options.dropout_seed/offset. workspace: 1-D "
-        "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0); "
-        "or workspace_alloc: a callable that gets the bytes needed (only when more than 0) and "
-        "returns such an array. sinks: (h) float32 attention sinks (docs/sinks.md).");
+        "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0). "
+        "workspace_alloc: a callable that gets the bytes the call needs when the workspace (or none) "
+        "holds less, and returns such an array; or a KeptWorkspace, whose kept array is the workspace "
+        "when none is given. sinks: (h) float32 attention sinks (docs/sinks.md).");
 
   m.def("forward_workspace_size", &forward_workspace_size, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(),
         nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),

@@ -168,6 +168,22 @@ void run_forward(const Problem& pr, const Support& s, const Options& opt, Stream
   }
 }
 
+// The workspace a CUDA call runs with: the caller's, or, where that holds less than `need` and
+// the caller gave Workspace::grow, the one grow returns — asked once, after validation and
+// before anything is written, and checked for its size and alignment.
+[[maybe_unused]] Workspace grown_workspace(const char* api, const Workspace& ws, std::size_t need) {
+  constexpr std::size_t kAlign = 256;
+  if (ws.grow == nullptr || need == 0 || (ws.data != nullptr && ws.bytes >= need)) return ws;
+  const Workspace given = ws.grow(ws.grow_context, need);
+  const std::size_t offset = reinterpret_cast<std::uintptr_t>(given.data) % kAlign;
+  if (given.data == nullptr || given.bytes < need || offset != 0) {
+    throw Error(std::string(api) + ": workspace: grow must return at least " + std::to_string(need) +
+                " bytes, 256-byte aligned; got " + std::to_string(given.data == nullptr ? 0 : given.bytes) +
+                " bytes at alignment offset " + std::to_string(offset));
+  }
+  return {given.data, given.bytes};
+}
+
 // --- split-KV workspace of the CUDA forward ---------------------------------------------------
 // The bytes the CUDA forward can use for split-KV partials (cuda::forward_workspace_size), from
 // shapes and options only, so that the size query and the call agree. It is optional: forward and
@@ -253,6 +269,9 @@ void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& 
   const Support s = require_backend(pr, opt, "flashattn::forward", &family);
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
+    if (workspace.grow != nullptr) {
+      workspace = grown_workspace("flashattn::forward", workspace, cuda::forward_workspace_size(family, pr.params));
+    }
     start_index_check(pr, stream.handle);
     run_forward(pr, s, opt, stream, workspace, family);
     finish_index_check(pr, opt, stream.handle);
@@ -269,7 +288,9 @@ void backward(const BackwardInputs& in, const BackwardOutputs& out, const Option
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
     const std::int64_t rows = total_q_rows(in.q, in.varlen);
-    check_workspace("flashattn::backward", workspace, cuda::backward_workspace_size(pr.params, rows));
+    const std::size_t need = cuda::backward_workspace_size(pr.params, rows);
+    workspace = grown_workspace("flashattn::backward", workspace, need);
+    check_workspace("flashattn::backward", workspace, need);
     start_index_check(pr, stream.handle);
     cuda::backward(pr.params, rows, workspace.data, stream.handle, opt.dropout_rng_state);
     cuda::fill_uncovered_rows(pr.params, pr.total_q, pr.total_k, true, stream.handle);
@@ -325,7 +346,12 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     // the rotated q go to the workspace's KV-cache region, where the attention reads them.
     const cuda::KvcacheWorkspace region = cuda::kvcache_workspace(
         p.batch, in.q.numel(), dtype_size(in.q.dtype), in.k_new.defined(), in.rotary_cos.defined());
-    // Only the KV-cache region is required; the split-KV part after it is optional.
+    // Only the KV-cache region is required; the split-KV part after it is optional (asked of
+    // grow in full, as forward_kvcache_workspace_size counts it).
+    if (workspace.grow != nullptr) {
+      const std::size_t need = workspace_align(region.bytes) + cuda::forward_workspace_size(family, p);
+      workspace = grown_workspace("flashattn::forward_kvcache", workspace, need);
+    }
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
     start_index_check(pr, stream.handle, false);
     // Without an append kernel the check may fold into the attention's first kernel: the sm80

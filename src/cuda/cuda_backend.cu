@@ -115,7 +115,11 @@ int forward_num_splits(const common::AttentionParams& p) {
 }
 
 std::size_t forward_workspace_size(const common::AttentionParams& p) {
-  const int splits = forward_num_splits(p);
+  return forward_workspace_size(choose_forward_family(p), p);
+}
+
+std::size_t forward_workspace_size(const FamilyChoice& choice, const common::AttentionParams& p) {
+  const int splits = choice.served ? family_num_splits(choice, p) : 1;
   if (splits <= 1) return 0;
   const SplitPartialsLayout l = split_partials_layout(p, splits);
   return l.out_bytes + l.lse_bytes;

@@ -36,6 +36,10 @@ void forward(const common::AttentionParams& p, void* stream, const std::uint64_t
 void forward(const FamilyChoice& choice, const common::AttentionParams& p, void* stream,
              const std::uint64_t* rng_state, void* workspace, std::size_t workspace_bytes);
 
+// The split-KV workspace the forward would use on p with the family already chosen (what
+// forward_workspace_size counts, without choosing again): 0 when it runs unsplit.
+std::size_t forward_workspace_size(const FamilyChoice& choice, const common::AttentionParams& p);
+
 // --- split-KV ----------------------------------------------------------------------------------
 // Decoding (few query rows, long contexts) gives one CTA per (row block, head, batch) too few CTAs
 // to fill the GPU; split-KV spreads each one's key tiles over several CTAs, which write fp32

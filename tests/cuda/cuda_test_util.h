@@ -245,6 +245,24 @@ class DeviceArena {
   std::vector<void*> ptrs_;
 };
 
+// A Workspace::grow that records what each call asks and returns `give` (a test's device memory,
+// or a short or misaligned piece of it).
+struct GrowRecorder {
+  std::vector<std::size_t> asked;
+  flashattn::Workspace give;
+  static flashattn::Workspace grow(void* self, std::size_t need) {
+    auto* r = static_cast<GrowRecorder*>(self);
+    r->asked.push_back(need);
+    return r->give;
+  }
+  // ws with this recorder as its grow.
+  flashattn::Workspace on(flashattn::Workspace ws) {
+    ws.grow = &GrowRecorder::grow;
+    ws.grow_context = this;
+    return ws;
+  }
+};
+
 // Lets a test change the device params before the launch (paged K/V, cache_batch_idx, ...).
 using ParamsHook = std::function<void(flashattn::common::AttentionParams&, DeviceArena&)>;
 

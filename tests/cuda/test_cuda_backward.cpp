@@ -316,15 +316,47 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
   EXPECT_TRUE(bitwise_equal(r.dq, poisoned.dq)) << "dq was written by a refused call";
   EXPECT_TRUE(bitwise_equal(r.dk, poisoned.dk)) << "dk was written by a refused call";
 
-  flashattn::Options opt = p.opt;
-  opt.backend = Backend::cuda;
-  flashattn::backward(in, out, opt, {ws, bound});
+  // Workspace::grow: asked for that need once when the workspace holds less (a short or
+  // misaligned answer refused before anything is written), never when it holds enough.
+  GrowRecorder grower;
+  grower.give = {ws, need - 1};
+  EXPECT_THROW(flashattn::backward(in, out, p.opt, grower.on({})), flashattn::Error);
+  grower.give = {static_cast<char*>(ws) + 16, need};
+  try {
+    flashattn::backward(in, out, p.opt, grower.on({ws, need / 2}));
+    ADD_FAILURE() << "a misaligned workspace from grow was accepted";
+  } catch (const flashattn::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("workspace: grow must return at least " + std::to_string(need)),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(grower.asked, std::vector<std::size_t>({need, need}));
   FA_CUDA_CHECK(cudaDeviceSynchronize());
   DeviceArena::download(r.dq, out.dq.data);
-  DeviceArena::download(r.dk, out.dk.data);
-  DeviceArena::download(r.dv, out.dv.data);
-  DeviceArena::download(r.softmax_d, out.softmax_d.data);
-  EXPECT_TRUE(check_backward(p, fwd, r));
+  EXPECT_TRUE(bitwise_equal(r.dq, poisoned.dq)) << "dq was written when grow's workspace was refused";
+
+  flashattn::Options opt = p.opt;
+  opt.backend = Backend::cuda;
+  Tensor dk_by_size, dv_by_size;
+  for (const bool grown : {false, true}) {
+    SCOPED_TRACE(grown ? "workspace from grow" : "workspace of the public size");
+    grower.asked.clear();
+    grower.give = {ws, need};
+    flashattn::backward(in, out, opt, grown ? grower.on({}) : grower.on({ws, bound}));
+    EXPECT_EQ(grower.asked, grown ? std::vector<std::size_t>({need}) : std::vector<std::size_t>());
+    FA_CUDA_CHECK(cudaDeviceSynchronize());
+    DeviceArena::download(r.dq, out.dq.data);
+    DeviceArena::download(r.dk, out.dk.data);
+    DeviceArena::download(r.dv, out.dv.data);
+    DeviceArena::download(r.softmax_d, out.softmax_d.data);
+    EXPECT_TRUE(check_backward(p, fwd, r));
+    if (!grown) {
+      dk_by_size = r.dk.clone();
+      dv_by_size = r.dv.clone();
+    } else {  // (dK and dV have one writer per element: the same bits)
+      EXPECT_TRUE(bitwise_equal(r.dk, dk_by_size) && bitwise_equal(r.dv, dv_by_size));
+    }
+  }
 }
 
 // Host only: the public size (shapes, dtype and options of CUDA views) covers what the backend

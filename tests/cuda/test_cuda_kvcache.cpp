@@ -279,6 +279,48 @@ TEST(CudaKvcacheWorkspace, TooSmallThrowsAndWritesNothing) {
   }
 }
 
+// Workspace::grow: a call with no workspace asks it once, after validation, for at least the
+// KV-cache region, and then computes what a call with the public size computes — caches and
+// outputs bit for bit; a call whose workspace holds the need never asks; a short answer is
+// refused with caches and outputs untouched.
+TEST(CudaKvcacheWorkspace, GrowGivesTheWorkspace) {
+  FA_SKIP_WITHOUT_GPU();
+  const AppendCase ac{DType::bf16, 64, 64, 4, 2, CacheKind::paged, 16, 4, 4, 32, false, MaskKind::causal};
+  if (!kernel_built(flashattn::cuda::sm80::Family::fwd, flashattn::common::Storage::bf16, 64, 64)) return;
+  const KvcacheCall sized(ac), grown(ac);
+  const ForwardResult sized_out = sized.make_outputs(), grown_out = grown.make_outputs();
+  DeviceCall by_size(sized, sized_out), by_grow(grown, grown_out);
+  const std::size_t bytes = by_size.workspace_bytes();
+  const std::size_t region = flashattn::cuda::kvcache_workspace(sized.batch(), sized.q.numel(), 2, true, true).bytes;
+  ASSERT_GE(bytes, region);
+  ASSERT_GT(region, 0u);
+  auto* ws = static_cast<std::uint8_t*>(by_grow.dev.alloc(bytes + 256));
+
+  const Tensor k_before = grown.cache.k.clone(), v_before = grown.cache.v.clone();
+  const ForwardResult poisoned = grown.make_outputs();
+  GrowRecorder grower;
+  grower.give = {ws, region - 1};
+  EXPECT_THROW(by_grow.run(grower.on({})), flashattn::Error);
+  ASSERT_EQ(grower.asked.size(), 1u);
+  const std::size_t need = grower.asked[0];
+  EXPECT_GE(need, region);
+  EXPECT_TRUE(bitwise_equal(grown.cache.k, k_before) && bitwise_equal(grown.cache.v, v_before));
+  EXPECT_TRUE(bitwise_equal(grown_out.out, poisoned.out) && bitwise_equal(grown_out.lse, poisoned.lse));
+
+  grower.asked.clear();
+  grower.give = {ws, need};
+  by_grow.run(grower.on({}));
+  EXPECT_EQ(grower.asked, std::vector<std::size_t>({need}));
+  by_size.run({by_size.dev.alloc(bytes), bytes});
+  EXPECT_TRUE(bitwise_equal(grown.cache.k, sized.cache.k) && bitwise_equal(grown.cache.v, sized.cache.v));
+  EXPECT_TRUE(bitwise_equal(grown_out.out, sized_out.out) && bitwise_equal(grown_out.lse, sized_out.lse));
+
+  // Holding the need, the workspace is used as it is (this call appends again: nothing compared).
+  grower.asked.clear();
+  by_grow.run(grower.on({ws, need}));
+  EXPECT_TRUE(grower.asked.empty());
+}
+
 // Shapes only (runs without a GPU). The KV-cache region: 256-byte aligned parts for the lengths
 // after the append and the rotated q, nothing without append and rotary. The public size: 0 for
 // host tensors; for CUDA tensors at least the region more than the same call without append and

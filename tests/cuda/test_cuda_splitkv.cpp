@@ -493,6 +493,27 @@ TEST(CudaSplitKvPublicApi, ForwardWithWorkspace) {
   EXPECT_TRUE(bitwise_equal(plain.out, short_ws.out));
   EXPECT_TRUE(bitwise_equal(plain.lse, short_ws.lse));
   EXPECT_FALSE(bitwise_equal(plain.lse, split.lse)) << "the split path did not run";
+
+  // Workspace::grow instead of the size query: asked once for the partials of the splits the call
+  // takes (here what the query counts), the same result bit for bit; not asked when the
+  // workspace holds them; a short answer refused with the outputs untouched.
+  GrowRecorder grower;
+  grower.give = {d_ws, bytes};
+  const ForwardResult grown = run(grower.on({}));
+  EXPECT_EQ(grower.asked, std::vector<std::size_t>({bytes}));
+  EXPECT_TRUE(bitwise_equal(split.out, grown.out) && bitwise_equal(split.lse, grown.lse));
+  grower.asked.clear();
+  run(grower.on({d_ws, bytes}));
+  EXPECT_TRUE(grower.asked.empty());
+  grower.give = {d_ws, bytes - 1};
+  ForwardResult refused = make_forward_outputs(p);
+  const ForwardResult poisoned = make_forward_outputs(p);
+  void* d_out = dev.mirror(refused.out);
+  EXPECT_THROW(flashattn::forward(in, {device_view(refused.out, d_out), {}}, p.opt, grower.on({d_ws, 256})),
+               flashattn::Error);
+  FA_CUDA_CHECK(cudaDeviceSynchronize());
+  DeviceArena::download(refused.out, d_out);
+  EXPECT_TRUE(bitwise_equal(refused.out, poisoned.out)) << "a call whose grow answered short wrote out";
 }
 
 // The public combine on CUDA tensors equals the CPU combine on the same partials (one split per

@@ -87,8 +87,8 @@ def test_allocated_workspace_is_aligned():
 
 def test_workspace_alloc_is_not_called_for_host_arrays(rng):
     """workspace_alloc is asked only for a workspace the call needs: none on the host, so the
-    result is that of a call without it. Both a workspace and workspace_alloc: an argument error,
-    before anything is written."""
+    result is that of a call without it, with or without a workspace beside it, and a
+    KeptWorkspace keeps nothing."""
     q = rng.standard_normal((1, 6, 2, 16)).astype(np.float16)
     k = rng.standard_normal((1, 8, 2, 16)).astype(np.float16)
     asked = []
@@ -102,10 +102,14 @@ def test_workspace_alloc_is_not_called_for_host_arrays(rng):
     _C.forward(q, k, k, out_b, None, options=options(), workspace_alloc=alloc)
     assert asked == [] and np.array_equal(out_a, out_b)
     out_c = np.full_like(q, np.nan)
-    with pytest.raises(ValueError, match="pass the workspace or workspace_alloc, not both"):
-        _C.forward(q, k, k, out_c, None, options=options(), workspace=np.zeros(256, dtype=np.uint8),
-                   workspace_alloc=alloc)
-    assert np.isnan(out_c).all()
+    _C.forward(q, k, k, out_c, None, options=options(), workspace=np.zeros(256, dtype=np.uint8),
+               workspace_alloc=alloc)
+    kept = _C.KeptWorkspace(alloc, 1 << 20)
+    assert (kept.max_bytes, kept.kept_bytes, kept.kept_address) == (1 << 20, 0, 0)
+    out_d = np.full_like(q, np.nan)
+    _C.forward(q, k, k, out_d, None, options=options(), workspace_alloc=kept)
+    assert asked == [] and kept.kept_bytes == 0
+    assert np.array_equal(out_a, out_c) and np.array_equal(out_a, out_d)
 
 
 def _cuda_or_skip(torch):
@@ -155,9 +159,11 @@ def test_cuda_backward_rejects_small_workspace():
 
 
 def test_cuda_workspace_alloc_gets_the_size_needed():
-    """On CUDA the backward asks workspace_alloc for exactly backward_workspace_size bytes, once,
-    and gives the gradients of a call with that workspace passed in; an allocator that returns
-    too little or no array is an argument error, before anything is written."""
+    """On CUDA the backward asks workspace_alloc once for what the serving kernel family needs (at
+    most backward_workspace_size, the bytes a call without a workspace is refused for wanting),
+    and gives the gradients of a call with a workspace of the public size passed in; beside a
+    workspace that holds as much it is not asked; an allocator that returns too little or no
+    array is an argument error, before anything is written."""
     torch = _torch()
     _cuda_or_skip(torch)
     dout, q, k, v, out, lse = _cuda_backward_inputs(torch, 12, 96)
@@ -177,15 +183,20 @@ def test_cuda_workspace_alloc_gets_the_size_needed():
         asked.append(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
-    by_alloc, by_size = grads(), grads()
+    with pytest.raises(ValueError, match=r"workspace: too small.*at least (\d+) bytes, got 0") as refused:
+        _C.backward(dout, q, k, v, out, lse, *grads(), options=opt, stream=stream)
+    serving = int(re.search(r"at least (\d+) bytes", str(refused.value)).group(1))
+    by_alloc, by_size, beside = grads(), grads(), grads()
     _C.backward(dout, q, k, v, out, lse, *by_alloc, options=opt, workspace_alloc=alloc, stream=stream)
     _C.backward(dout, q, k, v, out, lse, *by_size, options=opt, stream=stream,
                 workspace=torch.empty(need, dtype=torch.uint8, device="cuda"))
+    _C.backward(dout, q, k, v, out, lse, *beside, options=opt, stream=stream, workspace_alloc=alloc,
+                workspace=torch.empty(serving, dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
-    assert asked == [need]
-    for a, b in zip(by_alloc, by_size):
-        assert torch.equal(a, b)
-    for bad, message in ((lambda n: torch.empty(n // 2, dtype=torch.uint8, device="cuda"), f"at least {need} bytes"),
+    assert asked == [serving] and 0 < serving <= need, (asked, serving, need)
+    for a, b, c in zip(by_alloc, by_size, beside):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    for bad, message in ((lambda n: torch.empty(n // 2, dtype=torch.uint8, device="cuda"), f"at least {serving} bytes"),
                          (lambda n: "not an array", "not an array")):
         dq, dk, dv, softmax_d = grads()
         with pytest.raises(ValueError, match=f"workspace_alloc: .*{message}"):
@@ -196,40 +207,65 @@ def test_cuda_workspace_alloc_gets_the_size_needed():
 
 
 def test_cuda_stream_keeps_its_workspace():
-    """On CUDA each stream's calls share one kept workspace (_torch_ops._kept_workspace): the next
-    call that needs no more gets the same bytes, a larger need replaces them, one past
-    KEPT_WORKSPACE_MAX is not kept, another stream has its own, and a call captured into a CUDA
-    graph gets a fresh workspace without touching the kept one; decoding steps on the kept
-    workspace stay right."""
+    """On CUDA each stream's calls share one _C.KeptWorkspace (_torch_ops._kept_workspace): a
+    decoding step's call asks it for its split-KV workspace once, and the next calls that need no
+    more run on the same bytes without asking; a larger need replaces them, one past max_bytes is
+    not kept, another stream has its own, and a call captured into a CUDA graph gets a fresh
+    workspace without touching the kept one; decoding steps on the kept workspace stay right."""
     torch = _torch()
     _cuda_or_skip(torch)
     from flashattn import _torch_ops
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    _, alloc, _ = _torch_ops._launch(dev)
-    assert _torch_ops._launch(dev)[1] is alloc, "one allocator per stream"
-
-    def address(capsule):
-        return torch.utils.dlpack.from_dlpack(capsule).data_ptr()
-
-    first = address(alloc(1000))
-    assert address(alloc(800)) == first
-    grown = address(alloc(1 << 20))
-    assert address(alloc(1000)) == grown
-    address(alloc(_torch_ops.KEPT_WORKSPACE_MAX + 1))
-    assert address(alloc(1000)) == grown, "a workspace past KEPT_WORKSPACE_MAX replaced the kept one"
+    _, kept, _ = _torch_ops._launch(dev)
+    assert isinstance(kept, _C.KeptWorkspace) and _torch_ops._launch(dev)[1] is kept, "one per stream"
+    assert kept.max_bytes == _torch_ops.KEPT_WORKSPACE_MAX
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        assert _torch_ops._launch(dev)[1] is not alloc, "another stream shares the kept workspace"
+        assert _torch_ops._launch(dev)[1] is not kept, "another stream shares the kept workspace"
+
+    asked = []
+
+    def alloc(nbytes):
+        asked.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    g0 = torch.Generator().manual_seed(4)
+    q0 = torch.randn(1, 1, 8, 64, generator=g0).to("cuda", torch.bfloat16)
+    cache0 = torch.randn(1, 8192, 2, 64, generator=g0).to("cuda", torch.bfloat16)
+    out0 = torch.empty_like(q0)
+    opt = options(num_splits=4)
+
+    def step(keeper, context, splits=4):
+        opt.num_splits = splits
+        seqlens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+        _C.forward_kvcache(q0, cache0, cache0, out0, None, options=opt, cache_seqlens=seqlens,
+                           workspace_alloc=keeper, stream=torch.cuda.current_stream().cuda_stream)
+
+    mine = _C.KeptWorkspace(alloc, 1 << 30)
+    step(mine, 4096)
+    assert len(asked) == 1 and asked[0] > 0 and mine.kept_bytes == asked[0], (asked, mine.kept_bytes)
+    first = mine.kept_address
+    step(mine, 100)
+    step(mine, 8192)
+    assert len(asked) == 1 and mine.kept_address == first, "a call that needed no more asked again"
+    step(mine, 8192, splits=16)
+    assert len(asked) == 2 and asked[1] > asked[0] and mine.kept_bytes == asked[1]
+    small = _C.KeptWorkspace(alloc, asked[0] - 1)
+    step(small, 4096)
+    step(small, 4096)
+    assert len(asked) == 4 and small.kept_bytes == 0, "a workspace past max_bytes was kept"
+    torch.cuda.synchronize()
+
     graph = torch.cuda.CUDAGraph()
     marker = torch.zeros(1, device="cuda")
+    before = kept.kept_address
     with torch.cuda.graph(graph):
         marker.add_(1)  # (a graph with a kernel in it)
-        captured = _torch_ops._launch(dev)[1]
-        before = captured.kept[0]
-        captured(1000)
-        captured(4096)
-        assert captured.kept[0] is before, "a captured call kept its workspace"
+        assert _torch_ops._launch(dev)[1] is not kept, "a captured call got the stream's kept workspace"
+        seqlens = torch.full((1,), 4096, dtype=torch.int32, device="cuda")
+        flashattn.flash_attn_with_kvcache(q0, cache0, cache0, cache_seqlens=seqlens, num_splits=4)
+    assert kept.kept_address == before, "a captured call kept its workspace"
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 1, 8, 64, generator=g).to("cuda", torch.bfloat16)
     k_cache = torch.randn(2, 4096, 2, 64, generator=g).to("cuda", torch.bfloat16)
