@@ -403,6 +403,31 @@ TEST(ForwardAutomatic, PicksCpuBackend) {
   EXPECT_EQ(s.backend, Backend::cpu);
 }
 
+// Workspace::grow is asked only for a need beyond the workspace: host calls need none, so neither
+// the forward nor the backward asks, and both compute what they compute without it.
+TEST(WorkspaceGrow, HostCallsNeverAsk) {
+  AttnConfig c = dense_config(DType::bf16, 2, 33, 47, 4, 2, 32);
+  c.opt.causal = true;
+  const AttnProblem p = make_problem(c);
+  struct Recorder {
+    int asked = 0;
+    static flashattn::Workspace grow(void* self, std::size_t) {
+      ++static_cast<Recorder*>(self)->asked;
+      return {};
+    }
+  } recorder;
+  const flashattn::Workspace ws{nullptr, 0, &Recorder::grow, &recorder};
+  const ForwardResult plain = run_forward(p, Backend::cpu, 2);
+  ForwardResult f = make_forward_outputs(p);
+  flashattn::forward(p.forward_inputs(), {f.out.tv(), f.lse.tv()}, p.opt, ws);
+  EXPECT_TRUE(bitwise_equal(f.out, plain.out) && bitwise_equal(f.lse, plain.lse));
+  const BackwardResult plain_b = run_backward(p, f, Backend::cpu, 2);
+  BackwardResult b = make_backward_outputs(p);
+  flashattn::backward(p.backward_inputs(f), {b.dq.tv(), b.dk.tv(), b.dv.tv(), b.softmax_d.tv()}, p.opt, ws);
+  EXPECT_TRUE(bitwise_equal(b.dq, plain_b.dq) && bitwise_equal(b.dk, plain_b.dk) && bitwise_equal(b.dv, plain_b.dv));
+  EXPECT_EQ(recorder.asked, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, ForwardSpecial,
                          testing::Values(Backend::cpu, Backend::cpu_reference),
                          [](const testing::TestParamInfo<Backend>& info) {
