@@ -14,9 +14,11 @@ and options (its DLPack conversions included), the extension's share of a call; 
 Python layer's (and torch.empty's for the result). It splits that share further:
 `flashattn_C_python_alloc` (the call with a Python workspace_alloc that keeps its last workspace:
 the round trip into Python that the stream's _C.KeptWorkspace saves while its array suffices),
-`flashattn_C_given_workspace` (the call handed a workspace allocated beforehand), `flashattn_C_size_only` (_C.forward_kvcache_workspace_size
-on the same tensors: the conversions and checks without a launch), `to_dlpack` (one tensor's
-capsule) and `torch_empty_like` (the result's allocation). The shape flags change the problem, e.g. the
+`flashattn_C_given_workspace` (the call handed a workspace allocated beforehand),
+`flashattn_C_size_only` (_C.forward_kvcache_workspace_size on the same tensors: the conversions
+and checks without a launch), `to_dlpack` (one tensor's capsule), `torch_empty_like` (the result's
+allocation) and `stream_and_capture_check` (_torch_ops._launch: the current stream, whether it is
+being captured into a CUDA graph, and its workspace). The shape flags change the problem, e.g. the
 small CPU call of python/README.md ("Per-call overhead"):
 
   python bench/host_overhead.py [--device cuda|cpu] [--calls 2000] [--repeats 7] [--json out.json]
@@ -102,7 +104,8 @@ def extension_calls(q, k_cache, v_cache, seqlens):
 
     return {"flashattn_C": call, "flashattn_C_python_alloc": python_alloc_call, "flashattn_C_given_workspace": given,
             "flashattn_C_size_only": size_only,
-            "to_dlpack": lambda: to_dlpack(q), "torch_empty_like": lambda: torch.empty_like(q)}
+            "to_dlpack": lambda: to_dlpack(q), "torch_empty_like": lambda: torch.empty_like(q),
+            "stream_and_capture_check": lambda: _torch_ops._launch(q.device)}
 
 
 def main():

@@ -40,6 +40,7 @@ def test_cpu_breakdown_times_the_extension_call_alone(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["impl"] for r in rows] == ["flashattn", "flashattn_C", "flashattn_C_python_alloc",
                                          "flashattn_C_given_workspace",
-                                         "flashattn_C_size_only", "to_dlpack", "torch_empty_like"]
+                                         "flashattn_C_size_only", "to_dlpack", "torch_empty_like",
+                                         "stream_and_capture_check"]
     assert all(r["us_per_call"] > 0 and (r["heads"], r["heads_k"], r["d"]) == (4, 2, 64) for r in rows)
 
