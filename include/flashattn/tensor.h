@@ -8,7 +8,9 @@
 
 namespace flashattn {
 
-enum class DType : std::uint8_t { f16, bf16, f32, i32 };
+// f8e4m3: float8 e4m3 ("e4m3fn": 4 exponent bits of bias 7, 3 mantissa bits, no infinity, NaN
+// 0x7f / 0xff, largest finite 448), the forward's FP8 inputs (ForwardInputs::q_descale).
+enum class DType : std::uint8_t { f16, bf16, f32, i32, f8e4m3 };
 
 enum class DeviceType : std::uint8_t { cpu, cuda };
 

@@ -53,6 +53,7 @@ std::string dlpack_dtype_name(nb::dlpack::dtype t) {
     case Code::Bfloat: base = "bfloat"; break;
     case Code::Complex: base = "complex"; break;
     case Code::Bool: base = "bool"; break;
+    case Code::Float8_E4M3FN: return "float8_e4m3fn";
     default: base = "dtype code " + std::to_string(int(t.code)) + " of "; break;
   }
   return base + std::to_string(int(t.bits));
@@ -70,10 +71,11 @@ DType dtype_of(const char* name, nb::dlpack::dtype t, bool bf16_bits) {
     if (t.code == uint8_t(Code::Bfloat) && t.bits == 16) return DType::bf16;
     if (t.code == uint8_t(Code::Float) && t.bits == 32) return DType::f32;
     if (t.code == uint8_t(Code::Int) && t.bits == 32) return DType::i32;
+    if (t.code == uint8_t(Code::Float8_E4M3FN) && t.bits == 8) return DType::f8e4m3;
     if (bf16_bits && t.code == uint8_t(Code::UInt) && t.bits == 16) return DType::bf16;
   }
-  throw Error(std::string(name) + ": unsupported element type; expected float16, bfloat16, float32 (or int32 for index "
-              "tensors), got " + dlpack_dtype_name(t));
+  throw Error(std::string(name) + ": unsupported element type; expected float16, bfloat16, float32, float8_e4m3fn "
+              "(forward inputs) or int32 (index tensors), got " + dlpack_dtype_name(t));
 }
 
 flashattn::Device device_of(const char* name, int device_type, int device_id) {
@@ -270,9 +272,13 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const OutArra
              const flashattn::Options& options, const MaybeIn& alibi_slopes, const MaybeIn& rng_state,
              const MaybeIn& cu_seqlens_q, const MaybeIn& cu_seqlens_k, const MaybeIn& seqused_k, int max_seqlen_q,
              int max_seqlen_k, const MaybeIn& block_table, const MaybeOut& workspace, std::uintptr_t stream,
-             bool bf16_bits, const nb::object& workspace_alloc, const MaybeIn& sinks) {
-  const flashattn::ForwardInputs in = forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                                                     max_seqlen_k, block_table, bf16_bits, sinks);
+             bool bf16_bits, const nb::object& workspace_alloc, const MaybeIn& sinks, const MaybeIn& q_descale,
+             const MaybeIn& k_descale, const MaybeIn& v_descale) {
+  flashattn::ForwardInputs in = forward_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                                               max_seqlen_k, block_table, bf16_bits, sinks);
+  in.q_descale = maybe_view("q_descale", q_descale, false);
+  in.k_descale = maybe_view("k_descale", k_descale, false);
+  in.v_descale = maybe_view("v_descale", v_descale, false);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
@@ -473,6 +479,8 @@ NB_MODULE(_C, m) {
         nb::arg("max_seqlen_q") = 0, nb::arg("max_seqlen_k") = 0, nb::arg("block_table").none() = nb::none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
         nb::arg("workspace_alloc").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
+        nb::arg("q_descale").none() = nb::none(), nb::arg("k_descale").none() = nb::none(),
+        nb::arg("v_descale").none() = nb::none(),
         "Writes out (and lse when given). Varlen when cu_seqlens_q/k are given; block_table (b, "
         "max_blocks_per_seq) int32 makes k/v paged caches (num_blocks, page_size, hk, d) of a varlen "
         "call, whose key counts come from seqused_k (or cu_seqlens_k, then optional). rng_state: int64 "
@@ -480,7 +488,9 @@ NB_MODULE(_C, m) {
         "uint8, 256-byte aligned, on q's device, of forward_workspace_size(...) bytes (None when 0). "
         "workspace_alloc: a callable that gets the bytes the call needs when the workspace (or none) "
         "holds less, and returns such an array; or a KeptWorkspace, whose kept array is the workspace "
-        "when none is given. sinks: (h) float32 attention sinks (docs/sinks.md).");
+        "when none is given. sinks: (h) float32 attention sinks (docs/sinks.md). FP8: float8_e4m3fn q, k "
+        "and v (CPU backends) with optional (b, hk) float32 q_descale, k_descale, v_descale, into a "
+        "bfloat16 or float16 out.");
 
   m.def("forward_workspace_size", &forward_workspace_size, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::kw_only(),
         nb::arg("options"), nb::arg("alibi_slopes").none() = nb::none(), nb::arg("cu_seqlens_q").none() = nb::none(),

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/fp8_host.h"
 #include "api/validate.h"
 #include "common/numeric.h"
 #include "cpu/cpu.h"
@@ -267,6 +268,11 @@ void forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& 
   Problem pr = detail::validate_forward(in, out, opt);
   ForwardFamily family;
   const Support s = require_backend(pr, opt, "flashattn::forward", &family);
+  // FP8 inputs (validation admits them on the CPU backends only): by way of fp32.
+  if (pr.dtype == DType::f8e4m3) {
+    detail::forward_fp8_on_host(in, out, opt);
+    return;
+  }
 #ifdef FLASHATTN_WITH_CUDA
   if (s.backend == Backend::cuda) {
     if (workspace.grow != nullptr) {

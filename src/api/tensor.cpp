@@ -67,6 +67,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::bf16: return 2;
     case DType::f32:
     case DType::i32: return 4;
+    case DType::f8e4m3: return 1;
   }
   return 0;
 }
@@ -77,6 +78,7 @@ const char* dtype_name(DType dtype) {
     case DType::bf16: return "bf16";
     case DType::f32: return "f32";
     case DType::i32: return "i32";
+    case DType::f8e4m3: return "f8e4m3";
   }
   return "?";
 }

@@ -195,8 +195,20 @@ common::RowHeadTensor row_head(const TensorView& t) {
   return r;
 }
 
-// The attention input dtype rule and the device rule, shared by every entry point.
-void check_element_type(const Checker& c, const TensorView& q, const Options& opt) {
+// The attention input dtype rule and the device rule, shared by every entry point. fp8: the
+// caller is the forward, which takes float8_e4m3 inputs on the CPU backends.
+void check_element_type(const Checker& c, const TensorView& q, const Options& opt, bool fp8 = false) {
+  if (q.dtype == DType::f8e4m3) {
+    if (!fp8) {
+      c.fail("q", "float8_e4m3 inputs are for the forward only (FP8 attention has no backward or KV-cache call)",
+             "f16, bf16 or f32", dtype_name(q.dtype));
+    }
+    if (q.device.type == DeviceType::cuda || opt.backend == Backend::cuda) {
+      c.fail("q", "FP8 attention runs on the CPU backends only: no CUDA kernel takes float8_e4m3 inputs yet",
+             "f16 or bf16 on CUDA", dtype_name(q.dtype) + std::string(" on ") + device_string(q.device));
+    }
+    return;
+  }
   const bool low_precision = q.dtype == DType::f16 || q.dtype == DType::bf16;
   const bool cpu_only = q.device.type == DeviceType::cpu && opt.backend != Backend::cuda;
   if (!low_precision && !(q.dtype == DType::f32 && cpu_only)) {
@@ -446,14 +458,15 @@ struct Dims {
 };
 
 // Checks q, k, v against each other and fills dims. block_table (forward only; undefined
-// otherwise): k and v are paged caches of a varlen call.
+// otherwise): k and v are paged caches of a varlen call. fp8: float8_e4m3 inputs are allowed
+// (the forward).
 Dims check_qkv(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
-               const Varlen& vl, const Options& opt, const TensorView& block_table = {}) {
+               const Varlen& vl, const Options& opt, const TensorView& block_table = {}, bool fp8 = false) {
   c.require("q", q);
   c.require("k", k);
   c.require("v", v);
   c.well_formed("q", q);
-  check_element_type(c, q, opt);
+  check_element_type(c, q, opt, fp8);
   check_device_served(c, q, opt);
   Dims dims;
   dims.varlen = vl.enabled();
@@ -589,10 +602,37 @@ common::AttentionParams base_params(const Dims& dims, const TensorView& q, const
 
 }  // namespace
 
+// FP8 descale factors (ForwardInputs::q_descale, ...): only with float8_e4m3 inputs; each (b, hk)
+// fp32 on q's device, any strides.
+void check_descales(const Checker& c, const ForwardInputs& in, const Dims& dims) {
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q_descale", &in.q_descale},
+                                {"k_descale", &in.k_descale},
+                                {"v_descale", &in.v_descale}}) {
+    if (!t->defined()) continue;
+    if (in.q.dtype != DType::f8e4m3) {
+      c.fail(name, "descale factors go with float8_e4m3 inputs", std::string("none (q is ") + dtype_name(in.q.dtype) + ")",
+             "a tensor");
+    }
+    c.well_formed(name, *t);
+    c.dtype(name, *t, DType::f32, "descale factors are fp32");
+    c.same_device(name, *t, in.q.device);
+    c.shape(name, *t, {dims.b, dims.hk});
+  }
+}
+
 Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt, const char* api) {
   const Checker c(api);
-  const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt, in.block_table);
-  check_like(c, "out", out.out, dims, Rows::query, dims.dv, in.q);
+  const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt, in.block_table, true);
+  check_descales(c, in, dims);
+  // out has q's dtype; FP8 inputs give bf16 or f16 (the caller's choice).
+  TensorView out_like = in.q;
+  if (in.q.dtype == DType::f8e4m3 && out.out.defined()) {
+    if (out.out.dtype != DType::bf16 && out.out.dtype != DType::f16) {
+      c.fail("out", "FP8 inputs give a bf16 or f16 output", "bf16 or f16", dtype_name(out.out.dtype));
+    }
+    out_like.dtype = out.out.dtype;
+  }
+  check_like(c, "out", out.out, dims, Rows::query, dims.dv, out_like);
   if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, in.q.device);
   Problem pr;
   pr.dtype = in.q.dtype;

@@ -15,6 +15,11 @@ struct f16_t {
 struct bf16_t {
   std::uint16_t bits;
 };
+// float8 e4m3 ("e4m3fn"): sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinity, NaN is
+// S.1111.111, the largest finite value 448 = 1.75 · 2^8, the smallest subnormal 2^-9.
+struct e4m3_t {
+  std::uint8_t bits;
+};
 
 FA_HOST_DEVICE std::uint32_t float_bits(float f) {
   std::uint32_t u;
@@ -39,6 +44,35 @@ FA_HOST_DEVICE float to_float(f16_t x) {
   // Subnormal: value = mant · 2^-24, exact in fp32.
   const float mag = float(mant) * 5.9604644775390625e-8f;
   return bits_float(sign | float_bits(mag));
+}
+
+FA_HOST_DEVICE float to_float(e4m3_t x) {
+  const std::uint32_t sign = std::uint32_t(x.bits & 0x80u) << 24;
+  const std::uint32_t exp = (x.bits >> 3) & 0xfu;
+  const std::uint32_t mant = x.bits & 0x7u;
+  if (exp == 0xf && mant == 0x7) return bits_float(sign | 0x7fc00000u);  // NaN
+  if (exp != 0) return bits_float(sign | ((exp + 120u) << 23) | (mant << 20));
+  return bits_float(sign | float_bits(float(mant) * 0.001953125f));  // subnormal: mant · 2^-9, exact
+}
+
+// fp32 → e4m3, round to nearest even, with subnormals; NaN, infinities and magnitudes that round
+// past 448 give NaN (the format has no infinity), as PyTorch's conversion to float8_e4m3fn does.
+FA_HOST_DEVICE e4m3_t to_e4m3(float f) {
+  const std::uint32_t u = float_bits(f);
+  const std::uint8_t sign = std::uint8_t((u >> 24) & 0x80u);
+  const std::uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x43e80000u) return e4m3_t{std::uint8_t(sign | 0x7fu)};  // > 464 (NaN and inf too)
+  if (abs < 0x3c800000u) {
+    // Below 2^-6: subnormal (or zero); round |f| / 2^-9 to an integer, nearest even (8 is 2^-6).
+    const float scaled = bits_float(abs) * 512.0f;  // exact: power-of-two scaling
+    std::uint32_t q = std::uint32_t(scaled);
+    const float rem = scaled - float(q);
+    if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;
+    return e4m3_t{std::uint8_t(sign | q)};
+  }
+  std::uint32_t r = abs + 0x7ffffu + ((abs >> 20) & 1u);  // round the mantissa to 3 bits
+  r -= 120u << 23;                                         // rebias the exponent 127 → 7
+  return e4m3_t{std::uint8_t(sign | (r >> 20))};
 }
 
 // fp32 → bf16, round to nearest even; NaN stays NaN.
@@ -77,6 +111,8 @@ template <>
 FA_HOST_DEVICE bf16_t from_float<bf16_t>(float f) { return to_bf16(f); }
 template <>
 FA_HOST_DEVICE f16_t from_float<f16_t>(float f) { return to_f16(f); }
+template <>
+FA_HOST_DEVICE e4m3_t from_float<e4m3_t>(float f) { return to_e4m3(f); }
 
 // Round an fp32 value to T's precision and back (what storing then loading would give).
 template <class T>

@@ -71,6 +71,7 @@ double unit_roundoff(DType dtype) {
     case DType::f16: return std::ldexp(1.0, -11);
     case DType::f32: return std::ldexp(1.0, -24);
     case DType::i32: return 0.0;
+    case DType::f8e4m3: return std::ldexp(1.0, -4);
   }
   return 0.0;
 }
@@ -79,6 +80,7 @@ float round_to(DType dtype, float x) {
   switch (dtype) {
     case DType::bf16: return c::round_to<c::bf16_t>(x);
     case DType::f16: return c::round_to<c::f16_t>(x);
+    case DType::f8e4m3: return c::round_to<c::e4m3_t>(x);
     default: return x;
   }
 }
@@ -87,6 +89,7 @@ std::uint32_t poison_bits(DType dtype) {
   switch (dtype) {
     case DType::f16: return 0x7E5Au;   // exponent all ones, mantissa ≠ 0: a NaN
     case DType::bf16: return 0x7FA5u;  // likewise for bf16
+    case DType::f8e4m3: return 0x7Fu;  // e4m3's NaN
     case DType::f32:
     case DType::i32: return 0x7FC0DEADu;
   }
@@ -218,6 +221,7 @@ std::uint32_t Tensor::bits_at(std::int64_t off) const {
     std::memcpy(&u, p + off * 2, 2);
     return u;
   }
+  if (dtype_ == DType::f8e4m3) return std::uint8_t(p[off]);
   std::uint32_t u;
   std::memcpy(&u, p + off * 4, 4);
   return u;
@@ -228,6 +232,7 @@ float Tensor::load(std::int64_t off) const {
   switch (dtype_) {
     case DType::f16: return c::to_float(c::f16_t{std::uint16_t(u)});
     case DType::bf16: return c::to_float(c::bf16_t{std::uint16_t(u)});
+    case DType::f8e4m3: return c::to_float(c::e4m3_t{std::uint8_t(u)});
     case DType::f32: return c::bits_float(u);
     case DType::i32: {
       std::int32_t i;
@@ -251,6 +256,7 @@ void Tensor::store(std::int64_t off, float v) {
       std::memcpy(p + off * 2, &u, 2);
       break;
     }
+    case DType::f8e4m3: p[off] = char(c::to_e4m3(v).bits); break;
     case DType::f32: std::memcpy(p + off * 4, &v, 4); break;
     case DType::i32: {
       const std::int32_t i = std::int32_t(v);
