@@ -427,6 +427,65 @@ def test_the_op_serves_everything_else(direct_calls):
     assert direct_calls == ["fwd"]  # only the last, eager call
 
 
+def test_kvcache_direct_path_decides_as_direct_call_allowed(monkeypatch):
+    """call_fwd_kvcache_into (flash_attn_with_kvcache's call) tests only some of its arguments:
+    it runs the implementation directly exactly where direct_call_allowed lets all of them
+    through, and leaves everything else to call_into (which tests them all), for each tensor
+    argument made a subclass, put on the meta device or made to require grad (gradients on and
+    off), and under modes, the profiler and out=. Values other than plain bool/int/float/str for
+    causal, softcap and rotary_interleaved (tensors, NumPy scalars), which the caller passes as
+    they are, always go to call_into."""
+    import contextlib
+
+    import numpy as np
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    taken = []
+    monkeypatch.setitem(_torch_ops._IMPLS_INTO, "fwd_kvcache",
+                        lambda *args, need_lse: taken.append("direct") or ("out", None))
+    monkeypatch.setattr(_torch_ops, "call_into", lambda *args, need_lse: taken.append("call_into") or ("out", None))
+    t = lambda *shape: torch.zeros(shape)  # noqa: E731
+    base = [t(1, 1, 2, 8), t(1, 4, 2, 8), t(1, 4, 2, 8), t(1, 1, 2, 8), t(1, 1, 2, 8), t(1), t(4, 4), t(4, 4),
+            t(1), t(1, 1), t(2), 0.25, True, -1, -1, 0.0, True, 0, t(1), t(2)]
+    tensor_slots = [i for i, a in enumerate(base) if isinstance(a, torch.Tensor)]
+    variants = [list(base)]
+    for i in tensor_slots:
+        for value in (None, torch.nn.Parameter(base[i].clone(), requires_grad=False), base[i].to("meta"),
+                      base[i].clone().requires_grad_()):
+            if i > 2 or value is not None:  # (q, k_cache and v_cache are never None)
+                variants.append(base[:i] + [value] + base[i + 1:])
+    for i in (12, 15, 16):  # causal, softcap, rotary_interleaved
+        for value in (torch.tensor(1.0), torch.tensor(1.0, requires_grad=True), torch.tensor(1.0, device="meta"),
+                      np.float64(1.0), 1, "x"):
+            variants.append(base[:i] + [value] + base[i + 1:])
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def check_all():
+        for args in variants:
+            want = _torch_ops.direct_call_allowed(tuple(args))
+            taken.clear()
+            assert _torch_ops.call_fwd_kvcache_into(None, *args, need_lse=False) == ("out", None)
+            plain = all(type(args[i]) in (bool, int, float, str) for i in (12, 15, 16))
+            assert taken == ["direct" if want and plain else "call_into"], args
+
+    for context in (contextlib.nullcontext, torch.no_grad, Functions, Dispatch, torch.profiler.profile):
+        with context():
+            check_all()
+    torch.func.vmap(lambda x: (check_all(), x)[1])(torch.zeros(1))  # (a functorch transform)
+    # out= always goes to call_into, which writes it.
+    taken.clear()
+    _torch_ops.call_fwd_kvcache_into(t(1, 1, 2, 8), *base, need_lse=True)
+    assert taken == ["call_into"]
+
+
 # --- shared Options (flashattn._common.shared_options) -------------------------------------------
 
 
