@@ -29,8 +29,13 @@ Argument conventions are those of flash_attn (flashattn.flash_attn_interface): n
 sizes and softcap <= 0 mean off, softmax_scale=0.0 is a zero scale. num_splits, pack_gqa,
 sm_margin and scheduler_metadata are performance hints of FlashAttention-3's kernels: accepted
 and not needed here (the CUDA backend picks its split-KV itself). What the library does not
-have raises NotImplementedError naming the argument: qv, the FP8 descale factors (q_descale,
-k_descale, v_descale), attention_chunk != 0, seqused_q, cache_leftpad and rotary_seqlens.
+have raises NotImplementedError naming the argument: qv, attention_chunk != 0, seqused_q,
+cache_leftpad, rotary_seqlens, and the FP8 descale factors of flash_attn_with_kvcache.
+
+FP8 (docs/fp8.md): flash_attn_func, flash_attn_qkvpacked_func and flash_attn_varlen_func take
+float8_e4m3fn q, k and v with optional (batch, nheads_k) float32 q_descale, k_descale and
+v_descale, and return a bfloat16 out, as FlashAttention-3 does; forward only, on CPU tensors for
+now (CUDA tensors are refused with the reason until a CUDA kernel takes e4m3).
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from __future__ import annotations
 import torch
 
 import flashattn
-from flashattn import _C, _torch_api, _torch_ops
-from flashattn.flash_attn_interface import _scale_or_default, _softcap, _window_size
+from flashattn import _C, _fp8, _torch_api, _torch_ops
+from flashattn.flash_attn_interface import _scale, _scale_or_default, _softcap, _window_size
 from flashattn.layers.rotary import apply_rotary_emb
 
 __all__ = [
@@ -50,7 +55,7 @@ __all__ = [
     "flash_attn_with_kvcache",
 ]
 
-_FP8 = "FP8 inputs and their descale factors; pass float16/bfloat16 tensors"
+_FP8 = "FP8 caches and their descale factors in the KV-cache call; pass float16/bfloat16 tensors"
 _WHAT = {
     "qv": "a separate query part for the value head dim",
     "q_descale": _FP8,
@@ -77,6 +82,21 @@ def _sinks(learnable_sink, s_aux):
     return learnable_sink if learnable_sink is not None else s_aux
 
 
+def _fp8_call(q, k, v, descales, softmax_scale, causal, window_size, softcap, sinks, varlen=None):
+    """Whether the call is an FP8 one (float8_e4m3fn inputs or descale factors given), and then
+    its (out, softmax_lse) through the op flashattn::fwd_fp8 (varlen: (cu_seqlens_q, cu_seqlens_k,
+    seqused_k, max_seqlen_q, max_seqlen_k)). -> None for other calls."""
+    if not (_fp8.is_fp8(q, k, v) or any(d is not None for d in descales)):
+        return None
+    for name, x in (("q", q), ("k", k), ("v", v)) + tuple(zip(("q_descale", "k_descale", "v_descale"), descales)):
+        (_torch_api._check_optional_tensor if name.endswith("descale") else _torch_api._check_tensor)(name, x)
+    left, right = _window_size(window_size)
+    cu_q, cu_k, used_k, max_q, max_k = varlen if varlen is not None else (None, None, None, 0, 0)
+    return _fp8.fwd_fp8(q, k, v, *descales, cu_q, cu_k, used_k, int(max_q), int(max_k), None,
+                        _scale(softmax_scale, q.shape[-1]), bool(causal), left, right, _softcap(softcap),
+                        None if sinks is None else _torch_api._sinks_fp32(sinks))
+
+
 def _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs, sinks=None):
     out, lse, _ = flashattn.flash_attn_func(q, k, v, 0.0, _scale_or_default(softmax_scale), causal,
                                             _window_size(window_size), _softcap(softcap), None, deterministic,
@@ -90,8 +110,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     learnable_sink=None, s_aux=None):
     """q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d), v (..., dv) -> out, or
     (out, softmax_lse (batch, nheads, seqlen_q)) with return_attn_probs. learnable_sink / s_aux:
-    (nheads,) attention sinks."""
-    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    (nheads,) attention sinks. FP8: float8_e4m3fn q, k, v with (batch, nheads_k) descales ->
+    bfloat16 out."""
+    _refuse(qv=qv, attention_chunk=attention_chunk)
+    fp8 = _fp8_call(q, k, v, (q_descale, k_descale, v_descale), softmax_scale, causal, window_size, softcap,
+                    _sinks(learnable_sink, s_aux))
+    if fp8 is not None:
+        return fp8 if return_attn_probs else fp8[0]
     return _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
                    _sinks(learnable_sink, s_aux))
 
@@ -101,7 +126,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
                               deterministic=False, num_heads_q=None, sm_margin=0, return_attn_probs=False):
     """qkv (batch, seqlen, 3, nheads, d), or (batch, seqlen, num_heads_q + 2·num_heads_k, d) with
     num_heads_q (GQA)."""
-    _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    _refuse(attention_chunk=attention_chunk)
     if qkv.dim() == 5 and qkv.shape[-3] == 3:
         q, k, v = qkv.unbind(dim=-3)
     elif qkv.dim() == 4 and num_heads_q is not None and (qkv.shape[2] - num_heads_q) % 2 == 0:
@@ -110,6 +135,9 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     else:
         raise _C.Error(f"qkv: must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + "
                        f"2·num_heads_k, headdim) with num_heads_q; got {tuple(qkv.shape)}, num_heads_q={num_heads_q}")
+    fp8 = _fp8_call(q, k, v, (q_descale, k_descale, v_descale), softmax_scale, causal, window_size, softcap, None)
+    if fp8 is not None:
+        return fp8 if return_attn_probs else fp8[0]
     return _attend(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
 
 
@@ -121,9 +149,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q (total_q, nheads, d), k (total_k, nheads_k, d), v (..., dv); cu_seqlens_q/k (batch + 1,)
     int32; seqused_k (batch,) int32: only the first seqused_k[i] keys of sequence i are used ->
     out (total_q, nheads, dv), or (out, softmax_lse (nheads, total_q)). learnable_sink / s_aux:
-    (nheads,) attention sinks."""
-    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-            seqused_q=seqused_q)
+    (nheads,) attention sinks. FP8: as flash_attn_func."""
+    _refuse(qv=qv, attention_chunk=attention_chunk, seqused_q=seqused_q)
+    fp8 = _fp8_call(q, k, v, (q_descale, k_descale, v_descale), softmax_scale, causal, window_size, softcap,
+                    _sinks(learnable_sink, s_aux),
+                    varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k))
+    if fp8 is not None:
+        return fp8 if return_attn_probs else fp8[0]
     for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _torch_api._check_tensor(name, x)
     sinks = _sinks(learnable_sink, s_aux)

@@ -1,0 +1,114 @@
+"""FP8 forward calls through flashattn.fa3 (docs/fp8.md): float8_e4m3fn q, k, v with (batch,
+nheads_k) descale factors into a bfloat16 out. A bfloat16 problem is quantised to e4m3 under
+power-of-two descales and its inputs are set to the dequantised values (exact in bfloat16), so the
+FP8 call must pass that problem's SPEC §7 check against the float64 reference — batch and varlen,
+causal, windows, GQA; descales that are absent mean 1; the refusals name the argument."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashattn  # noqa: E402
+from flashattn import fa3  # noqa: E402
+from torch_checks import check_batch, check_varlen  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _descales(batch, hk, generator):
+    """(batch, hk) float32 powers of two from 1/4 to 4."""
+    return torch.pow(2.0, torch.randint(-2, 3, (batch, hk), generator=generator).float())
+
+
+def _quantise(x, descale, sequence_of_row, group):
+    """x (rows..., heads, d) bfloat16 -> (e4m3 of x / descale, the dequantised values as bfloat16);
+    sequence_of_row: the batch index of each leading row (dense: arange over the batch)."""
+    scale = descale[sequence_of_row][:, None, :].repeat_interleave(group, dim=-1)  # (rows, 1, heads)
+    scale = scale.transpose(1, 2)  # (rows, heads, 1)
+    if x.dim() == 4:
+        scale = scale[:, None]  # (b, 1, heads, 1)
+    x8 = (x.float() / scale).to(FP8)
+    return x8, (x8.float() * scale).to(torch.bfloat16)
+
+
+def _problem(b, sq, sk, h, hk, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, heads, d, generator=g).to(torch.bfloat16)
+               for n, heads in ((sq, h), (sk, hk), (sk, hk)))
+    ds = [_descales(b, hk, g) for _ in range(3)]
+    rows = torch.arange(b)
+    q8, qe = _quantise(q, ds[0], rows, h // hk)
+    k8, ke = _quantise(k, ds[1], rows, 1)
+    v8, ve = _quantise(v, ds[2], rows, 1)
+    return (q8, k8, v8), (qe, ke, ve), ds
+
+
+@pytest.mark.parametrize("causal,window,gqa", [(True, (-1, -1), 2), (False, (7, 3), 4), (False, (-1, -1), 1)])
+def test_fp8_batch_matches_the_reference_of_the_descaled_values(causal, window, gqa):
+    (q8, k8, v8), (qe, ke, ve), (dq, dk, dv) = _problem(2, 37, 53, 4, 4 // gqa, 64, 3)
+    out, lse = fa3.flash_attn_func(q8, k8, v8, causal=causal, window_size=window, q_descale=dq, k_descale=dk,
+                                   v_descale=dv, return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and out.shape == qe.shape
+    check_batch(qe, ke, ve, out, lse, causal=causal, window=window)
+
+
+def test_fp8_varlen_matches_the_reference_of_the_descaled_values():
+    g = torch.Generator().manual_seed(8)
+    lens_q, lens_k, h, hk, d = [9, 0, 30], [20, 4, 33], 4, 2, 64
+    cu_q = [0, 9, 9, 39]
+    cu_k = [0, 20, 24, 57]
+    q = torch.randn(cu_q[-1], h, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(cu_k[-1], hk, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(cu_k[-1], hk, d, generator=g).to(torch.bfloat16)
+    dq, dk, dv = (_descales(3, hk, g) for _ in range(3))
+    seq_q = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_q))
+    seq_k = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_k))
+    q8, qe = _quantise(q, dq, seq_q, h // hk)
+    k8, ke = _quantise(k, dk, seq_k, 1)
+    v8, ve = _quantise(v, dv, seq_k, 1)
+    out, lse = fa3.flash_attn_varlen_func(
+        q8, k8, v8, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), 30, 33,
+        causal=True, q_descale=dq, k_descale=dk, v_descale=dv, return_attn_probs=True)
+    assert out.dtype == torch.bfloat16
+    check_varlen(qe, ke, ve, cu_q, cu_k, out, lse, max_seqlen_k=33, causal=True)
+
+
+def test_fp8_without_descales_means_one():
+    (q8, k8, v8), _, _ = _problem(1, 16, 16, 2, 2, 32, 5)
+    ones = torch.ones(1, 2)
+    a = fa3.flash_attn_func(q8, k8, v8, causal=True)
+    b = fa3.flash_attn_func(q8, k8, v8, causal=True, q_descale=ones, k_descale=ones, v_descale=ones)
+    assert torch.equal(a, b)
+    packed = torch.stack([q8, k8, v8], dim=2)  # (b, s, 3, h, d)
+    assert torch.equal(fa3.flash_attn_qkvpacked_func(packed, causal=True), a)
+
+
+def test_fp8_refusals_name_the_argument():
+    (q8, k8, v8), (qe, ke, ve), (dq, dk, dv) = _problem(1, 8, 8, 2, 2, 32, 6)
+    with pytest.raises(ValueError, match="q_descale: descale factors go with float8_e4m3 inputs"):
+        fa3.flash_attn_func(qe, ke, ve, q_descale=dq)
+    with pytest.raises(ValueError, match="k_descale: wrong shape"):
+        fa3.flash_attn_func(q8, k8, v8, k_descale=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="k: must have q's dtype"):
+        fa3.flash_attn_func(q8, ke, ve)
+    with pytest.raises(TypeError, match="v_descale: expected a torch.Tensor or None"):
+        fa3.flash_attn_func(q8, k8, v8, v_descale=2.0)
+    cache = torch.zeros(1, 16, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="q_descale: not supported"):
+        fa3.flash_attn_with_kvcache(qe, cache, cache, q_descale=dq)
+    # The backward takes no FP8 inputs: flash_attn_func's autograd refuses in the backward.
+    q8g = q8.clone().requires_grad_()
+    out = flashattn.flash_attn_func(q8g, k8, v8)
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="q: float8_e4m3 inputs are for the forward only"):
+        out.float().sum().backward()
+
+
+def test_fp8_cuda_tensors_are_refused_with_the_reason():
+    if not torch.cuda.is_available() or "cuda" not in flashattn.compiled_backends():
+        pytest.skip("no GPU or no CUDA backend in this build: the CUDA refusal needs CUDA tensors")
+    (q8, k8, v8), _, _ = _problem(1, 8, 8, 2, 2, 32, 7)
+    with pytest.raises(ValueError, match="q: FP8 attention runs on the CPU backends only"):
+        fa3.flash_attn_func(q8.cuda(), k8.cuda(), v8.cuda())
