@@ -100,6 +100,12 @@ struct KVCacheInputs {
   TensorView rotary_sin;       // optional, like rotary_cos
   bool rotary_interleaved = false;  // rotate pairs (0,1),(2,3)… instead of (i, i + rotary_dim/2)
   TensorView sinks = {};       // optional (h) fp32: attention sinks, as in ForwardInputs
+  // FP8 (q, the caches and k_new/v_new all DType::f8e4m3; not with rotary): optional (b, hk) fp32
+  // descale factors as in ForwardInputs, b the call's batch index (not the cache row). The new
+  // rows are written into the caches as given (e4m3 bytes); out is bf16 or f16.
+  TensorView q_descale = {};
+  TensorView k_descale = {};
+  TensorView v_descale = {};
 };
 
 // Merge partial attention results over disjoint key sets (split-KV, context parallelism).

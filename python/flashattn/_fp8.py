@@ -4,8 +4,10 @@ autograd: FP8 attention has no backward here, as in FlashAttention-3) and, for n
 tensors only: the core refuses CUDA tensors with the reason until a CUDA kernel takes e4m3.
 
 The op ``flashattn::fwd_fp8`` serves the batch, varlen and paged-prefill layouts of the forward
-(cu_seqlens_q given: varlen; block_table given too: k and v are paged caches), so that
-torch.compile traces FP8 calls as it traces the others.
+(cu_seqlens_q given: varlen; block_table given too: k and v are paged caches), and
+``flashattn::fwd_kvcache_fp8`` the KV-cache call (batch-mode queries, contiguous or paged e4m3
+caches, new rows appended in place; no rotary), so that torch.compile traces FP8 calls as it
+traces the others.
 """
 
 from __future__ import annotations
@@ -82,3 +84,49 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seq
 def is_fp8(*tensors) -> bool:
     """Whether any of the tensors is float8_e4m3fn (an FP8 call)."""
     return any(isinstance(t, Tensor) and t.dtype == torch.float8_e4m3fn for t in tensors)
+
+
+@torch.library.custom_op("flashattn::fwd_kvcache_fp8", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache_fp8(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    cache_seqlens: Optional[Tensor],
+    cache_batch_idx: Optional[Tensor],
+    block_table: Optional[Tensor],
+    q_descale: Optional[Tensor],
+    k_descale: Optional[Tensor],
+    v_descale: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    sinks: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """The KV-cache call with float8_e4m3fn q (b, sq, h, d), caches (b_cache, sk_cache, hk, d) or
+    paged (num_blocks, page_size, hk, d) with block_table, and new rows k/v (b, sk_new, hk, d),
+    appended in place at cache_seqlens; descales (b, hk) float32 or None -> out (b, sq, h, dv)
+    bfloat16, softmax_lse (b, h, sq) float32. No rotary."""
+    b, sq, h, _ = q.shape
+    out = torch.empty(b, sq, h, v_cache.shape[-1], dtype=OUT_DTYPE, device=q.device)
+    lse = _torch_ops._row_stats((b, h, sq), q.device)
+    num_threads, alloc, stream = _torch_ops._launch(q.device)
+    opt = _torch_ops._options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0)
+    _torch_ops._call(
+        _C.forward_kvcache, q, k_cache, v_cache, out, lse, options=opt, k=k, v=v, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, block_table=block_table, workspace_alloc=alloc, stream=stream, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+    )
+    return out, lse
+
+
+@fwd_kvcache_fp8.register_fake
+def _fwd_kvcache_fp8_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, q_descale,
+                          k_descale, v_descale, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                          sinks=None):
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v_cache.shape[-1]), dtype=OUT_DTYPE),
+            q.new_empty((b, h, sq), dtype=torch.float32))

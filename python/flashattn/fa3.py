@@ -30,12 +30,14 @@ sizes and softcap <= 0 mean off, softmax_scale=0.0 is a zero scale. num_splits, 
 sm_margin and scheduler_metadata are performance hints of FlashAttention-3's kernels: accepted
 and not needed here (the CUDA backend picks its split-KV itself). What the library does not
 have raises NotImplementedError naming the argument: qv, attention_chunk != 0, seqused_q,
-cache_leftpad, rotary_seqlens, and the FP8 descale factors of flash_attn_with_kvcache.
+cache_leftpad, rotary_seqlens, and varlen queries or new keys (cu_seqlens_q, cu_seqlens_k_new)
+over FP8 caches.
 
-FP8 (docs/fp8.md): flash_attn_func, flash_attn_qkvpacked_func and flash_attn_varlen_func take
-float8_e4m3fn q, k and v with optional (batch, nheads_k) float32 q_descale, k_descale and
-v_descale, and return a bfloat16 out, as FlashAttention-3 does; forward only, on CPU tensors for
-now (CUDA tensors are refused with the reason until a CUDA kernel takes e4m3).
+FP8 (docs/fp8.md): flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func and
+flash_attn_with_kvcache (batch-mode queries, no rotary) take float8_e4m3fn q, k and v (caches
+and new rows) with optional (batch, nheads_k) float32 q_descale, k_descale and v_descale, and
+return a bfloat16 out, as FlashAttention-3 does; forward only, on CPU tensors for now (CUDA
+tensors are refused with the reason until a CUDA kernel takes e4m3).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 
 import flashattn
 from flashattn import _C, _fp8, _torch_api, _torch_ops
+from flashattn._common import int_arg
 from flashattn.flash_attn_interface import _scale, _scale_or_default, _softcap, _window_size
 from flashattn.layers.rotary import apply_rotary_emb
 
@@ -197,13 +200,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     nheads_k, d/dv) with page_table (batch, max_blocks) int32. k/v (batch, seqlen_new, nheads_k,
     d/dv), or (total_new, nheads_k, d/dv) with cu_seqlens_k_new: appended IN PLACE at
     cache_seqlens[i] (rotated when rotary_cos/sin are given), then attended to. learnable_sink /
-    s_aux: (nheads,) attention sinks. Not differentiable."""
-    _refuse(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-            cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens)
+    s_aux: (nheads,) attention sinks. Not differentiable. FP8: float8_e4m3fn q, caches and k/v
+    with (batch, nheads_k) descales, batch-mode queries, no rotary -> bfloat16 out."""
+    _refuse(qv=qv, attention_chunk=attention_chunk, cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens)
     window = _window_size(window_size)
     scale = _scale_or_default(softmax_scale)
     sinks = _sinks(learnable_sink, s_aux)
-    if cu_seqlens_q is None and cu_seqlens_k_new is None:
+    descales = (q_descale, k_descale, v_descale)
+    if _fp8.is_fp8(q, k_cache, v_cache, k, v) or any(d is not None for d in descales):
+        if cu_seqlens_q is not None or cu_seqlens_k_new is not None:
+            raise NotImplementedError("cu_seqlens_q: not supported by flashattn with FP8 inputs (varlen queries or "
+                                      "new keys over an FP8 cache); pass batch-mode q (batch, seqlen_q, nheads, d)")
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            _torch_api._check_tensor(name, x)
+        if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+            # One length for every sequence, as in flash_attn.
+            cache_seqlens = torch.full((q.shape[0],), int_arg("cache_seqlens", cache_seqlens), dtype=torch.int32,
+                                       device=q.device)
+        for name, x in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                        ("page_table", page_table)) + tuple(zip(("q_descale", "k_descale", "v_descale"), descales)):
+            _torch_api._check_optional_tensor(name, x)
+        if rotary_cos is not None or rotary_sin is not None:
+            raise _C.Error("rotary_cos: no rotary embedding with FP8 inputs (rotated e4m3 values would be rounded "
+                           "again); rotate before quantising")
+        out, lse = _fp8.fwd_kvcache_fp8(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                                        *descales, _scale(softmax_scale, q.shape[-1]), bool(causal), *window,
+                                        _softcap(softcap), None if sinks is None else _torch_api._sinks_fp32(sinks))
+    elif cu_seqlens_q is None and cu_seqlens_k_new is None:
         out, lse = flashattn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, None, page_table,
             scale, causal, window, _softcap(softcap), rotary_interleaved, None, num_splits, True, sinks=sinks)

@@ -385,10 +385,14 @@ void forward_kvcache(const InArray& q, const OutArray& k_cache, const OutArray& 
                      const MaybeIn& cache_leftpad, const MaybeIn& block_table, const MaybeIn& rotary_cos,
                      const MaybeIn& rotary_sin, bool rotary_interleaved, const MaybeIn& alibi_slopes,
                      const MaybeOut& workspace, std::uintptr_t stream, bool bf16_bits,
-                     const nb::object& workspace_alloc, const MaybeIn& sinks) {
-  const flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens,
-                                                     cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-                                                     rotary_sin, rotary_interleaved, bf16_bits, sinks);
+                     const nb::object& workspace_alloc, const MaybeIn& sinks, const MaybeIn& q_descale,
+                     const MaybeIn& k_descale, const MaybeIn& v_descale) {
+  flashattn::KVCacheInputs in = kvcache_inputs(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx,
+                                               cache_leftpad, block_table, rotary_cos, rotary_sin, rotary_interleaved,
+                                               bf16_bits, sinks);
+  in.q_descale = maybe_view("q_descale", q_descale, false);
+  in.k_descale = maybe_view("k_descale", k_descale, false);
+  in.v_descale = maybe_view("v_descale", v_descale, false);
   flashattn::ForwardOutputs outs;
   outs.out = view_of("out", out, bf16_bits);
   outs.lse = maybe_view("lse", lse, false);
@@ -531,9 +535,12 @@ NB_MODULE(_C, m) {
         nb::arg("rotary_interleaved") = false, nb::arg("alibi_slopes").none() = nb::none(),
         nb::arg("workspace").none() = nb::none(), nb::arg("stream") = 0, nb::arg("bf16_bits") = false,
         nb::arg("workspace_alloc").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
+        nb::arg("q_descale").none() = nb::none(), nb::arg("k_descale").none() = nb::none(),
+        nb::arg("v_descale").none() = nb::none(),
         "Appends k/v into the caches in place (rotated when rotary_cos/sin are given), then attends. "
         "workspace: as for forward, of forward_kvcache_workspace_size(...) bytes; or workspace_alloc. "
-        "sinks: (h) float32 attention sinks.");
+        "sinks: (h) float32 attention sinks. FP8: float8_e4m3fn q, caches and k/v with optional "
+        "(b, hk) float32 q_descale, k_descale, v_descale, no rotary, into a bfloat16 or float16 out.");
 
   m.def("forward_kvcache_workspace_size", &forward_kvcache_workspace_size, nb::arg("q"), nb::arg("k_cache"),
         nb::arg("v_cache"), nb::kw_only(), nb::arg("options"), nb::arg("k").none() = nb::none(),

@@ -320,6 +320,11 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
   Problem pr = detail::validate_kvcache(in, out, opt);
   ForwardFamily family;
   const Support s = require_backend(pr, opt, "flashattn::forward_kvcache", &family);
+  // FP8 inputs (validation admits them on the CPU backends only): by way of fp32.
+  if (pr.dtype == DType::f8e4m3) {
+    detail::forward_kvcache_fp8_on_host(in, out, opt);
+    return;
+  }
   common::AttentionParams& p = pr.params;
 
   common::AppendArgs a;

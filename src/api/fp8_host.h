@@ -14,4 +14,11 @@ namespace flashattn::detail {
 // q, k, v and out for the call.
 void forward_fp8_on_host(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt);
 
+// The same for a validated KV-cache call with float8_e4m3 q, caches and new rows (no rotary): the
+// caches and new rows are widened exactly, the fp32 KV-cache call appends and attends, and — when
+// rows were appended — the widened caches are narrowed back into the caller's, every element
+// (e4m3 → fp32 → e4m3 gives back the same bits, the new rows included). Host memory: four bytes
+// per element of the caches besides.
+void forward_kvcache_fp8_on_host(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt);
+
 }  // namespace flashattn::detail

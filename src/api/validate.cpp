@@ -196,11 +196,11 @@ common::RowHeadTensor row_head(const TensorView& t) {
 }
 
 // The attention input dtype rule and the device rule, shared by every entry point. fp8: the
-// caller is the forward, which takes float8_e4m3 inputs on the CPU backends.
+// caller is the forward or the KV-cache call, which take float8_e4m3 inputs on the CPU backends.
 void check_element_type(const Checker& c, const TensorView& q, const Options& opt, bool fp8 = false) {
   if (q.dtype == DType::f8e4m3) {
     if (!fp8) {
-      c.fail("q", "float8_e4m3 inputs are for the forward only (FP8 attention has no backward or KV-cache call)",
+      c.fail("q", "float8_e4m3 inputs are for the forwards only (FP8 attention has no backward)",
              "f16, bf16 or f32", dtype_name(q.dtype));
     }
     if (q.device.type == DeviceType::cuda || opt.backend == Backend::cuda) {
@@ -602,9 +602,23 @@ common::AttentionParams base_params(const Dims& dims, const TensorView& q, const
 
 }  // namespace
 
-// FP8 descale factors (ForwardInputs::q_descale, ...): only with float8_e4m3 inputs; each (b, hk)
-// fp32 on q's device, any strides.
-void check_descales(const Checker& c, const ForwardInputs& in, const Dims& dims) {
+// What out is checked against: q (its dtype and device); FP8 inputs give bf16 or f16 instead, the
+// caller's choice.
+TensorView out_like(const Checker& c, const TensorView& q, const TensorView& out) {
+  TensorView like = q;
+  if (q.dtype == DType::f8e4m3 && out.defined()) {
+    if (out.dtype != DType::bf16 && out.dtype != DType::f16) {
+      c.fail("out", "FP8 inputs give a bf16 or f16 output", "bf16 or f16", dtype_name(out.dtype));
+    }
+    like.dtype = out.dtype;
+  }
+  return like;
+}
+
+// FP8 descale factors (ForwardInputs::q_descale, KVCacheInputs::q_descale, ...): only with
+// float8_e4m3 inputs; each (b, hk) fp32 on q's device, any strides.
+template <class Inputs>
+void check_descales(const Checker& c, const Inputs& in, const Dims& dims) {
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"q_descale", &in.q_descale},
                                 {"k_descale", &in.k_descale},
                                 {"v_descale", &in.v_descale}}) {
@@ -624,15 +638,7 @@ Problem validate_forward(const ForwardInputs& in, const ForwardOutputs& out, con
   const Checker c(api);
   const Dims dims = check_qkv(c, in.q, in.k, in.v, in.varlen, opt, in.block_table, true);
   check_descales(c, in, dims);
-  // out has q's dtype; FP8 inputs give bf16 or f16 (the caller's choice).
-  TensorView out_like = in.q;
-  if (in.q.dtype == DType::f8e4m3 && out.out.defined()) {
-    if (out.out.dtype != DType::bf16 && out.out.dtype != DType::f16) {
-      c.fail("out", "FP8 inputs give a bf16 or f16 output", "bf16 or f16", dtype_name(out.out.dtype));
-    }
-    out_like.dtype = out.out.dtype;
-  }
-  check_like(c, "out", out.out, dims, Rows::query, dims.dv, out_like);
+  check_like(c, "out", out.out, dims, Rows::query, dims.dv, out_like(c, in.q, out.out));
   if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, in.q.device);
   Problem pr;
   pr.dtype = in.q.dtype;
@@ -707,7 +713,7 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
   c.require("k_cache", in.k_cache);
   c.require("v_cache", in.v_cache);
   c.well_formed("q", in.q);
-  check_element_type(c, in.q, opt);
+  check_element_type(c, in.q, opt, true);
   check_device_served(c, in.q, opt);
   const Device device = in.q.device;
   for (auto [name, t] : {std::pair<const char*, const TensorView*>{"q", &in.q}, {"k_cache", &in.k_cache}, {"v_cache", &in.v_cache}}) {
@@ -787,6 +793,11 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
       c.fail("cache_seqlens", "is required with cache_leftpad (the keys lie between the two)", "a (b) int32 tensor", "none");
     }
   }
+  if (in.q.dtype == DType::f8e4m3 && (in.rotary_cos.defined() || in.rotary_sin.defined())) {
+    c.fail(in.rotary_cos.defined() ? "rotary_cos" : "rotary_sin",
+           "no rotary embedding with FP8 inputs (rotated e4m3 values would be rounded again)",
+           "none (rotate before quantising)", "a tensor");
+  }
   std::int64_t rotary_dim = 0;
   if (in.rotary_cos.defined() != in.rotary_sin.defined()) {
     c.fail(in.rotary_cos.defined() ? "rotary_sin" : "rotary_cos", "rotary_cos and rotary_sin must be given together", "both or neither", "one");
@@ -810,7 +821,8 @@ Problem validate_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, con
     }
   }
   dims.sk = capacity;
-  check_like(c, "out", out.out, dims, Rows::query, dims.dv, in.q);
+  check_descales(c, in, dims);
+  check_like(c, "out", out.out, dims, Rows::query, dims.dv, out_like(c, in.q, out.out));
   if (opt.return_lse || out.lse.defined()) check_row_stat(c, "lse", out.lse, dims, device);
 
   // Values, where they can be read: every position written or read stays inside the cache (on a

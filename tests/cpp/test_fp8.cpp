@@ -314,15 +314,147 @@ TEST(Fp8, Validation) {
     fa::backward(bin, {g.dq.tv(), g.dk.tv(), g.dv.tv(), g.softmax_d.tv()}, p.opt);
     ADD_FAILURE() << "an FP8 backward was accepted";
   } catch (const fa::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("q: float8_e4m3 inputs are for the forward only"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("q: float8_e4m3 inputs are for the forwards only"), std::string::npos)
         << e.what();
   }
-  fa::KVCacheInputs kv;
-  kv.q = f.q.tv();
-  kv.k_cache = f.k.tv();
-  kv.v_cache = f.v.tv();
-  ForwardResult r = make_forward_outputs(p);
-  EXPECT_THROW(fa::forward_kvcache(kv, {r.out.tv(), r.lse.tv()}, p.opt), fa::Error);
+}
+
+// The KV-cache call with e4m3 q, caches and new rows, contiguous (with cache_batch_idx) and paged:
+// out equals, bit for bit, the fp32 call on inputs widened by the rule (q · q_descale · k_descale,
+// the rest exact, out · v_descale rounded to bf16); the caches afterwards hold the new rows' e4m3
+// bytes at cache_seqlens and every other byte as before; each sequence's rows match the FP8
+// forward over its keys (the same values by another path, to fp32 summation order); rotary is
+// refused with nothing written.
+TEST(Fp8, KVCacheAppendsAndAttends) {
+  const int b = 2, sq = 3, h = 4, hk = 2, d = 64, sk_new = 4, capacity = 48, page = 16;
+  const std::vector<int> cached = {10, 25};
+  for (const bool paged : {false, true}) {
+    SCOPED_TRACE(paged ? "paged" : "contiguous, cache_batch_idx");
+    const int pages = b * capacity / page + 1;
+    const Tensor k_cache(DType::f8e4m3, paged ? Shape{pages, page, hk, d} : Shape{3, capacity, hk, d});
+    const Tensor v_cache = Tensor::empty_like(k_cache);
+    Tensor q(DType::f8e4m3, {b, sq, h, d}), k_new(DType::f8e4m3, {b, sk_new, hk, d}), v_new = Tensor::empty_like(k_new);
+    Tensor(k_cache).fill_random(test_seed(1), -4, 4);
+    Tensor(v_cache).fill_random(test_seed(2), -4, 4);
+    q.fill_random(test_seed(3), -4, 4);
+    k_new.fill_random(test_seed(4), -4, 4);
+    v_new.fill_random(test_seed(5), -4, 4);
+    const Tensor seqlens = Tensor::from_i32({cached[0], cached[1]});
+    const Tensor batch_idx = Tensor::from_i32({2, 0});
+    std::vector<std::int32_t> table_values;  // sequence i: pages i, i + 2, i + 4, … (interleaved)
+    for (int i = 0; i < b; ++i) {
+      for (int j = 0; j < capacity / page; ++j) table_values.push_back(i + b * j);
+    }
+    Tensor table = Tensor::from_i32(table_values);
+    table = table.view(0, {b, capacity / page}, {capacity / page, 1});
+    const Tensor qd = make_descales(b, hk, test_seed(6), false), kd = make_descales(b, hk, test_seed(7), false),
+                 vd = make_descales(b, hk, test_seed(8), false);
+    auto inputs = [&](const Tensor& qq, const Tensor& kc, const Tensor& vc, const Tensor& kn, const Tensor& vn) {
+      fa::KVCacheInputs in;
+      in.q = qq.tv();
+      in.k_cache = kc.tv();
+      in.v_cache = vc.tv();
+      in.k_new = kn.tv();
+      in.v_new = vn.tv();
+      in.cache_seqlens = seqlens.tv();
+      if (paged) {
+        in.block_table = table.tv();
+      } else {
+        in.cache_batch_idx = batch_idx.tv();
+      }
+      return in;
+    };
+    fa::Options opt;
+    opt.causal = true;
+    opt.backend = Backend::cpu;
+
+    // The fp32 call on widened inputs, as the rule says.
+    auto widened = [](const Tensor& x, auto&& scale) {
+      Tensor w(DType::f32, x.shape());
+      x.for_each_index([&](const Index& idx) { w.set(idx, scale(idx) * x.get(idx)); });
+      return w;
+    };
+    const auto one = [](const Index&) { return 1.0f; };
+    const Tensor q32 = widened(q, [&](const Index& i) { return qd.get({i[0], i[2] / (h / hk)}) * kd.get({i[0], i[2] / (h / hk)}); });
+    const Tensor k32 = widened(k_cache, one), v32 = widened(v_cache, one);
+    const Tensor kn32 = widened(k_new, one), vn32 = widened(v_new, one);
+    Tensor out32(DType::f32, {b, sq, h, d}), lse32(DType::f32, {b, h, sq});
+    fa::forward_kvcache(inputs(q32, k32, v32, kn32, vn32), {out32.tv(), lse32.tv()}, opt);
+    Tensor expected(DType::bf16, {b, sq, h, d});
+    out32.for_each_index([&](const Index& i) { expected.set(i, out32.get(i) * vd.get({i[0], i[2] / (h / hk)})); });
+
+    const Tensor k_before = k_cache.clone();
+    fa::KVCacheInputs in8 = inputs(q, k_cache, v_cache, k_new, v_new);
+    in8.q_descale = qd.tv();
+    in8.k_descale = kd.tv();
+    in8.v_descale = vd.tv();
+    Tensor out(DType::bf16, {b, sq, h, d}), lse(DType::f32, {b, h, sq});
+    fa::KVCacheInputs rotary = in8;
+    const Tensor cos(DType::bf16, {capacity + sq, 8});
+    rotary.rotary_cos = rotary.rotary_sin = cos.tv();
+    try {
+      fa::forward_kvcache(rotary, {out.tv(), lse.tv()}, opt);
+      ADD_FAILURE() << "rotary with FP8 inputs was accepted";
+    } catch (const fa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rotary_cos: no rotary embedding with FP8 inputs"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(bitwise_equal(k_cache, k_before)) << "a refused call wrote the cache";
+
+    fa::forward_kvcache(in8, {out.tv(), lse.tv()}, opt);
+    EXPECT_TRUE(bitwise_equal(out, expected));
+    EXPECT_TRUE(bitwise_equal(lse, lse32));
+    // The caches: the new rows' bytes at cache_seqlens, everything else as it was.
+    k_cache.for_each_index([&](const Index& idx) {
+      int seq = -1, pos = -1;  // the sequence and position that this cache element holds, if any
+      for (int i = 0; i < b; ++i) {
+        if (!paged && batch_idx.get({i}) == float(idx[0])) seq = i, pos = int(idx[1]);
+        for (int j = 0; paged && j < capacity / page; ++j) {
+          if (table_values[std::size_t(i * (capacity / page) + j)] == idx[0]) seq = i, pos = j * page + int(idx[1]);
+        }
+      }
+      const bool appended = seq >= 0 && pos >= cached[std::size_t(seq)] && pos < cached[std::size_t(seq)] + sk_new;
+      const float want = appended ? k_new.get({seq, pos - cached[std::size_t(seq)], idx[2], idx[3]}) : k_before.get(idx);
+      const float got = k_cache.get(idx);
+      if (!(got == want || (std::isnan(got) && std::isnan(want)))) {
+        ADD_FAILURE() << "k_cache element (" << idx[0] << ", " << idx[1] << ", " << idx[2] << ", " << idx[3]
+                      << "): " << got << ", expected " << want;
+      }
+    });
+
+    // Sequence i against the FP8 forward over its keys (the cache rows after the append).
+    for (int i = 0; i < b; ++i) {
+      const int keys = cached[std::size_t(i)] + sk_new;
+      Tensor ki(DType::f8e4m3, {1, keys, hk, d}), vi = Tensor::empty_like(ki), qi(DType::f8e4m3, {1, sq, h, d});
+      ki.for_each_index([&](const Index& idx) {
+        const int j = int(idx[1]);
+        const Index at = paged ? Index{table_values[std::size_t(i * (capacity / page) + j / page)], j % page, idx[2], idx[3]}
+                               : Index{std::int64_t(batch_idx.get({i})), j, idx[2], idx[3]};
+        ki.set(idx, k_cache.get(at));
+        vi.set(idx, v_cache.get(at));
+      });
+      qi.for_each_index([&](const Index& idx) { qi.set(idx, q.get({i, idx[1], idx[2], idx[3]})); });
+      const Tensor qdi = Tensor::from_f32({1, hk}, {qd.get({i, 0}), qd.get({i, 1})});
+      const Tensor kdi = Tensor::from_f32({1, hk}, {kd.get({i, 0}), kd.get({i, 1})});
+      const Tensor vdi = Tensor::from_f32({1, hk}, {vd.get({i, 0}), vd.get({i, 1})});
+      fa::ForwardInputs fin;
+      fin.q = qi.tv();
+      fin.k = ki.tv();
+      fin.v = vi.tv();
+      fin.q_descale = qdi.tv();
+      fin.k_descale = kdi.tv();
+      fin.v_descale = vdi.tv();
+      Tensor oi(DType::bf16, {1, sq, h, d}), li(DType::f32, {1, h, sq});
+      fa::forward(fin, {oi.tv(), li.tv()}, opt);
+      double worst = 0, scale = 0;
+      oi.for_each_index([&](const Index& idx) {
+        const double want = oi.get(idx), got = out.get({i, idx[1], idx[2], idx[3]});
+        worst = std::max(worst, std::abs(got - want));
+        scale = std::max(scale, std::abs(want));
+      });
+      EXPECT_LE(worst, scale * std::ldexp(1.0, -7)) << "sequence " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -239,10 +239,8 @@ def test_kvcache_checks_before_writing():
 
 def test_refusals():
     q = torch.zeros((1, 4, 2, 16), dtype=torch.bfloat16)
-    scale = torch.ones(1)
-    # (Descale factors are FP8 arguments, tested in test_fp8.py; the KV-cache call has no FP8.)
+    # (Descale factors are FP8 arguments, tested in test_fp8.py.)
     cases = {
-        "q_descale": lambda: fa3.flash_attn_with_kvcache(q, q, q, q_descale=scale),
         "qv": lambda: fa3.flash_attn_func(q, q, q, qv=q),
         "attention_chunk": lambda: fa3.flash_attn_func(q, q, q, attention_chunk=2),
         "seqused_q": lambda: fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu([4], "cpu"), cu([4], "cpu"), 4, 4,

@@ -96,13 +96,20 @@ def test_fp8_refusals_name_the_argument():
     with pytest.raises(TypeError, match="v_descale: expected a torch.Tensor or None"):
         fa3.flash_attn_func(q8, k8, v8, v_descale=2.0)
     cache = torch.zeros(1, 16, 2, 32, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="q_descale: not supported"):
+    with pytest.raises(ValueError, match="q_descale: descale factors go with float8_e4m3 inputs"):
         fa3.flash_attn_with_kvcache(qe, cache, cache, q_descale=dq)
+    cache8 = cache.to(FP8)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_q: not supported by flashattn with FP8 inputs"):
+        fa3.flash_attn_with_kvcache(q8[0], cache8, cache8, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),
+                                    max_seqlen_q=8)
+    with pytest.raises(ValueError, match="rotary_cos: no rotary embedding with FP8 inputs"):
+        fa3.flash_attn_with_kvcache(q8, cache8, cache8, rotary_cos=torch.ones(16, 8), rotary_sin=torch.ones(16, 8),
+                                    cache_seqlens=4)
     # The backward takes no FP8 inputs: flash_attn_func's autograd refuses in the backward.
     q8g = q8.clone().requires_grad_()
     out = flashattn.flash_attn_func(q8g, k8, v8)
     assert out.dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="q: float8_e4m3 inputs are for the forward only"):
+    with pytest.raises(ValueError, match="q: float8_e4m3 inputs are for the forwards only"):
         out.float().sum().backward()
 
 
@@ -112,3 +119,38 @@ def test_fp8_cuda_tensors_are_refused_with_the_reason():
     (q8, k8, v8), _, _ = _problem(1, 8, 8, 2, 2, 32, 7)
     with pytest.raises(ValueError, match="q: FP8 attention runs on the CPU backends only"):
         fa3.flash_attn_func(q8.cuda(), k8.cuda(), v8.cuda())
+
+
+def test_fp8_kvcache_appends_the_new_rows_and_attends():
+    """The KV-cache call with e4m3 q, caches and new rows (contiguous and paged): the new rows'
+    bytes land at cache_seqlens and nothing else in the caches changes; each sequence's output
+    equals (bit for bit: the same values and path) flash_attn_func's FP8 forward over its keys."""
+    g = torch.Generator().manual_seed(11)
+    b, sq, h, hk, d, new, cap = 2, 2, 4, 2, 32, 3, 32
+    cached = [5, 20]
+    q8 = torch.randn(b, sq, h, d, generator=g).to(FP8)
+    k_new, v_new = (torch.randn(b, new, hk, d, generator=g).to(FP8) for _ in range(2))
+    dq, dk, dv = (_descales(b, hk, g) for _ in range(3))
+    for paged in (False, True):
+        if paged:
+            k_cache, v_cache = (torch.randn(2 * cap // 16 + 1, 16, hk, d, generator=g).to(FP8) for _ in range(2))
+            table = torch.tensor([[1, 3], [0, 4]], dtype=torch.int32)  # 2 pages of 16 per sequence
+            rows = lambda c, i, n: torch.cat([c[p] for p in table[i].tolist()])[:n]  # noqa: E731
+        else:
+            k_cache, v_cache = (torch.randn(b, cap, hk, d, generator=g).to(FP8) for _ in range(2))
+            table = None
+            rows = lambda c, i, n: c[i, :n]  # noqa: E731
+        before = (k_cache.view(torch.uint8).clone(), v_cache.view(torch.uint8).clone())
+        seqlens = torch.tensor(cached, dtype=torch.int32)
+        out = fa3.flash_attn_with_kvcache(q8, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                          page_table=table, causal=True, q_descale=dq, k_descale=dk, v_descale=dv)
+        assert out.dtype == torch.bfloat16
+        for i in range(b):
+            n = cached[i] + new
+            k_i, v_i = rows(k_cache, i, n), rows(v_cache, i, n)
+            assert torch.equal(k_i[cached[i]:].view(torch.uint8), k_new[i].view(torch.uint8))
+            assert torch.equal(v_i[cached[i]:].view(torch.uint8), v_new[i].view(torch.uint8))
+            assert torch.equal(k_i[:cached[i]].view(torch.uint8), rows(before[0].view(FP8), i, cached[i]).view(torch.uint8))
+            ref = fa3.flash_attn_func(q8[i:i + 1], k_i[None], v_i[None], causal=True, q_descale=dq[i:i + 1],
+                                      k_descale=dk[i:i + 1], v_descale=dv[i:i + 1])
+            assert (out[i:i + 1].float() - ref.float()).abs().max().item() <= 2 ** -7 * ref.float().abs().max().item()
