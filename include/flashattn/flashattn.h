@@ -44,7 +44,7 @@ struct ForwardInputs {
   // varlen.max_seqlen_k and max_blocks_per_seq · page_size per sequence.
   TensorView block_table = {};
   TensorView sinks = {};  // optional (h) fp32, contiguous, on q's device: the sink logit of each query head
-  // FP8 (q, k and v all DType::f8e4m3; forward only): optional (b, hk) fp32 descale factors on
+  // FP8 (q, k and v all DType::f8e4m3; no backward): optional (b, hk) fp32 descale factors on
   // q's device, any strides, as FlashAttention-3 takes them — the attention is that of
   // q_descale[b][g]·q, k_descale[b][g]·k and v_descale[b][g]·v for the query heads of K/V head g
   // (absent: 1). out is then bf16 or f16. The CPU backends serve FP8 calls; CUDA refuses them.

@@ -9,7 +9,8 @@
 namespace flashattn {
 
 // f8e4m3: float8 e4m3 ("e4m3fn": 4 exponent bits of bias 7, 3 mantissa bits, no infinity, NaN
-// 0x7f / 0xff, largest finite 448), the forward's FP8 inputs (ForwardInputs::q_descale).
+// 0x7f / 0xff, largest finite 448): FP8 inputs of the forward and the KV-cache call
+// (ForwardInputs::q_descale, docs/fp8.md).
 enum class DType : std::uint8_t { f16, bf16, f32, i32, f8e4m3 };
 
 enum class DeviceType : std::uint8_t { cpu, cuda };
@@ -29,7 +30,9 @@ struct Stream {
 // Scratch memory that the caller owns and the library may use for the duration of one call.
 // Ask the *_workspace_size functions how many bytes a call needs, or set `grow`: a call whose
 // need exceeds `bytes` (or that has no `data`) then asks grow(grow_context, need) once, after its
-// arguments are validated and before anything is written, and uses the workspace it returns
+// arguments are validated and before anything is written (a call refused after it — a workspace
+// grow gave too little, an index error of an earlier CUDA call — writes nothing either), and uses
+// the workspace it returns
 // (at least `need` bytes, 256-byte aligned, valid until the call's work on its stream is done;
 // its own grow is ignored). The need is the call's own, for the kernels it chose, counted once;
 // a call that needs nothing, or no more than `bytes`, never asks, and an exception that grow

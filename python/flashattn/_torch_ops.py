@@ -42,6 +42,7 @@ enough. The fake implementations need no workspace: it is internal to each op.
 directly when nothing needs the dispatcher (direct_call_allowed), else through torch.ops.flashattn.
 """
 
+import atexit
 import operator
 from typing import Optional
 
@@ -91,11 +92,16 @@ def _workspace(nbytes: int, device: torch.device) -> Optional[Tensor]:
 # points (nbytes → a workspace on the device, as a capsule) and, on CUDA, one per stream
 # (_kept_workspace). torch.device.type costs about 0.2 µs on every access, more than this lookup.
 _DEVICES: dict = {}
+# Emptied at exit, while the extension's types still exist: the per-stream _C.KeptWorkspace
+# objects would otherwise outlive them (nanobind reports them as leaked).
+atexit.register(_DEVICES.clear)
 # The current stream's handle without a torch.cuda.Stream object (microseconds less per call; the
 # function inductor's generated code uses), where this PyTorch has it.
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or (
     lambda: torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+# The current CUDA device's index: _CAPTURING asks about that device's current stream.
+_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
 # The largest workspace kept for a stream's next call: a decoding step's split-KV partials are a
 # few MB; a long backward's dQ accumulator may be gigabytes, which stay the caching allocator's.
 KEPT_WORKSPACE_MAX = 64 << 20
@@ -104,13 +110,14 @@ KEPT_WORKSPACE_MAX = 64 << 20
 def _kept_workspace(device: torch.device):
     """workspace_alloc for the calls on one CUDA stream: a _C.KeptWorkspace, whose last array (up
     to KEPT_WORKSPACE_MAX bytes) is the next call's workspace while it holds enough, with no round
-    trip into Python; a call that needs more asks it for a new one through torch.empty. Calls on
-    one stream run in order, so the next call's kernels use the bytes after the last call's are
-    done with them; another stream has its own. Each round trip for a new workspace had cost about
-    7 µs of a decoding step's host time on an H100 machine (bench/host_overhead.py). _launch hands
-    it out only while the stream is not captured into a CUDA graph: a captured call gets a
-    workspace of the graph's own pool, kept by nobody here, so that replays and later calls never
-    share one."""
+    trip into Python; a call that needs more asks it for a new one through torch.empty. Calls made
+    one after the other on one stream run in that order, so the next call's kernels use the bytes
+    after the last call's are done with them; another stream has its own; a call from another
+    host thread while one holds it gets a workspace of its own (the keeper's busy flag, in the
+    extension). Each round trip for a new workspace had cost about 7 µs of a decoding step's host
+    time on an H100 machine (bench/host_overhead.py). _launch hands it out only while the stream
+    is not captured into a CUDA graph: a captured call gets a workspace of the graph's own pool,
+    kept by nobody here, so that replays and later calls never share one."""
     return _C.KeptWorkspace(lambda nbytes: to_dlpack(_workspace(nbytes, device)), KEPT_WORKSPACE_MAX)
 
 
@@ -132,7 +139,9 @@ def _launch(device: torch.device):
         stream = _RAW_STREAM(index)
     else:
         stream = torch.cuda.current_stream(device).cuda_stream
-    if _CAPTURING():
+    # (Capture is asked about the current device's stream: for tensors on another device the
+    # answer says nothing about theirs, and such a call takes a workspace of its own.)
+    if _CAPTURING() or index != _CURRENT_DEVICE():
         return 0, alloc, stream
     kept = streams.get(stream)
     if kept is None:

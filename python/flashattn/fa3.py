@@ -58,12 +58,8 @@ __all__ = [
     "flash_attn_with_kvcache",
 ]
 
-_FP8 = "FP8 caches and their descale factors in the KV-cache call; pass float16/bfloat16 tensors"
 _WHAT = {
     "qv": "a separate query part for the value head dim",
-    "q_descale": _FP8,
-    "k_descale": _FP8,
-    "v_descale": _FP8,
     "attention_chunk": "chunked attention, attention_chunk != 0",
     "seqused_q": "used queries per sequence; give them in cu_seqlens_q",
     "cache_leftpad": "left-padded KV caches; shift each sequence to the start of its cache row",

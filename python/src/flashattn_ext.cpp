@@ -178,21 +178,34 @@ flashattn::Workspace workspace_of(const MaybeOut& workspace, const TensorView& q
 // A workspace kept from call to call: the Python layer makes one per CUDA stream and hands it to
 // the calls on that stream as workspace_alloc. A call takes its array as the workspace, with no
 // round trip into Python, and asks `alloc` (nbytes -> a DLPack array) only when it needs more;
-// the new array is kept for the next calls when it holds at most max_bytes. Calls on one stream
-// run in order on the device, so the next call's kernels use the bytes after the last call's.
+// the new array, 256-byte aligned, is kept for the next calls when it holds at most max_bytes.
+// The kernels of one call pass data to each other through the workspace, and the kernels of
+// calls made one after the other on one stream run in that order, so a later call's kernels use
+// the bytes after the earlier call's. Calls from two host threads on one stream may interleave
+// their launches, though: while one call holds the keeper (`busy`, from taking its array until
+// its kernels are enqueued) another gets a workspace of its own and keeps nothing.
 struct KeptWorkspace {
   nb::object alloc;
   std::size_t max_bytes = 0;
   MaybeOut array;
+  bool busy = false;
 };
 
-// What a call's Workspace::grow reaches (grow_from_python): the allocator, the keeper (or null),
-// where the array lives until the call returns, and q (the device check).
+// What a call's Workspace::grow reaches (grow_from_python): the allocator, the keeper the call
+// holds (or null), where the array lives until the call returns, and q (the device check). It
+// lives in the binding function's frame, declared before the GIL is released, so that it is
+// destroyed with the GIL held, after the call: it then gives the keeper back.
 struct GrowSource {
   nb::handle alloc;
   KeptWorkspace* kept = nullptr;
   MaybeOut* keep = nullptr;
   const TensorView* q = nullptr;
+  GrowSource() = default;
+  GrowSource(const GrowSource&) = delete;
+  GrowSource& operator=(const GrowSource&) = delete;
+  ~GrowSource() {
+    if (kept != nullptr) kept->busy = false;
+  }
 };
 
 // Workspace::grow of a call from Python, which the core calls with the GIL released: nbytes from
@@ -213,7 +226,12 @@ flashattn::Workspace grow_from_python(void* context, std::size_t nbytes) {
   }
   *g.keep = array;
   const flashattn::Workspace ws = workspace_of(*g.keep, *g.q);
-  if (g.kept != nullptr && nbytes <= g.kept->max_bytes) g.kept->array = array;
+  // Kept only as the core takes it (aligned): a kept array that the core refused would be handed
+  // to every later call, never grown again.
+  constexpr std::uintptr_t kAlign = 256;
+  if (g.kept != nullptr && nbytes <= g.kept->max_bytes && reinterpret_cast<std::uintptr_t>(ws.data) % kAlign == 0) {
+    g.kept->array = array;
+  }
   return ws;
 }
 
@@ -227,12 +245,19 @@ flashattn::Workspace workspace_for(const MaybeOut& workspace, const nb::object& 
   flashattn::Workspace ws = workspace_of(workspace, q);
   if (workspace_alloc.is_none()) return ws;
   grow.alloc = workspace_alloc;
+  KeptWorkspace* kept = nullptr;
   if (nb::isinstance<KeptWorkspace>(workspace_alloc)) {
-    grow.kept = nb::inst_ptr<KeptWorkspace>(workspace_alloc);
-    grow.alloc = grow.kept->alloc;
-    if (!workspace && grow.kept->array) {
-      keep = grow.kept->array;
-      ws = workspace_of(keep, q);
+    if (!nb::try_cast(workspace_alloc, kept) || kept == nullptr) {
+      throw Error("workspace_alloc: a KeptWorkspace that was never initialised");
+    }
+    grow.alloc = kept->alloc;
+    if (!kept->busy) {  // (busy: another thread's call holds it; this one keeps nothing)
+      kept->busy = true;
+      grow.kept = kept;
+      if (!workspace && kept->array) {
+        keep = kept->array;
+        ws = workspace_of(keep, q);
+      }
     }
   }
   grow.keep = &keep;

@@ -1,7 +1,9 @@
 // src/api/fp8_host.cpp — FP8 forward calls on the CPU backends (fp8_host.h).
 #include "api/fp8_host.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "common/numeric.h"
@@ -107,6 +109,51 @@ void narrow_out(const Inputs& in, const std::vector<std::int64_t>& sequence, std
   });
 }
 
+// Where a gathered key row comes from: its (head 0, column 0) element in an e4m3 tensor x; x null:
+// no key there (zeros).
+struct SourceRow {
+  const TensorView* x = nullptr;
+  std::int64_t offset = 0;
+};
+
+// rows × heads × cols key rows gathered into a contiguous fp32 buffer, exactly: row r from
+// row_of(r). The view has `shape` (whose product is rows · heads · cols).
+template <class RowOf>
+TensorView gather_rows(std::int64_t rows, std::int64_t heads, std::int64_t cols, RowOf&& row_of,
+                       std::vector<float>& buf, Device device, std::initializer_list<std::int64_t> shape) {
+  buf.assign(std::size_t(rows * heads * cols), 0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const SourceRow src = row_of(r);
+    if (src.x == nullptr) continue;
+    const TensorView& x = *src.x;
+    const auto* x8 = static_cast<const common::e4m3_t*>(x.data);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t c = 0; c < cols; ++c) {
+        buf[std::size_t((r * heads + h) * cols + c)] =
+            common::to_float(x8[src.offset + h * x.stride[x.ndim - 2] + c * x.stride[x.ndim - 1]]);
+      }
+    }
+  }
+  return TensorView::contiguous(buf.data(), DType::f32, shape, device);
+}
+
+// Element offset of key `pos` of sequence b (head 0, column 0) in a KV-cache tensor: its cache row
+// (cache_batch_idx, or b) at that position, or the page block_table gives.
+std::int64_t cache_offset(const TensorView& cache, const TensorView& block_table, const TensorView& batch_idx,
+                          std::int64_t b, std::int64_t pos) {
+  if (block_table.defined()) {
+    const std::int64_t page_size = cache.shape[1];
+    const std::int64_t page =
+        static_cast<const std::int32_t*>(block_table.data)[b * block_table.stride[0] + (pos / page_size) * block_table.stride[1]];
+    return page * cache.stride[0] + (pos % page_size) * cache.stride[1];
+  }
+  const std::int64_t row =
+      batch_idx.defined() ? static_cast<const std::int32_t*>(batch_idx.data)[b * batch_idx.stride[0]] : b;
+  return row * cache.stride[0] + pos * cache.stride[1];
+}
+
+std::int32_t int_at(const TensorView& t, std::int64_t i) { return static_cast<const std::int32_t*>(t.data)[i * t.stride[0]]; }
+
 }  // namespace
 
 void forward_fp8_on_host(const ForwardInputs& in, const ForwardOutputs& out, const Options& opt) {
@@ -114,11 +161,40 @@ void forward_fp8_on_host(const ForwardInputs& in, const ForwardOutputs& out, con
   const std::int64_t group = in.q.shape[in.q.ndim - 2] / in.k.shape[in.k.ndim - 2];  // query heads per K/V head
   const std::vector<std::int64_t> sequence = row_sequences(in);
   std::vector<float> q32, k32, v32, out32;
+  std::vector<std::int32_t> cu_keys;
   ForwardInputs wide = in;
   wide.q_descale = wide.k_descale = wide.v_descale = {};
   wide.q = widen_q(in, sequence, group, varlen, q32);
-  wide.k = widen(in.k, k32);
-  wide.v = widen(in.v, v32);
+  if (in.block_table.defined()) {
+    // Paged: each sequence's keys gathered from its pages into a packed varlen K/V (the pool
+    // itself may be far larger than the keys the call reads).
+    const std::int64_t batch = in.varlen.cu_seqlens_q.shape[0] - 1;
+    cu_keys.assign(std::size_t(batch + 1), 0);
+    std::vector<std::pair<std::int64_t, std::int64_t>> rows;  // (sequence, position) of each packed key
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t keys = in.varlen.seqused_k.defined()
+                                    ? int_at(in.varlen.seqused_k, b)
+                                    : int_at(in.varlen.cu_seqlens_k, b + 1) - int_at(in.varlen.cu_seqlens_k, b);
+      for (std::int64_t j = 0; j < keys; ++j) rows.emplace_back(b, j);
+      cu_keys[std::size_t(b + 1)] = cu_keys[std::size_t(b)] + std::int32_t(keys);
+    }
+    const std::int64_t total = std::int64_t(rows.size());
+    auto row_of = [&](const TensorView& x) {
+      return [&](std::int64_t r) {
+        const auto [b, j] = rows[std::size_t(r)];
+        return SourceRow{&x, cache_offset(x, in.block_table, {}, b, j)};
+      };
+    };
+    const std::int64_t hk = in.k.shape[2];
+    wide.k = gather_rows(total, hk, in.k.shape[3], row_of(in.k), k32, in.q.device, {total, hk, in.k.shape[3]});
+    wide.v = gather_rows(total, hk, in.v.shape[3], row_of(in.v), v32, in.q.device, {total, hk, in.v.shape[3]});
+    wide.block_table = {};
+    wide.varlen.seqused_k = {};
+    wide.varlen.cu_seqlens_k = TensorView::contiguous(cu_keys.data(), DType::i32, {batch + 1}, in.q.device);
+  } else {
+    wide.k = widen(in.k, k32);
+    wide.v = widen(in.v, v32);
+  }
   ForwardOutputs wide_out = out;
   wide_out.out = fp32_like(out.out, out32);
   forward(wide, wide_out, opt);
@@ -126,25 +202,60 @@ void forward_fp8_on_host(const ForwardInputs& in, const ForwardOutputs& out, con
 }
 
 void forward_kvcache_fp8_on_host(const KVCacheInputs& in, const ForwardOutputs& out, const Options& opt) {
-  const std::int64_t group = in.q.shape[2] / in.k_cache.shape[2];
-  std::vector<float> q32, k32, v32, kn32, vn32, out32;
-  KVCacheInputs wide = in;
-  wide.q_descale = wide.k_descale = wide.v_descale = {};
+  const std::int64_t batch = in.q.shape[0], group = in.q.shape[2] / in.k_cache.shape[2];
+  const std::int64_t capacity = in.block_table.defined() ? in.block_table.shape[1] * in.k_cache.shape[1]
+                                                         : in.k_cache.shape[1];
+  const std::int64_t new_rows = in.k_new.defined() ? in.k_new.shape[1] : 0;
+  // Each sequence's keys after the append: its cache rows below cache_seqlens (the whole capacity
+  // without it), then the new rows — gathered into a contiguous fp32 cache of one row per
+  // sequence, so that the fp32 call reads only what the call attends to and writes nothing of
+  // the caller's caches.
+  std::vector<std::int32_t> keys(static_cast<std::size_t>(batch));
+  std::int64_t longest = 1;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t cached = in.cache_seqlens.defined() ? int_at(in.cache_seqlens, b) : capacity;
+    keys[std::size_t(b)] = std::int32_t(cached + new_rows);
+    longest = std::max<std::int64_t>(longest, cached + new_rows);
+  }
+  std::vector<float> q32, k32, v32, out32;
+  KVCacheInputs wide;
   wide.q = widen_q(in, {}, group, false, q32);
-  wide.k_cache = widen(in.k_cache, k32);
-  wide.v_cache = widen(in.v_cache, v32);
-  wide.k_new = widen(in.k_new, kn32);
-  wide.v_new = widen(in.v_new, vn32);
+  auto row_of = [&](const TensorView& cache, const TensorView& fresh) {
+    return [&](std::int64_t r) {
+      const std::int64_t b = r / longest, pos = r % longest, cached = keys[std::size_t(b)] - new_rows;
+      if (pos >= keys[std::size_t(b)]) return SourceRow{};
+      if (pos >= cached) return SourceRow{&fresh, b * fresh.stride[0] + (pos - cached) * fresh.stride[1]};
+      return SourceRow{&cache, cache_offset(cache, in.block_table, in.cache_batch_idx, b, pos)};
+    };
+  };
+  const std::int64_t hk = in.k_cache.shape[2], d = in.k_cache.shape[3], dv = in.v_cache.shape[3];
+  wide.k_cache = gather_rows(batch * longest, hk, d, row_of(in.k_cache, in.k_new), k32, in.q.device,
+                             {batch, longest, hk, d});
+  wide.v_cache = gather_rows(batch * longest, hk, dv, row_of(in.v_cache, in.v_new), v32, in.q.device,
+                             {batch, longest, hk, dv});
+  const TensorView lengths = TensorView::contiguous(keys.data(), DType::i32, {batch}, in.q.device);
+  wide.cache_seqlens = lengths;
+  wide.cache_leftpad = in.cache_leftpad;  // positions of a cache row: the gathered rows start at 0 too
+  wide.sinks = in.sinks;
   ForwardOutputs wide_out = out;
   wide_out.out = fp32_like(out.out, out32);
   forward_kvcache(wide, wide_out, opt);
-  if (in.k_new.defined()) {
-    for (const auto& [cache, from] : {std::pair{&in.k_cache, &k32}, std::pair{&in.v_cache, &v32}}) {
-      auto* c8 = static_cast<common::e4m3_t*>(cache->data);
-      std::int64_t e = 0;
-      for_each_element(*cache, [&](std::int64_t offset, const std::int64_t*) {
-        c8[offset] = common::to_e4m3((*from)[std::size_t(e++)]);
-      });
+
+  // The new rows into the caller's caches, as given (e4m3 bytes), once the call has succeeded.
+  for (const auto& [cache, fresh] : {std::pair{&in.k_cache, &in.k_new}, std::pair{&in.v_cache, &in.v_new}}) {
+    if (!fresh->defined()) continue;
+    auto* c8 = static_cast<common::e4m3_t*>(cache->data);
+    const auto* n8 = static_cast<const common::e4m3_t*>(fresh->data);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t j = 0; j < new_rows; ++j) {
+        const std::int64_t row = cache_offset(*cache, in.block_table, in.cache_batch_idx, b, keys[std::size_t(b)] - new_rows + j);
+        for (std::int64_t h = 0; h < cache->shape[2]; ++h) {
+          for (std::int64_t c = 0; c < cache->shape[3]; ++c) {
+            c8[row + h * cache->stride[2] + c * cache->stride[3]] =
+                n8[b * fresh->stride[0] + j * fresh->stride[1] + h * fresh->stride[2] + c * fresh->stride[3]];
+          }
+        }
+      }
     }
   }
   narrow_out(in, {}, group, false, out32, out.out);

@@ -112,6 +112,24 @@ def test_workspace_alloc_is_not_called_for_host_arrays(rng):
     assert np.array_equal(out_a, out_c) and np.array_equal(out_a, out_d)
 
 
+def test_kept_workspace_refusals_and_exit(rng):
+    """A KeptWorkspace that was never initialised is refused by name; the per-stream keepers that
+    _torch_ops holds are gone before the extension at exit (no nanobind leak report)."""
+    q = rng.standard_normal((1, 4, 2, 16)).astype(np.float16)
+    bare = _C.KeptWorkspace.__new__(_C.KeptWorkspace)
+    out = np.full_like(q, np.nan)
+    with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="a KeptWorkspace that was never initialised"):
+        _C.forward(q, q, q, out, None, options=options(), workspace_alloc=bare)
+    assert np.isnan(out).all()
+    import subprocess
+    import sys
+    code = ("import torch\nfrom flashattn import _torch_ops\n"
+            "_torch_ops._DEVICES['test'] = ('cuda', 0, None, {1: _torch_ops._kept_workspace(torch.device('cpu'))})\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "leaked" not in run.stderr, run.stderr
+
+
 def _cuda_or_skip(torch):
     if not torch.cuda.is_available():
         pytest.skip("no GPU visible: the CUDA workspace checks need CUDA tensors")
@@ -256,6 +274,27 @@ def test_cuda_stream_keeps_its_workspace():
     step(small, 4096)
     assert len(asked) == 4 and small.kept_bytes == 0, "a workspace past max_bytes was kept"
     torch.cuda.synchronize()
+
+    # A call while another holds the keeper (as another host thread's call would, between its
+    # launches; here a call made from inside the first one's allocation) gets a workspace of its
+    # own and keeps nothing; the first call keeps its own.
+    inner_asked = []
+
+    def nesting_alloc(nbytes):
+        if not inner_asked:
+            inner_asked.append(nbytes)
+            step(busy_keeper, 4096)  # the same keeper, now busy
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    busy_keeper = _C.KeptWorkspace(nesting_alloc, 1 << 30)
+    step(busy_keeper, 4096)
+    torch.cuda.synchronize()
+    assert len(inner_asked) == 1 and busy_keeper.kept_bytes == inner_asked[0], (inner_asked, busy_keeper.kept_bytes)
+    # An allocator that returns a misaligned array: the call is refused and the array not kept.
+    skewed = _C.KeptWorkspace(lambda n: torch.empty(n + 256, dtype=torch.uint8, device="cuda")[1:n + 1], 1 << 30)
+    with pytest.raises(ValueError, match="256-byte aligned"):
+        step(skewed, 4096)
+    assert skewed.kept_bytes == 0, "a misaligned workspace was kept"
 
     graph = torch.cuda.CUDAGraph()
     marker = torch.zeros(1, device="cuda")
