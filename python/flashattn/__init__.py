@@ -67,6 +67,15 @@ def build_config() -> str:
     return _build_config.CUDA
 
 
+def release_workspaces() -> None:
+    """Drops the workspace each CUDA stream keeps for its next call (up to
+    _torch_ops.KEPT_WORKSPACE_MAX bytes per stream that has made a call), so that
+    torch.cuda.empty_cache() can return the memory; the next call on a stream allocates afresh.
+    Call it between steps, not while another thread is inside a call."""
+    if _torch is not None:
+        _torch_ops.release_kept_workspaces()
+
+
 try:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -87,6 +96,7 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "release_workspaces",
 ]
 
 

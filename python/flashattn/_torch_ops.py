@@ -149,6 +149,14 @@ def _launch(device: torch.device):
     return 0, kept, stream
 
 
+def release_kept_workspaces() -> None:
+    """Forgets every stream's kept workspace (flashattn.release_workspaces): PyTorch's caching
+    allocator gets the bytes back once the calls that used them are done, which the stream order
+    ensures."""
+    for entry in _DEVICES.values():
+        entry[3].clear()
+
+
 def _stream(device: torch.device) -> int:
     return _launch(device)[2]
 

@@ -128,6 +128,15 @@ def test_kept_workspace_refusals_and_exit(rng):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "leaked" not in run.stderr, run.stderr
+    # flashattn.release_workspaces forgets every stream's keeper.
+    torch = _torch()
+    from flashattn import _torch_ops
+    _torch_ops._DEVICES["test"] = ("cuda", 0, None, {1: _torch_ops._kept_workspace(torch.device("cpu"))})
+    try:
+        flashattn.release_workspaces()
+        assert _torch_ops._DEVICES["test"][3] == {}
+    finally:
+        del _torch_ops._DEVICES["test"]
 
 
 def _cuda_or_skip(torch):
