@@ -154,3 +154,22 @@ def test_fp8_kvcache_appends_the_new_rows_and_attends():
             ref = fa3.flash_attn_func(q8[i:i + 1], k_i[None], v_i[None], causal=True, q_descale=dq[i:i + 1],
                                       k_descale=dk[i:i + 1], v_descale=dv[i:i + 1])
             assert (out[i:i + 1].float() - ref.float()).abs().max().item() <= 2 ** -7 * ref.float().abs().max().item()
+
+
+def test_fp8_through_flash_attn_varlen_func_paged_or_not():
+    """flashattn's own flash_attn_varlen_func takes FP8 inputs too (descales 1, bfloat16 out), over
+    packed keys or a paged cache (block_table, seqused_k): the same bits as flashattn.fa3's."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(20, 4, 32, generator=g).to(FP8)
+    k = torch.randn(30, 2, 32, generator=g).to(FP8)
+    cu_q = torch.tensor([0, 5, 20], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
+    packed = flashattn.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 15, 20, causal=True)
+    assert packed.dtype == torch.bfloat16
+    assert torch.equal(packed, fa3.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 15, 20, causal=True))
+    pages = torch.full((4, 16, 2, 32), float("nan")).to(FP8)  # unused rows NaN: reading one would show
+    pages[1, :10], pages[2], pages[3, :4] = k[:10], k[10:26], k[26:30]
+    table = torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)
+    paged = flashattn.flash_attn_varlen_func(q, pages, pages, cu_q, None, 15, 20, causal=True, block_table=table,
+                                             seqused_k=torch.tensor([10, 20], dtype=torch.int32))
+    assert torch.equal(packed, paged)
