@@ -30,11 +30,10 @@ sizes and softcap <= 0 mean off, softmax_scale=0.0 is a zero scale. num_splits, 
 sm_margin and scheduler_metadata are performance hints of FlashAttention-3's kernels: accepted
 and not needed here (the CUDA backend picks its split-KV itself). What the library does not
 have raises NotImplementedError naming the argument: qv, attention_chunk != 0, seqused_q,
-cache_leftpad, rotary_seqlens, and varlen queries or new keys (cu_seqlens_q, cu_seqlens_k_new)
-over FP8 caches.
+cache_leftpad and rotary_seqlens.
 
 FP8 (docs/fp8.md): flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func and
-flash_attn_with_kvcache (batch-mode queries, no rotary) take float8_e4m3fn q, k and v (caches
+flash_attn_with_kvcache (varlen queries and new keys too; no rotary) take float8_e4m3fn q, k and v (caches
 and new rows) with optional (batch, nheads_k) float32 q_descale, k_descale and v_descale, and
 return a bfloat16 out, as FlashAttention-3 does; forward only, on CPU tensors for now (CUDA
 tensors are refused with the reason until a CUDA kernel takes e4m3).
@@ -197,16 +196,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     d/dv), or (total_new, nheads_k, d/dv) with cu_seqlens_k_new: appended IN PLACE at
     cache_seqlens[i] (rotated when rotary_cos/sin are given), then attended to. learnable_sink /
     s_aux: (nheads,) attention sinks. Not differentiable. FP8: float8_e4m3fn q, caches and k/v
-    with (batch, nheads_k) descales, batch-mode queries, no rotary -> bfloat16 out."""
+    with (batch, nheads_k) descales, no rotary -> bfloat16 out."""
     _refuse(qv=qv, attention_chunk=attention_chunk, cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens)
     window = _window_size(window_size)
     scale = _scale_or_default(softmax_scale)
     sinks = _sinks(learnable_sink, s_aux)
     descales = (q_descale, k_descale, v_descale)
     if _fp8.is_fp8(q, k_cache, v_cache, k, v) or any(d is not None for d in descales):
-        if cu_seqlens_q is not None or cu_seqlens_k_new is not None:
-            raise NotImplementedError("cu_seqlens_q: not supported by flashattn with FP8 inputs (varlen queries or "
-                                      "new keys over an FP8 cache); pass batch-mode q (batch, seqlen_q, nheads, d)")
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             _torch_api._check_tensor(name, x)
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
@@ -219,9 +215,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if rotary_cos is not None or rotary_sin is not None:
             raise _C.Error("rotary_cos: no rotary embedding with FP8 inputs (rotated e4m3 values would be rounded "
                            "again); rotate before quantising")
-        out, lse = _fp8.fwd_kvcache_fp8(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+        fp8_sinks = None if sinks is None else _torch_api._sinks_fp32(sinks)
+
+        def attend_fp8(q_batch, k_new, v_new, lengths):
+            return _fp8.fwd_kvcache_fp8(q_batch, k_cache, v_cache, k_new, v_new, lengths, cache_batch_idx, page_table,
                                         *descales, _scale(softmax_scale, q.shape[-1]), bool(causal), *window,
-                                        _softcap(softcap), None if sinks is None else _torch_api._sinks_fp32(sinks))
+                                        _softcap(softcap), fp8_sinks)
+
+        if cu_seqlens_q is None and cu_seqlens_k_new is None:
+            out, lse = attend_fp8(q, k, v, cache_seqlens)
+        else:
+            # (The varlen emulation below moves e4m3 rows as they are; its attention is the FP8 op.)
+            out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, None, None, cache_seqlens, cache_batch_idx,
+                                       page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale, causal, window,
+                                       _softcap(softcap), rotary_interleaved, num_splits, sinks,
+                                       attend=lambda q_batch, lengths: attend_fp8(q_batch, None, None, lengths))
     elif cu_seqlens_q is None and cu_seqlens_k_new is None:
         out, lse = flashattn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, None, page_table,
@@ -323,11 +331,12 @@ def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotar
 
 def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
-                    softcap, rotary_interleaved, num_splits, sinks=None):
+                    softcap, rotary_interleaved, num_splits, sinks=None, attend=None):
     """flash_attn_with_kvcache with varlen queries or new keys: the append and the rotations here
     (the same rotation as the core's append, flashattn.layers.rotary), the queries left-padded into
     a batch — which keeps the bottom-right alignment of causal and window masks — for the core's
-    KV-cache attention over the updated caches."""
+    KV-cache attention over the updated caches. attend(q_batch, lengths) -> (out, lse): that
+    attention instead (FP8 calls: the FP8 op)."""
     if page_table is not None and cache_batch_idx is not None:
         raise _C.Error("cache_batch_idx: cannot be combined with a paged cache (page_table)")
     if cache_seqlens is None:
@@ -345,9 +354,12 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     if k is not None:
         new = _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx,
                                page_table)
-    out, lse = flashattn.flash_attn_with_kvcache(
-        q_batch, k_cache, v_cache, None, None, None, None, new.to(torch.int32), cache_batch_idx, None, page_table,
-        softmax_scale, causal, window, softcap, rotary_interleaved, None, num_splits, True, sinks=sinks)
+    if attend is not None:
+        out, lse = attend(q_batch, new.to(torch.int32))
+    else:
+        out, lse = flashattn.flash_attn_with_kvcache(
+            q_batch, k_cache, v_cache, None, None, None, None, new.to(torch.int32), cache_batch_idx, None, page_table,
+            softmax_scale, causal, window, softcap, rotary_interleaved, None, num_splits, True, sinks=sinks)
     if gather is None:
         return out, lse
     q_seq, padded_idx = gather

@@ -99,9 +99,6 @@ def test_fp8_refusals_name_the_argument():
     with pytest.raises(ValueError, match="q_descale: descale factors go with float8_e4m3 inputs"):
         fa3.flash_attn_with_kvcache(qe, cache, cache, q_descale=dq)
     cache8 = cache.to(FP8)
-    with pytest.raises(NotImplementedError, match="cu_seqlens_q: not supported by flashattn with FP8 inputs"):
-        fa3.flash_attn_with_kvcache(q8[0], cache8, cache8, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),
-                                    max_seqlen_q=8)
     with pytest.raises(ValueError, match="rotary_cos: no rotary embedding with FP8 inputs"):
         fa3.flash_attn_with_kvcache(q8, cache8, cache8, rotary_cos=torch.ones(16, 8), rotary_sin=torch.ones(16, 8),
                                     cache_seqlens=4)
@@ -173,3 +170,33 @@ def test_fp8_through_flash_attn_varlen_func_paged_or_not():
     paged = flashattn.flash_attn_varlen_func(q, pages, pages, cu_q, None, 15, 20, causal=True, block_table=table,
                                              seqused_k=torch.tensor([10, 20], dtype=torch.int32))
     assert torch.equal(packed, paged)
+
+
+def test_fp8_kvcache_varlen_queries_and_new_keys():
+    """flashattn.fa3.flash_attn_with_kvcache with varlen queries (cu_seqlens_q) and varlen new keys
+    (cu_seqlens_k_new) over a paged e4m3 cache — the call of serving engines with an FP8 cache:
+    the new rows land at cache_seqlens, and each sequence's rows equal the FP8 forward over its
+    keys."""
+    g = torch.Generator().manual_seed(12)
+    hk, h, d = 2, 4, 32
+    cached, new_lens, q_lens = [7, 18], [2, 3], [2, 5]
+    q8 = torch.randn(sum(q_lens), h, d, generator=g).to(FP8)
+    k_new, v_new = (torch.randn(sum(new_lens), hk, d, generator=g).to(FP8) for _ in range(2))
+    k_cache, v_cache = (torch.randn(6, 16, hk, d, generator=g).to(FP8) for _ in range(2))
+    table = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)
+    dq, dk, dv = (_descales(2, hk, g) for _ in range(3))
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    out = fa3.flash_attn_with_kvcache(q8, k_cache, v_cache, k_new, v_new, cache_seqlens=torch.tensor(cached, dtype=torch.int32),
+                                      page_table=table, cu_seqlens_q=cu(q_lens), cu_seqlens_k_new=cu(new_lens),
+                                      max_seqlen_q=max(q_lens), causal=True, q_descale=dq, k_descale=dk, v_descale=dv)
+    assert out.dtype == torch.bfloat16 and out.shape == (sum(q_lens), h, d)
+    q_rows, new_rows = cu(q_lens).tolist(), cu(new_lens).tolist()
+    for i in range(2):
+        n = cached[i] + new_lens[i]
+        rows = lambda c: torch.cat([c[p] for p in table[i].tolist()])[:n]  # noqa: E731
+        k_i, v_i = rows(k_cache), rows(v_cache)
+        assert torch.equal(k_i[cached[i]:].view(torch.uint8), k_new[new_rows[i]:new_rows[i + 1]].view(torch.uint8))
+        ref = fa3.flash_attn_func(q8[None, q_rows[i]:q_rows[i + 1]], k_i[None], v_i[None], causal=True,
+                                  q_descale=dq[i:i + 1], k_descale=dk[i:i + 1], v_descale=dv[i:i + 1])
+        got = out[q_rows[i]:q_rows[i + 1]].float()
+        assert (got - ref[0].float()).abs().max().item() <= 2 ** -7 * ref.float().abs().max().item()
