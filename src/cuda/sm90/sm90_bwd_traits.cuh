@@ -74,9 +74,18 @@ struct BwdTraits {
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
   static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
   // Per consumer thread: dK and dV (2 · d / 2 fp32), Sᵀ and dPᵀ (2 · block_m / 2), Pᵀ and dSᵀ in
-  // 16 bits; the producer keeps the minimum.
+  // 16 bits; the producer keeps the minimum (FLASHATTN_SM90_BWD_PRODUCER_REGS for A/B builds: the
+  // consumers then take what the CTA's pool leaves, in steps of 8).
+#ifdef FLASHATTN_SM90_BWD_PRODUCER_REGS
+  static constexpr int kProducerRegs = FLASHATTN_SM90_BWD_PRODUCER_REGS;
+  static constexpr int kConsumerRegs =
+      (setmaxnreg_pool(kThreads) - kWarpgroupThreads * kProducerRegs) / kConsumerThreads / 8 * 8 > 240
+          ? 240
+          : (setmaxnreg_pool(kThreads) - kWarpgroupThreads * kProducerRegs) / kConsumerThreads / 8 * 8;
+#else
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+#endif
   static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups: the register split assumes it");
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
                 "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
