@@ -19,18 +19,25 @@ from torch import Tensor
 
 from flashattn import _C, _torch_ops
 
-# What an FP8 call writes: FlashAttention-3 gives FP8 inputs a bf16 output.
-OUT_DTYPE = torch.bfloat16
+# What an FP8 call writes: FlashAttention-3 gives FP8 inputs a bf16 output (as _torch_ops does for
+# flash_attn_func's FP8 inputs).
+OUT_DTYPE = _torch_ops._FP8_OUT
 
 
-def _out_and_lse(q: Tensor, v: Tensor, varlen: bool):
-    rows = q.shape[:-1]
-    out = torch.empty(*rows, v.shape[-1], dtype=OUT_DTYPE, device=q.device)
-    if varlen:
-        lse_shape = (q.shape[1], q.shape[0])
-    else:
-        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    return out, lse_shape
+def _lse_shape(q: Tensor, varlen: bool) -> tuple:
+    """softmax_lse's shape: (h, total_q) for varlen q (total_q, h, d), else (b, h, sq)."""
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _call(entry, q, k, v, out, softmax_scale, causal, window_size_left, window_size_right, softcap, /, **tensors):
+    """entry (_C.forward or _C.forward_kvcache) with a new lse, the call's options, workspace
+    allocator and stream, the other tensors as keywords (k and v among them for the KV-cache
+    call's new rows: the parameters before them are positional only) -> (out, lse)."""
+    lse = _torch_ops._row_stats(_lse_shape(q, tensors.get("cu_seqlens_q") is not None), q.device)
+    num_threads, alloc, stream = _torch_ops._launch(q.device)
+    opt = _torch_ops._options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0)
+    _torch_ops._call(entry, q, k, v, out, lse, options=opt, workspace_alloc=alloc, stream=stream, **tensors)
+    return out, lse
 
 
 @torch.library.custom_op("flashattn::fwd_fp8", mutates_args=())
@@ -57,28 +64,19 @@ def fwd_fp8(
     """q (b, sq, h, d) or varlen (total_q, h, d), k/v likewise (or paged caches with
     block_table), all float8_e4m3fn; descales (b, hk) float32 or None -> out (..., h, dv)
     bfloat16, softmax_lse (b, h, sq) or (h, total_q) float32."""
-    varlen = cu_seqlens_q is not None
-    out, lse_shape = _out_and_lse(q, v, varlen)
-    lse = _torch_ops._row_stats(lse_shape, q.device)
-    num_threads, alloc, stream = _torch_ops._launch(q.device)
-    opt = _torch_ops._options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0)
-    _torch_ops._call(
-        _C.forward, q, k, v, out, lse, options=opt, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
-        workspace_alloc=alloc, stream=stream, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
-        v_descale=v_descale,
-    )
-    return out, lse
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=OUT_DTYPE, device=q.device)
+    return _call(_C.forward, q, k, v, out, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+                 max_seqlen_k=max_seqlen_k, block_table=block_table, sinks=sinks, q_descale=q_descale,
+                 k_descale=k_descale, v_descale=v_descale)
 
 
 @fwd_fp8.register_fake
 def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                   max_seqlen_k, block_table, softmax_scale, causal, window_size_left, window_size_right, softcap,
                   sinks=None):
-    varlen = cu_seqlens_q is not None
-    out_shape = (*q.shape[:-1], v.shape[-1])
-    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
-    return q.new_empty(out_shape, dtype=OUT_DTYPE), q.new_empty(lse_shape, dtype=torch.float32)
+    return (q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=OUT_DTYPE),
+            q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32))
 
 
 def is_fp8(*tensors) -> bool:
@@ -110,23 +108,15 @@ def fwd_kvcache_fp8(
     paged (num_blocks, page_size, hk, d) with block_table, and new rows k/v (b, sk_new, hk, d),
     appended in place at cache_seqlens; descales (b, hk) float32 or None -> out (b, sq, h, dv)
     bfloat16, softmax_lse (b, h, sq) float32. No rotary."""
-    b, sq, h, _ = q.shape
-    out = torch.empty(b, sq, h, v_cache.shape[-1], dtype=OUT_DTYPE, device=q.device)
-    lse = _torch_ops._row_stats((b, h, sq), q.device)
-    num_threads, alloc, stream = _torch_ops._launch(q.device)
-    opt = _torch_ops._options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, 0.0)
-    _torch_ops._call(
-        _C.forward_kvcache, q, k_cache, v_cache, out, lse, options=opt, k=k, v=v, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, block_table=block_table, workspace_alloc=alloc, stream=stream, sinks=sinks,
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-    )
-    return out, lse
+    out = torch.empty(*q.shape[:-1], v_cache.shape[-1], dtype=OUT_DTYPE, device=q.device)
+    return _call(_C.forward_kvcache, q, k_cache, v_cache, out, softmax_scale, causal, window_size_left,
+                 window_size_right, softcap, k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                 block_table=block_table, sinks=sinks, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 @fwd_kvcache_fp8.register_fake
 def _fwd_kvcache_fp8_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, q_descale,
                           k_descale, v_descale, softmax_scale, causal, window_size_left, window_size_right, softcap,
                           sinks=None):
-    b, sq, h, _ = q.shape
-    return (q.new_empty((b, sq, h, v_cache.shape[-1]), dtype=OUT_DTYPE),
-            q.new_empty((b, h, sq), dtype=torch.float32))
+    return (q.new_empty((*q.shape[:-1], v_cache.shape[-1]), dtype=OUT_DTYPE),
+            q.new_empty(_lse_shape(q, False), dtype=torch.float32))

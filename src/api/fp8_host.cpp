@@ -63,6 +63,14 @@ std::vector<std::int64_t> row_sequences(const ForwardInputs& in) {
   return seq;
 }
 
+// (sequence, K/V head) of element `index` of a q-like tensor ((b, s, h, d), varlen (rows, h, d)):
+// the sequence from `sequence` for varlen rows (−1: no sequence covers the row).
+std::pair<std::int64_t, std::int64_t> batch_and_group(const std::int64_t* index,
+                                                      const std::vector<std::int64_t>& sequence, std::int64_t group,
+                                                      bool varlen) {
+  return {varlen ? sequence[std::size_t(index[0])] : index[0], index[varlen ? 1 : 2] / group};
+}
+
 // q widened into q32 (a contiguous fp32 view of q's shape), each element times q_descale ·
 // k_descale of its (batch, K/V head); sequence: the batch index of each leading row (empty: the
 // leading index is the batch, as in a batch-mode q).
@@ -73,8 +81,7 @@ TensorView widen_q(const Inputs& in, const std::vector<std::int64_t>& sequence, 
   const auto* q8 = static_cast<const common::e4m3_t*>(in.q.data);
   std::int64_t e = 0;
   for_each_element(in.q, [&](std::int64_t offset, const std::int64_t* index) {
-    const std::int64_t b = varlen ? sequence[std::size_t(index[0])] : index[0];
-    const std::int64_t g = index[varlen ? 1 : 2] / group;
+    const auto [b, g] = batch_and_group(index, sequence, group, varlen);
     const float s = b < 0 ? 1.0f : descale_at(in.q_descale, b, g) * descale_at(in.k_descale, b, g);
     q32[std::size_t(e++)] = s * common::to_float(q8[offset]);
   });
@@ -98,8 +105,7 @@ void narrow_out(const Inputs& in, const std::vector<std::int64_t>& sequence, std
   const bool bf16 = out.dtype == DType::bf16;
   std::int64_t e = 0;
   for_each_element(out, [&](std::int64_t offset, const std::int64_t* index) {
-    const std::int64_t b = varlen ? sequence[std::size_t(index[0])] : index[0];
-    const std::int64_t g = index[varlen ? 1 : 2] / group;
+    const auto [b, g] = batch_and_group(index, sequence, group, varlen);
     const float value = out32[std::size_t(e++)] * (b < 0 ? 1.0f : descale_at(in.v_descale, b, g));
     if (bf16) {
       static_cast<common::bf16_t*>(out.data)[offset] = common::to_bf16(value);
@@ -137,6 +143,8 @@ TensorView gather_rows(std::int64_t rows, std::int64_t heads, std::int64_t cols,
   return TensorView::contiguous(buf.data(), DType::f32, shape, device);
 }
 
+std::int32_t int_at(const TensorView& t, std::int64_t i) { return static_cast<const std::int32_t*>(t.data)[i * t.stride[0]]; }
+
 // Element offset of key `pos` of sequence b (head 0, column 0) in a KV-cache tensor: its cache row
 // (cache_batch_idx, or b) at that position, or the page block_table gives.
 std::int64_t cache_offset(const TensorView& cache, const TensorView& block_table, const TensorView& batch_idx,
@@ -147,12 +155,9 @@ std::int64_t cache_offset(const TensorView& cache, const TensorView& block_table
         static_cast<const std::int32_t*>(block_table.data)[b * block_table.stride[0] + (pos / page_size) * block_table.stride[1]];
     return page * cache.stride[0] + (pos % page_size) * cache.stride[1];
   }
-  const std::int64_t row =
-      batch_idx.defined() ? static_cast<const std::int32_t*>(batch_idx.data)[b * batch_idx.stride[0]] : b;
+  const std::int64_t row = batch_idx.defined() ? int_at(batch_idx, b) : b;
   return row * cache.stride[0] + pos * cache.stride[1];
 }
-
-std::int32_t int_at(const TensorView& t, std::int64_t i) { return static_cast<const std::int32_t*>(t.data)[i * t.stride[0]]; }
 
 }  // namespace
 

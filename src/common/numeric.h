@@ -55,6 +55,16 @@ FA_HOST_DEVICE float to_float(e4m3_t x) {
   return bits_float(sign | float_bits(float(mant) * 0.001953125f));  // subnormal: mant · 2^-9, exact
 }
 
+// |f| / unit rounded to an integer, nearest even, for the subnormal range of a narrower format
+// (unit its smallest subnormal, a power of two: the scaling is exact).
+FA_HOST_DEVICE std::uint32_t subnormal_steps(std::uint32_t abs_bits, float inv_unit) {
+  const float scaled = bits_float(abs_bits) * inv_unit;
+  std::uint32_t q = std::uint32_t(scaled);
+  const float rem = scaled - float(q);
+  if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;
+  return q;
+}
+
 // fp32 → e4m3, round to nearest even, with subnormals; NaN, infinities and magnitudes that round
 // past 448 give NaN (the format has no infinity), as PyTorch's conversion to float8_e4m3fn does.
 FA_HOST_DEVICE e4m3_t to_e4m3(float f) {
@@ -63,12 +73,8 @@ FA_HOST_DEVICE e4m3_t to_e4m3(float f) {
   const std::uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x43e80000u) return e4m3_t{std::uint8_t(sign | 0x7fu)};  // > 464 (NaN and inf too)
   if (abs < 0x3c800000u) {
-    // Below 2^-6: subnormal (or zero); round |f| / 2^-9 to an integer, nearest even (8 is 2^-6).
-    const float scaled = bits_float(abs) * 512.0f;  // exact: power-of-two scaling
-    std::uint32_t q = std::uint32_t(scaled);
-    const float rem = scaled - float(q);
-    if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;
-    return e4m3_t{std::uint8_t(sign | q)};
+    // Below 2^-6: subnormal (or zero), in steps of 2^-9 (8 steps are 2^-6, the smallest normal).
+    return e4m3_t{std::uint8_t(sign | subnormal_steps(abs, 512.0f))};
   }
   std::uint32_t r = abs + 0x7ffffu + ((abs >> 20) & 1u);  // round the mantissa to 3 bits
   r -= 120u << 23;                                         // rebias the exponent 127 → 7
@@ -91,12 +97,8 @@ FA_HOST_DEVICE f16_t to_f16(float f) {
   if (abs > 0x7f800000u) return f16_t{std::uint16_t(sign | 0x7e00u)};
   if (abs >= 0x477ff000u) return f16_t{std::uint16_t(sign | 0x7c00u)};  // rounds to ≥ 65520: inf
   if (abs < 0x38800000u) {
-    // Result is subnormal (or zero): round |f| / 2^-24 to an integer, nearest even.
-    const float scaled = bits_float(abs) * 16777216.0f;  // exact: power-of-two scaling
-    std::uint32_t q = std::uint32_t(scaled);
-    const float rem = scaled - float(q);
-    if (rem > 0.5f || (rem == 0.5f && (q & 1u))) ++q;
-    return f16_t{std::uint16_t(sign | q)};
+    // Result is subnormal (or zero), in steps of 2^-24.
+    return f16_t{std::uint16_t(sign | subnormal_steps(abs, 16777216.0f))};
   }
   std::uint32_t r = abs + 0xfffu + ((abs >> 13) & 1u);  // round mantissa to 10 bits
   r -= 112u << 23;                                       // rebias exponent 127 → 15
