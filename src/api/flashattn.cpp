@@ -360,7 +360,18 @@ void forward_kvcache(const KVCacheInputs& in, const ForwardOutputs& out, const O
     // Only the KV-cache region is required; the split-KV part after it is optional (asked of
     // grow in full, as forward_kvcache_workspace_size counts it).
     if (workspace.grow != nullptr) {
-      const std::size_t need = workspace_align(region.bytes) + cuda::forward_workspace_size(family, p);
+      // With rotary the attention reads the rotated q, a contiguous copy at an aligned offset of
+      // the workspace, and the family is chosen again for it below: sized here for the family that
+      // layout gets (the address a stand-in with the region's alignment; nothing reads it), so
+      // that the split-KV part fits the family that runs.
+      ForwardFamily sized_for = family;
+      if (a.rotary_dim > 0) {
+        common::AttentionParams rotated = p;
+        rotated.q = common::contiguous_q(reinterpret_cast<void*>(std::uintptr_t{256}), p);
+        ForwardFamily guess = cuda::choose_forward_family(rotated);
+        if (guess.served) sized_for = std::move(guess);
+      }
+      const std::size_t need = workspace_align(region.bytes) + cuda::forward_workspace_size(sized_for, p);
       workspace = grown_workspace("flashattn::forward_kvcache", workspace, need);
     }
     check_workspace("flashattn::forward_kvcache", workspace, region.bytes);
