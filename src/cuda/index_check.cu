@@ -141,10 +141,19 @@ Record* device_record() {
 
 const int* index_error_flag() { return &device_record()->state; }
 
-bool index_check_foldable(const common::IndexBounds& ib) {
-  if (ib.block_table != nullptr || ib.batch > kIndexFoldMaxBatch) return false;
+namespace {
+bool folding_allowed() {
   const char* env = std::getenv("FLASHATTN_INDEX_CHECK_FOLD");
   return env == nullptr || std::string(env) != "0";
+}
+}  // namespace
+
+bool index_check_foldable(const common::IndexBounds& ib) {
+  return ib.block_table == nullptr && ib.batch <= kIndexFoldMaxBatch && folding_allowed();
+}
+
+bool index_check_foldable_paged(const common::IndexBounds& ib) {
+  return ib.block_table != nullptr && folding_allowed();
 }
 
 IndexFold fold_index_check(const common::IndexBounds& ib) {

@@ -57,4 +57,60 @@ __device__ __forceinline__ bool index_check_sequence_passes(const IndexFold& f, 
   return !v && earlier == 0;
 }
 
+// The error path of index_check_sequence_share_passes: entry `found` of sequence b is bad; the
+// first bad entry at or before it (what the host's check names) is looked for and recorded. Every
+// thread that finds a bad entry of b records the same one, whichever block it is in.
+static __device__ __noinline__ void record_first_bad_entry(const IndexFold& f, int b, long long found) {
+  long long first = found;
+  constexpr int kUnroll = 8;
+  for (long long base = 0; base < first; base += kUnroll) {
+    std::int32_t page[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      page[u] = base + u < first ? f.bounds.block_table[b * f.bounds.block_table_batch_stride + base + u] : 0;
+    }
+    bool bad = false;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!bad && base + u < first && (page[u] < 0 || page[u] >= f.bounds.cache_rows)) first = base + u, bad = true;
+    }
+    if (bad) break;
+  }
+  record_index_violation(static_cast<IndexRecord*>(f.record), static_cast<IndexRecord*>(f.mirror),
+                         common::check_block_table_entry(f.bounds, b, first), int(f.bounds.api));
+}
+
+// The folded check of a paged cache's sequence b in the sm80 split forward, by a block that is
+// `part` of the `parts` blocks reading b: every thread checks b's rules other than its block_table
+// entries (the same few loads for all threads, so all agree, and a violation ends the block's work
+// with thread 0 recording it), and the block's threads check its share of b's entries, part of
+// `parts` equal shares, an entry each. A bad entry is recorded (the sequence's first, as the host
+// names it: record_first_bad_entry) but does not stop the block: no block waits for another's
+// finding, the kernel clamps every page number it reads into the cache, and what it writes is
+// partials that the combine, reading the flag, then leaves uncombined. True when b's other rules
+// passed and no earlier kernel flagged a violation (`flag`, read beside b's indices). No barrier.
+__device__ __forceinline__ bool index_check_sequence_share_passes(const IndexFold& f, int b, int part, int parts,
+                                                                  const int* flag) {
+  const int earlier = flag != nullptr ? *flag : 0;
+  long long len = 0;
+  const common::IndexViolation v = common::check_sequence_scalars(f.bounds, b, &len);
+  if (v) {
+    if (threadIdx.x == 0) {
+      record_index_violation(static_cast<IndexRecord*>(f.record), static_cast<IndexRecord*>(f.mirror), v,
+                             int(f.bounds.api));
+    }
+    return false;
+  }
+  const long long pages = common::block_table_pages(f.bounds, len);
+  const long long end = pages * (part + 1) / parts;
+  for (long long blk = pages * part / parts + threadIdx.x; blk < end; blk += blockDim.x) {
+    const std::int32_t page = f.bounds.block_table[b * f.bounds.block_table_batch_stride + blk];
+    if (page < 0 || page >= f.bounds.cache_rows) {
+      record_first_bad_entry(f, b, blk);
+      break;
+    }
+  }
+  return earlier == 0;
+}
+
 }  // namespace flashattn::cuda

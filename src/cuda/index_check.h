@@ -29,7 +29,9 @@ struct IndexRecord {
 // and mirror are this device's IndexRecord and the record's mapped host copy): checked there by
 // index_check.cuh's index_check_passes. Folded into the KV-cache append kernel where that kernel
 // runs, else into the sm80 forward kernel (AttentionParams::index_fold) where that family runs the
-// call's attention.
+// call's attention. A paged cache's check folds into the split forward only (each block checking
+// its share of a sequence's pages); where the sm80 family runs such a call unsplit, it launches
+// the check kernel instead (sm80::forward).
 using common::IndexFold;
 
 // The most sequences a folded check takes: one pass of a 256-thread block.
@@ -39,6 +41,10 @@ inline constexpr int kIndexFoldMaxBatch = 256;
 // sequences, no block table (a sequence's pages are a loop of their own), and not turned off by
 // FLASHATTN_INDEX_CHECK_FOLD=0 (read per call; src/cuda/README.md, tuning knobs).
 bool index_check_foldable(const common::IndexBounds& ib);
+
+// Whether `ib`'s check, with a block table, may be folded into the sm80 split forward (any
+// number of sequences: each has blocks of its own); not with FLASHATTN_INDEX_CHECK_FOLD=0.
+bool index_check_foldable_paged(const common::IndexBounds& ib);
 
 // The fold of `ib`'s check on the current device (the caller has decided it is foldable).
 IndexFold fold_index_check(const common::IndexBounds& ib);

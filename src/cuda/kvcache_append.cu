@@ -143,7 +143,7 @@ void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, boo
   if (check.any() && check.batch > 0) {
     if (runs && index_check_foldable(check)) {
       fold = fold_index_check(check);
-    } else if (!runs && forward_folds && index_check_foldable(check)) {
+    } else if (!runs && forward_folds && (index_check_foldable(check) || index_check_foldable_paged(check))) {
       p.index_fold = fold_index_check(check);
     } else {
       check_indices(check, stream);

@@ -37,8 +37,10 @@ KvcacheWorkspace kvcache_workspace(std::int64_t batch, std::int64_t q_elements, 
 // first, when `check` has index tensors (index_check.h): where index_check_foldable allows it,
 // folded into the append kernel's prologue when that kernel runs, else — when no kernel runs here
 // and forward_folds (the caller's attention runs in the sm80 forward kernel, which checks
-// p.index_fold) — into the attention's (p.index_fold); otherwise by check_indices before
-// anything else. Throws flashattn::Error when a launch fails.
+// p.index_fold) — into the attention's (p.index_fold; with a block table where
+// index_check_foldable_paged allows it, the sm80 family then folding it into its split kernel or
+// launching the check kernel ahead of an unsplit one); otherwise by check_indices before anything
+// else. Throws flashattn::Error when a launch fails.
 void kvcache_append(common::AttentionParams& p, const common::AppendArgs& a, bool q_positions_per_row,
                     const KvcacheWorkspace& region, void* workspace, void* stream, const common::IndexBounds& check,
                     bool forward_folds = false);

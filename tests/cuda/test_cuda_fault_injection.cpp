@@ -231,9 +231,11 @@ const KVFault kKVFaults[] = {
 
 // With check_indices the bad call itself throws; without, it returns and the next CUDA call on
 // the device (a valid one) throws the violation instead of running. Each case runs with the check
-// as a kernel of its own and folded (FLASHATTN_INDEX_CHECK_FOLD; paged calls keep the kernel):
-// into the append kernel's prologue with new keys, into the sm80 forward's without — its split
-// kernel's blocks each checking their own sequence (2 splits), the other's every sequence.
+// as a kernel of its own and folded (FLASHATTN_INDEX_CHECK_FOLD): into the append kernel's
+// prologue with new keys (paged calls keep the kernel there), into the sm80 forward's without —
+// its split kernel's blocks each checking their own sequence (2 splits), the unsplit kernel's
+// every sequence; paged calls, MHA here, then get the check kernel ahead of the forward (only the
+// packed split kernel folds it: PagedCheckFoldedIntoTheSplitKernelNamesTheFirstBadEntry).
 TEST(CudaFaultInjection, KVCacheBadIndexIsRefusedAndTheNextCallIsRight) {
   FA_SKIP_WITHOUT_GPU();
   if (!kernel_built(fa::cuda::sm80::Family::fwd, fa::common::Storage::bf16, kHeadDim, kHeadDim)) return;
@@ -271,7 +273,8 @@ TEST(CudaFaultInjection, KVCacheBadIndexIsRefusedAndTheNextCallIsRight) {
 }
 
 // Which checks fold into a kernel's prologue: at most kIndexFoldMaxBatch sequences, no block
-// table, and not with FLASHATTN_INDEX_CHECK_FOLD=0.
+// table, and not with FLASHATTN_INDEX_CHECK_FOLD=0; with a block table, into the split forward
+// only (index_check_foldable_paged), any number of sequences.
 TEST(CudaIndexCheckHost, FoldsOnlySmallChecksWithoutBlockTables) {
   const std::int32_t entry = 0;
   fa::common::IndexBounds ib;
@@ -293,9 +296,18 @@ TEST(CudaIndexCheckHost, FoldsOnlySmallChecksWithoutBlockTables) {
   EXPECT_FALSE(fa::cuda::index_check_foldable(ib));
   ib.batch = 2;
   ib.block_table = &entry;
-  EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << "a paged cache keeps the check kernel";
+  EXPECT_FALSE(fa::cuda::index_check_foldable(ib)) << "a paged cache's check is not for every block";
+  EXPECT_TRUE(fa::cuda::index_check_foldable_paged(ib)) << "but for the split kernel's, any batch";
+  ib.batch = fa::cuda::kIndexFoldMaxBatch + 1;
+  EXPECT_TRUE(fa::cuda::index_check_foldable_paged(ib));
+  {
+    const EnvOverride off("FLASHATTN_INDEX_CHECK_FOLD", "0");
+    EXPECT_FALSE(fa::cuda::index_check_foldable_paged(ib)) << "off when turned off";
+  }
+  ib.batch = 2;
   ib.block_table = nullptr;
   EXPECT_TRUE(fa::cuda::index_check_foldable(ib));
+  EXPECT_FALSE(fa::cuda::index_check_foldable_paged(ib)) << "without a block table";
 }
 
 // The check kernel over long block tables (a block per sequence, its threads over the pages):
@@ -353,6 +365,90 @@ TEST(CudaIndexCheck, LongBlockTablesReportTheFirstBadEntryAsTheHostDoes) {
   ASSERT_FALSE(bool(host_check()));
   EXPECT_FALSE(bool(device_check(device_i32(dev, table, {kBatch, kPagesPerSeq}))))
       << "a clean table (bad entries past the keys only)";
+}
+
+// The check of a paged KV-cache call folded into the sm80 split forward (GQA 8/2 decoding: the
+// packed split kernel, each block checking its share of a sequence's pages;
+// FLASHATTN_INDEX_CHECK_FOLD on, the default) and as a kernel of its own (off), through the public
+// API (whichever family the ordered choice takes): long block tables, 16 splits, bad entries spread over one
+// sequence's shares — the one named is the first, as the host's check names it, and entries past
+// a sequence's keys are not read. Outputs, caches and their guards keep every byte, and the same
+// call with the table repaired then matches the reference.
+TEST(CudaFaultInjection, PagedCheckFoldedIntoTheSplitKernelNamesTheFirstBadEntry) {
+  FA_SKIP_WITHOUT_GPU();
+  if (!kernel_built(fa::cuda::sm80::Family::fwd, fa::common::Storage::bf16, kHeadDim, kHeadDim)) return;
+  constexpr std::int64_t kB = 3, kH = 8, kHk = 2, kPage = 16, kPagesPerSeq = 600, kCachePages = 1900;
+  DeviceArena dev;
+  Tensor q(DType::bf16, {kB, 1, kH, kHeadDim}), k_host(DType::bf16, {kCachePages, kPage, kHk, kHeadDim});
+  Tensor v_host(DType::bf16, {kCachePages, kPage, kHk, kHeadDim});
+  Tensor out_host(DType::bf16, {kB, 1, kH, kHeadDim}), lse_host(DType::f32, {kB, kH, 1});
+  q.fill_random(test_seed(1));
+  k_host.fill_random(test_seed(2));
+  v_host.fill_random(test_seed(3));
+  const DeviceGuarded k_cache(dev, k_host), v_cache(dev, v_host), out(dev, out_host), lse(dev, lse_host);
+  const std::vector<std::int32_t> seqlens = {kPagesPerSeq * kPage, 500 * kPage + 5, 250 * kPage};
+  std::vector<std::int32_t> table(std::size_t(kB * kPagesPerSeq));
+  for (std::size_t i = 0; i < table.size(); ++i) table[i] = std::int32_t((i * 7919) % kCachePages);
+  const std::vector<std::int32_t> clean = table;
+  // Sequence 1 (501 pages hold its keys): bad at 499, 480 and 300 (the first), and at 501 (past
+  // its keys); sequence 2 at 400 (past its 250 pages).
+  auto at = [&](std::int64_t b, std::int64_t blk) -> std::int32_t& { return table[std::size_t(b * kPagesPerSeq + blk)]; };
+  at(1, 499) = -1, at(1, 480) = std::int32_t(kCachePages) + 3, at(1, 300) = std::int32_t(kCachePages);
+  at(1, 501) = -5, at(2, 400) = -7;
+
+  fa::KVCacheInputs in;
+  in.q = q.tv();
+  in.q.data = dev.mirror(q);
+  in.q.device = kCuda0;
+  in.k_cache = k_cache.view();
+  in.v_cache = v_cache.view();
+  in.cache_seqlens = device_i32(dev, seqlens, {kB});
+  fa::Options opt;
+  opt.num_splits = 16;
+  auto run = [&](const std::vector<std::int32_t>& t, bool synchronous) {
+    in.block_table = device_i32(dev, t, {kB, kPagesPerSeq});
+    opt.check_indices = synchronous;
+    const std::size_t bytes = fa::forward_kvcache_workspace_size(in, opt);
+    fa::forward_kvcache(in, {out.view(), lse.view()}, opt, {dev.alloc(bytes), bytes});
+  };
+  const std::vector<const DeviceGuarded*> watched = {&k_cache, &v_cache, &out, &lse};
+  auto snapshot = [&] {
+    std::vector<std::vector<unsigned char>> b;
+    for (const DeviceGuarded* g : watched) b.push_back(g->bytes());
+    return b;
+  };
+  const auto before = snapshot();
+  for (const char* fold : {"1", "0"}) {
+    SCOPED_TRACE(std::string("FLASHATTN_INDEX_CHECK_FOLD=") + fold);
+    const EnvOverride folding("FLASHATTN_INDEX_CHECK_FOLD", fold);
+    ASSERT_NO_THROW(run(table, false));
+    const fa::common::IndexViolation got = fa::cuda::take_index_violation(nullptr);
+    ASSERT_TRUE(bool(got)) << "a bad table passed";
+    EXPECT_EQ(got.rule, fa::common::IndexRule::block_table_range);
+    EXPECT_EQ(got.batch, 1);
+    EXPECT_EQ(got.entry, 300);
+    EXPECT_EQ(got.value, kCachePages);
+    EXPECT_EQ(got.bound, kCachePages);
+    EXPECT_TRUE(throws_naming([&] { run(table, true); }, "block_table"));
+    EXPECT_TRUE(snapshot() == before) << "a guarded buffer changed";
+  }
+  // Repaired but for the entries past the keys: nothing to report, and the result is right.
+  std::vector<std::int32_t> repaired = clean;
+  repaired[std::size_t(1 * kPagesPerSeq + 501)] = -5, repaired[std::size_t(2 * kPagesPerSeq + 400)] = -7;
+  ASSERT_NO_THROW(run(repaired, true));
+  fa::KVCacheInputs ref = in;
+  const Tensor seqlens_host = Tensor::from_i32(seqlens);
+  const Tensor table_host = Tensor::from_i32(repaired).view(0, {kB, kPagesPerSeq}, {kPagesPerSeq, 1});
+  ref.q = q.tv(), ref.k_cache = k_host.tv(), ref.v_cache = v_host.tv();
+  ref.cache_seqlens = seqlens_host.tv(), ref.block_table = table_host.tv();
+  Tensor out_ref = out_host.clone(), lse_ref = lse_host.clone();
+  fa::Options ref_opt;
+  ref_opt.backend = Backend::cpu_reference;
+  fa::forward_kvcache(ref, {out_ref.tv(), lse_ref.tv()}, ref_opt);
+  const Tensor got = out.download(), got_lse = lse.download();
+  for (std::int64_t e = 0; e < got.numel(); ++e) ASSERT_NEAR(got.load(e), out_ref.load(e), 2e-2) << "out element " << e;
+  for (std::int64_t e = 0; e < got_lse.numel(); ++e) ASSERT_NEAR(got_lse.load(e), lse_ref.load(e), 1e-3) << "lse " << e;
+  for (const DeviceGuarded* g : watched) EXPECT_TRUE(g->guards_intact());
 }
 
 TEST(CudaFaultInjection, CheckIndexErrorsWaitsAndThrows) {

@@ -341,18 +341,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // kernel's block checks the one sequence it reads (blockIdx.z), beside that flag — it writes
   // only the partials, and the combine after it reads the flag before it writes the output; any
   // other block checks every sequence (a block barrier), so that no block writes its rows of the
-  // output unless all passed. Never for a paged cache (index_check_foldable: a block table keeps
-  // the check kernel), whose kernels leave the code out (it cost the paged split kernel 80 bytes
-  // of spills at d 128).
+  // output unless all passed. A paged cache's packed split kernel (GQA decoding): each block checks
+  // the sequence's other rules and its share of the sequence's block_table entries
+  // (index_check_sequence_share_passes; a bad entry found elsewhere cannot make this block read
+  // outside the cache: page numbers are clamped where they are read, below). The other paged
+  // kernels leave the code out (at d 128 it took the unpacked split kernel's spills from 52 to 180
+  // bytes, inlined or called): launch_fwd_grid launches the check kernel ahead of them.
+  constexpr bool kFoldsPaged = kPaged && kSplit && kPacked;
   bool folded = false;
-  if constexpr (!kPaged) folded = p.index_fold.active();
+  if constexpr (!kPaged || kFoldsPaged) folded = p.index_fold.active();
   if (folded) {
-    if constexpr (!kPaged) {
-      if constexpr (kSplit) {
-        if (!index_check_sequence_passes(p.index_fold, int(blockIdx.z), p.index_error)) return;
-      } else {
-        if (!index_check_passes_call(p.index_fold) || p.index_check_failed()) return;
+    if constexpr (kFoldsPaged) {
+      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), int(blockIdx.y * gridDim.x + blockIdx.x),
+                                             int(gridDim.x * gridDim.y), p.index_error)) {
+        return;
       }
+    } else if constexpr (kSplit) {
+      if (!index_check_sequence_passes(p.index_fold, int(blockIdx.z), p.index_error)) return;
+    } else if constexpr (!kPaged) {
+      if (!index_check_passes_call(p.index_fold) || p.index_check_failed()) return;
     }
   } else if (p.index_check_failed()) {
     return;
@@ -462,7 +469,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
                                  [&](int r) {
                                    const int j = n_start + r;
                                    const int page = page_of(j);
-                                   return std::int64_t(pages[2 * (page - first)]) * t.batch_stride +
+                                   // Clamped into the cache (a bad entry under a folded check
+                                   // must not lead outside it: index_check_sequence_share_passes).
+                                   const std::uint32_t cache_page = min(std::uint32_t(pages[2 * (page - first)]),
+                                                                        std::uint32_t(p.cache_batches - 1));
+                                   return std::int64_t(cache_page) * t.batch_stride +
                                           std::int64_t(j - page * page_size) * t.row_stride + head_offset;
                                  }, tid);
     } else {

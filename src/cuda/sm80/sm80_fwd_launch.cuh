@@ -48,6 +48,17 @@ cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvParti
   }
   const int m_blocks = (p.max_seqlen_q * pack + KTraits::kBlockM - 1) / KTraits::kBlockM;
   const dim3 grid(kSplit ? m_blocks * split.num_splits : m_blocks, p.heads / pack, p.batch);
+  // A paged call's folded index check: only the packed split kernel checks it (fwd_kernel); ahead
+  // of the other paged kernels it runs as a kernel of its own.
+  if constexpr (kPaged && !(kSplit && kPacked)) {
+    if (p.index_fold.active()) {
+      common::AttentionParams unfolded = p;
+      unfolded.index_fold = {};
+      check_indices(p.index_fold.bounds, stream);
+      kernel<<<grid, KTraits::kNThreads, smem, stream>>>(unfolded, split, rng_state, pack);
+      return cudaGetLastError();
+    }
+  }
   kernel<<<grid, KTraits::kNThreads, smem, stream>>>(p, split, rng_state, pack);
   return cudaGetLastError();
 }

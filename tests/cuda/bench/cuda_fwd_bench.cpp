@@ -13,8 +13,9 @@
 // (cache_seqlens, and the block table where paged): "plain:;checked:FLASHATTN_BENCH_INDEX_CHECK=1"
 // gives the check's cost on a decoding step; FLASHATTN_BENCH_INDEX_CHECK=2 folds it into the sm80
 // forward kernel's prologue instead (AttentionParams::index_fold, as a KV-cache call without new
-// keys does by default), where the sm80 family runs the call and there is no
-// block table; elsewhere it launches the check kernel as 1 does.
+// keys does by default), where the sm80 family runs the call (a paged call: into its split kernel,
+// else the sm80 forward launches the check kernel ahead of the unsplit one); elsewhere it launches
+// the check kernel as 1 does.
 //
 // --gqa G gives the grid G query heads per key/value head (h / G of them; GQA, or MQA where G = h),
 // FLOPs counted per query head as for MHA, so that a GQA row reads against the MHA row of its shape.
@@ -366,7 +367,8 @@ std::string run_decode(const Args& args, int d, const Args::Decode& dc) {
   auto select = [&](int vi) {
     set_env_variant(args, vi);
     const float mode = env_or("FLASHATTN_BENCH_INDEX_CHECK", 0.0f);
-    const bool fold = mode == 2.0f && ib.block_table == nullptr && ib.batch <= flashattn::cuda::kIndexFoldMaxBatch &&
+    const bool fold = mode == 2.0f &&
+                      (flashattn::cuda::index_check_foldable(ib) || flashattn::cuda::index_check_foldable_paged(ib)) &&
                       flashattn::cuda::choose_forward_family(p).family == flashattn::cuda::Family::sm80;
     p.index_fold = fold ? flashattn::cuda::fold_index_check(ib) : flashattn::common::IndexFold{};
     index_check = mode != 0.0f && !fold;
