@@ -348,6 +348,10 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # Queries rotate at their own positions when causal or windowed (FlashAttention's rule).
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved,
                                               causal or window != (-1, -1))
+    if attend is None and cu_seqlens_q is not None:
+        return _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
+                                          batch, old, rotary, cache_batch_idx, page_table, softmax_scale, causal,
+                                          window, softcap, sinks)
     # The queries first, so that nothing is written into the caches before every check has passed.
     q_batch, gather = _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary)
     new = old
@@ -364,3 +368,37 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         return out, lse
     q_seq, padded_idx = gather
     return out[q_seq, padded_idx], lse[q_seq, :, padded_idx].transpose(0, 1)
+
+
+def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, batch, old,
+                               rotary, cache_batch_idx, page_table, softmax_scale, causal, window, softcap, sinks):
+    """Varlen queries (total_q, h, d) over a KV cache, as serving engines call it: the queries
+    rotated and the new keys appended here, then one varlen attention over the cache as pages
+    (block_table; a contiguous cache is pages of its whole length, one per sequence, through
+    cache_batch_idx where given) with seqused_k the lengths after the append — the bottom-right
+    alignment of causal and window masks is the same — without padding the queries into a batch."""
+    if rotary is not None:
+        cos, sin, interleaved, by_row = rotary
+        q_seq, q_idx = _rows_of(cu_seqlens_q.long(), q.shape[0])
+        # Rotated before anything is appended, so that a short table leaves the caches as they were.
+        q = _rotate_at(q, cos, sin, interleaved, old[q_seq] + (q_idx if by_row else 0))
+    new = old
+    if k is not None:
+        new = _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx,
+                               page_table)
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
+    if page_table is not None:
+        block_table, capacity = page_table, page_table.shape[1] * k_cache.shape[1]
+    else:
+        rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, device=k_cache.device)
+        block_table, capacity = rows.to(torch.int32).unsqueeze(1), k_cache.shape[1]
+    # The attention sees the capacity as max_seqlen_k: lengths past it are named here where that
+    # costs no wait for a device (on a GPU the device-side check names seqused_k / max_seqlen_k).
+    if new.device.type == "cpu" and new.numel() > 0 and int(new.max()) > capacity:
+        raise _C.Error(f"cache_seqlens: must leave every sequence's keys within the cache's capacity of {capacity}; "
+                       f"got {int(new.max())} keys")
+    return flashattn.flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_seqlens_q, None, int_arg("max_seqlen_q", max_seqlen_q), capacity, 0.0, softmax_scale,
+        causal, window, softcap, None, False, False, block_table, seqused_k=new.to(torch.int32),
+        return_softmax_lse=True, sinks=sinks)

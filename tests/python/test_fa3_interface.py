@@ -205,6 +205,53 @@ def test_kvcache_varlen_paged(causal, device):
 
 
 @pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("layout", ["paged", "batch_idx", "contiguous"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_kvcache_varlen_queries_without_new_keys(mask, layout, device):
+    """The call serving engines make every step (SGLang's extend and decode): varlen queries over
+    the cache as it is, with page_table, cache_batch_idx or neither, sinks, and max_seqlen_q left
+    out once — each sequence equals the library's batch KV-cache call on its own, and the caches
+    are not written."""
+    b, hq, hk, d, cap, page = 3, 4, 2, 40, 32, 8
+    lengths, n_q = [7, 32, 1], [3, 1, 1]
+    g = torch.Generator().manual_seed(11)
+    rows = 4  # cache rows: cache_batch_idx picks three of them
+    cache_k = randn((rows, cap, hk, d), torch.bfloat16, device, g)
+    cache_v = randn((rows, cap, hk, d), torch.bfloat16, device, g)
+    q = randn((sum(n_q), hq, d), torch.bfloat16, device, g)
+    sinks = torch.randn((hq,), generator=g).to(device)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    idx = torch.tensor([2, 0, 3], dtype=torch.int32, device=device) if layout == "batch_idx" else None
+    picked = [int(i) for i in idx.tolist()] if idx is not None else list(range(b))
+    kwargs = {}
+    if layout == "paged":
+        table = shuffled_table(b, cap // page, device, g)
+        k_arg = paged_like(cache_k[:b], table, page)
+        v_arg = paged_like(cache_v[:b], table, page)
+        kwargs["page_table"] = table
+    else:
+        k_arg, v_arg = cache_k, cache_v
+        kwargs["cache_batch_idx"] = idx
+    k_before, v_before = k_arg.clone(), v_arg.clone()
+    window = (5, 0) if mask == "window" else (-1, -1)
+    causal = mask == "causal"
+    out, lse, *_ = fa3.flash_attn_with_kvcache(
+        q, k_arg, v_arg, cache_seqlens=seqlens, cu_seqlens_q=cu(n_q, device),
+        max_seqlen_q=None if layout == "contiguous" else max(n_q), causal=causal, window_size=window,
+        softcap=0.0 if mask == "none" else 20.0, learnable_sink=sinks, return_softmax_lse=True, **kwargs)
+    assert out.shape == q.shape and lse.shape == (hq, sum(n_q))
+    assert torch.equal(k_arg, k_before) and torch.equal(v_arg, v_before)
+    cq = cu(n_q, "cpu").tolist()
+    for i in range(b):
+        out_ref, lse_ref = flashattn.flash_attn_with_kvcache(
+            q[cq[i]:cq[i + 1]].unsqueeze(0), cache_k[picked[i]:picked[i] + 1], cache_v[picked[i]:picked[i] + 1],
+            cache_seqlens=seqlens[i:i + 1], causal=causal, window_size=window,
+            softcap=0.0 if mask == "none" else 20.0, return_softmax_lse=True, sinks=sinks)
+        torch.testing.assert_close(out[cq[i]:cq[i + 1]], out_ref[0])
+        torch.testing.assert_close(lse[:, cq[i]:cq[i + 1]], lse_ref[0])
+
+
+@pytest.mark.parametrize("device", torch_devices())
 def test_kvcache_batch(device):
     """Without varlen arguments: the library's KV-cache function under FA3's names (page_table)."""
     g = torch.Generator().manual_seed(6)
@@ -219,6 +266,15 @@ def test_kvcache_batch(device):
                                       num_splits=3, pack_gqa=True)
     ref = flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
     torch.testing.assert_close(out, ref)
+
+
+def test_kvcache_varlen_queries_past_the_capacity():
+    """cache_seqlens past the cache's capacity, with varlen queries: an error naming it."""
+    q = torch.zeros((2, 2, 32), dtype=torch.bfloat16)
+    k_cache = torch.zeros((1, 16, 2, 32), dtype=torch.bfloat16)
+    with pytest.raises(flashattn.Error, match="cache_seqlens"):
+        fa3.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=17, cu_seqlens_q=cu([2], "cpu"),
+                                    max_seqlen_q=2)
 
 
 def test_kvcache_checks_before_writing():
