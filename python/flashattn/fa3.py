@@ -225,11 +225,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if cu_seqlens_q is None and cu_seqlens_k_new is None:
             out, lse = attend_fp8(q, k, v, cache_seqlens)
         else:
-            # (The varlen emulation below moves e4m3 rows as they are; its attention is the FP8 op.)
+            # (New e4m3 rows are appended below as they are; the attention is the FP8 op's: varlen over
+            # the cache as pages with varlen queries, else over the queries as a batch.)
+            def attend_fp8_varlen(q_rows, block_table, lengths, max_q, capacity):
+                return _fp8.fwd_fp8(q_rows, k_cache, v_cache, *descales, cu_seqlens_q, None, lengths, max_q, capacity,
+                                    block_table, _scale(softmax_scale, q.shape[-1]), bool(causal), *window,
+                                    _softcap(softcap), fp8_sinks)
+
             out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, None, None, cache_seqlens, cache_batch_idx,
                                        page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale, causal, window,
                                        _softcap(softcap), rotary_interleaved, num_splits, sinks,
-                                       attend=lambda q_batch, lengths: attend_fp8(q_batch, None, None, lengths))
+                                       attend=lambda q_batch, lengths: attend_fp8(q_batch, None, None, lengths),
+                                       attend_varlen=attend_fp8_varlen)
     elif cu_seqlens_q is None and cu_seqlens_k_new is None:
         out, lse = flashattn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, None, page_table,
@@ -331,12 +338,13 @@ def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotar
 
 def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
-                    softcap, rotary_interleaved, num_splits, sinks=None, attend=None):
+                    softcap, rotary_interleaved, num_splits, sinks=None, attend=None, attend_varlen=None):
     """flash_attn_with_kvcache with varlen queries or new keys: the append and the rotations here
     (the same rotation as the core's append, flashattn.layers.rotary), the queries left-padded into
     a batch — which keeps the bottom-right alignment of causal and window masks — for the core's
-    KV-cache attention over the updated caches. attend(q_batch, lengths) -> (out, lse): that
-    attention instead (FP8 calls: the FP8 op)."""
+    KV-cache attention over the updated caches; with varlen queries, _varlen_queries_over_cache.
+    attend(q_batch, lengths) -> (out, lse) / attend_varlen: those attentions instead (FP8 calls:
+    the FP8 op)."""
     if page_table is not None and cache_batch_idx is not None:
         raise _C.Error("cache_batch_idx: cannot be combined with a paged cache (page_table)")
     if cache_seqlens is None:
@@ -348,10 +356,10 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # Queries rotate at their own positions when causal or windowed (FlashAttention's rule).
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved,
                                               causal or window != (-1, -1))
-    if attend is None and cu_seqlens_q is not None:
+    if cu_seqlens_q is not None and (attend is None or attend_varlen is not None):
         return _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
                                           batch, old, rotary, cache_batch_idx, page_table, softmax_scale, causal,
-                                          window, softcap, sinks)
+                                          window, softcap, sinks, attend_varlen)
     # The queries first, so that nothing is written into the caches before every check has passed.
     q_batch, gather = _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary)
     new = old
@@ -371,12 +379,15 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
 
 
 def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, batch, old,
-                               rotary, cache_batch_idx, page_table, softmax_scale, causal, window, softcap, sinks):
+                               rotary, cache_batch_idx, page_table, softmax_scale, causal, window, softcap, sinks,
+                               attend=None):
     """Varlen queries (total_q, h, d) over a KV cache, as serving engines call it: the queries
     rotated and the new keys appended here, then one varlen attention over the cache as pages
     (block_table; a contiguous cache is pages of its whole length, one per sequence, through
     cache_batch_idx where given) with seqused_k the lengths after the append — the bottom-right
-    alignment of causal and window masks is the same — without padding the queries into a batch."""
+    alignment of causal and window masks is the same — without padding the queries into a batch.
+    attend(q, block_table, seqused_k, max_seqlen_q, max_seqlen_k) -> (out, lse): that attention
+    instead of the library's varlen function (FP8: the FP8 op)."""
     if rotary is not None:
         cos, sin, interleaved, by_row = rotary
         q_seq, q_idx = _rows_of(cu_seqlens_q.long(), q.shape[0])
@@ -398,7 +409,9 @@ def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqle
     if new.device.type == "cpu" and new.numel() > 0 and int(new.max()) > capacity:
         raise _C.Error(f"cache_seqlens: must leave every sequence's keys within the cache's capacity of {capacity}; "
                        f"got {int(new.max())} keys")
+    max_seqlen_q = int_arg("max_seqlen_q", max_seqlen_q)
+    if attend is not None:
+        return attend(q, block_table, new.to(torch.int32), max_seqlen_q, capacity)
     return flashattn.flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_seqlens_q, None, int_arg("max_seqlen_q", max_seqlen_q), capacity, 0.0, softmax_scale,
-        causal, window, softcap, None, False, False, block_table, seqused_k=new.to(torch.int32),
-        return_softmax_lse=True, sinks=sinks)
+        q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0, softmax_scale, causal, window, softcap,
+        None, False, False, block_table, seqused_k=new.to(torch.int32), return_softmax_lse=True, sinks=sinks)
