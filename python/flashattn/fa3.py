@@ -225,18 +225,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         if cu_seqlens_q is None and cu_seqlens_k_new is None:
             out, lse = attend_fp8(q, k, v, cache_seqlens)
         else:
-            # (New e4m3 rows are appended below as they are; the attention is the FP8 op's: varlen over
-            # the cache as pages with varlen queries, else over the queries as a batch.)
-            def attend_fp8_varlen(q_rows, block_table, lengths, max_q, capacity):
-                return _fp8.fwd_fp8(q_rows, k_cache, v_cache, *descales, cu_seqlens_q, None, lengths, max_q, capacity,
+            # (New e4m3 rows are appended below as they are; the attention is the FP8 op's varlen one
+            # over the cache as pages.)
+            def attend_fp8_varlen(q_rows, cu_q, block_table, lengths, max_q, capacity):
+                return _fp8.fwd_fp8(q_rows, k_cache, v_cache, *descales, cu_q, None, lengths, max_q, capacity,
                                     block_table, _scale(softmax_scale, q.shape[-1]), bool(causal), *window,
                                     _softcap(softcap), fp8_sinks)
 
             out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, None, None, cache_seqlens, cache_batch_idx,
                                        page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale, causal, window,
-                                       _softcap(softcap), rotary_interleaved, num_splits, sinks,
-                                       attend=lambda q_batch, lengths: attend_fp8(q_batch, None, None, lengths),
-                                       attend_varlen=attend_fp8_varlen)
+                                       _softcap(softcap), rotary_interleaved, sinks, attend=attend_fp8_varlen)
     elif cu_seqlens_q is None and cu_seqlens_k_new is None:
         out, lse = flashattn.flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, None, page_table,
@@ -244,7 +242,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     else:
         out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    cache_batch_idx, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale,
-                                   causal, window, _softcap(softcap), rotary_interleaved, num_splits, sinks)
+                                   causal, window, _softcap(softcap), rotary_interleaved, sinks)
     if not return_softmax_lse:
         return out
     no_partials = torch.empty((0,), dtype=torch.float32, device=out.device)
@@ -291,32 +289,6 @@ def _append(k_cache, v_cache, k, v, seq, positions, cache_batch_idx, page_table)
     v_cache.index_put_(where, v)
 
 
-def _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary):
-    """q (batch, seqlen_q, h, d), or varlen (total_q, h, d), rotated (rotary: (cos, sin,
-    interleaved, by_row) or None) at cache_seqlens (old) + its index when by_row, else at
-    cache_seqlens -> (q as a batch, varlen rows left-padded; the (sequence, row) of each varlen
-    query in that batch, or None)."""
-    device = q.device
-    if cu_seqlens_q is not None:
-        q_seq, q_idx = _rows_of(cu_seqlens_q.long(), q.shape[0])
-        q_rows = q
-    else:
-        q_seq = torch.arange(q.shape[0], device=device).repeat_interleave(q.shape[1])
-        q_idx = torch.arange(q.shape[1], device=device).repeat(q.shape[0])
-        q_rows = q.reshape(-1, *q.shape[2:])
-    if rotary is not None:
-        cos, sin, interleaved, by_row = rotary
-        q_rows = _rotate_at(q_rows, cos, sin, interleaved, old[q_seq] + (q_idx if by_row else 0))
-    if cu_seqlens_q is None:
-        return q_rows.reshape(q.shape), None
-    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    max_q = int(max_seqlen_q) if max_seqlen_q is not None else int(lengths.max())
-    padded_idx = q_idx + max_q - lengths[q_seq]  # left padding: the last rows are the real ones
-    q_batch = q.new_zeros((batch, max_q) + tuple(q.shape[1:]))
-    q_batch[q_seq, padded_idx] = q_rows
-    return q_batch, (q_seq, padded_idx)
-
-
 def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx, page_table):
     """Appends k, v (batch, seqlen_new, hk, d), or varlen (total_new, hk, d), rotated, at
     cache_seqlens (old) of each sequence -> the lengths after the append."""
@@ -338,13 +310,10 @@ def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotar
 
 def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
-                    softcap, rotary_interleaved, num_splits, sinks=None, attend=None, attend_varlen=None):
-    """flash_attn_with_kvcache with varlen queries or new keys: the append and the rotations here
-    (the same rotation as the core's append, flashattn.layers.rotary), the queries left-padded into
-    a batch — which keeps the bottom-right alignment of causal and window masks — for the core's
-    KV-cache attention over the updated caches; with varlen queries, _varlen_queries_over_cache.
-    attend(q_batch, lengths) -> (out, lse) / attend_varlen: those attentions instead (FP8 calls:
-    the FP8 op)."""
+                    softcap, rotary_interleaved, sinks=None, attend=None):
+    """flash_attn_with_kvcache with varlen queries or new keys: _varlen_queries_over_cache, queries
+    (batch, seqlen_q, h, d) given without cu_seqlens_q taken as varlen rows of seqlen_q each (out
+    and lse then shaped back). attend: as _varlen_queries_over_cache's (FP8 calls: the FP8 op)."""
     if page_table is not None and cache_batch_idx is not None:
         raise _C.Error("cache_batch_idx: cannot be combined with a paged cache (page_table)")
     if cache_seqlens is None:
@@ -356,26 +325,19 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # Queries rotate at their own positions when causal or windowed (FlashAttention's rule).
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved,
                                               causal or window != (-1, -1))
-    if cu_seqlens_q is not None and (attend is None or attend_varlen is not None):
+    if cu_seqlens_q is not None:
         return _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
                                           batch, old, rotary, cache_batch_idx, page_table, softmax_scale, causal,
-                                          window, softcap, sinks, attend_varlen)
-    # The queries first, so that nothing is written into the caches before every check has passed.
-    q_batch, gather = _queries_as_batch(q, cu_seqlens_q, max_seqlen_q, batch, old, rotary)
-    new = old
-    if k is not None:
-        new = _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx,
-                               page_table)
-    if attend is not None:
-        out, lse = attend(q_batch, new.to(torch.int32))
-    else:
-        out, lse = flashattn.flash_attn_with_kvcache(
-            q_batch, k_cache, v_cache, None, None, None, None, new.to(torch.int32), cache_batch_idx, None, page_table,
-            softmax_scale, causal, window, softcap, rotary_interleaved, None, num_splits, True, sinks=sinks)
-    if gather is None:
-        return out, lse
-    q_seq, padded_idx = gather
-    return out[q_seq, padded_idx], lse[q_seq, :, padded_idx].transpose(0, 1)
+                                          window, softcap, sinks, attend)
+    if q.dim() != 4 or q.shape[0] != batch:
+        raise _C.Error(f"q: must be (batch, seqlen_q, nheads, headdim) with the batch of cu_seqlens_k_new ({batch}) "
+                       f"when cu_seqlens_q is not given; got {tuple(q.shape)}")
+    sq, h = q.shape[1], q.shape[2]
+    cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    out, lse = _varlen_queries_over_cache(q.reshape(batch * sq, h, q.shape[3]), k_cache, v_cache, k, v, cu_q,
+                                          cu_seqlens_k_new, sq, batch, old, rotary, cache_batch_idx, page_table,
+                                          softmax_scale, causal, window, softcap, sinks, attend)
+    return out.reshape(batch, sq, h, out.shape[-1]), lse.reshape(h, batch, sq).transpose(0, 1)
 
 
 def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, batch, old,
@@ -386,8 +348,8 @@ def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqle
     (block_table; a contiguous cache is pages of its whole length, one per sequence, through
     cache_batch_idx where given) with seqused_k the lengths after the append — the bottom-right
     alignment of causal and window masks is the same — without padding the queries into a batch.
-    attend(q, block_table, seqused_k, max_seqlen_q, max_seqlen_k) -> (out, lse): that attention
-    instead of the library's varlen function (FP8: the FP8 op)."""
+    attend(q, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k) -> (out, lse): that
+    attention instead of the library's varlen function (FP8: the FP8 op)."""
     if rotary is not None:
         cos, sin, interleaved, by_row = rotary
         q_seq, q_idx = _rows_of(cu_seqlens_q.long(), q.shape[0])
@@ -411,7 +373,7 @@ def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqle
                        f"got {int(new.max())} keys")
     max_seqlen_q = int_arg("max_seqlen_q", max_seqlen_q)
     if attend is not None:
-        return attend(q, block_table, new.to(torch.int32), max_seqlen_q, capacity)
+        return attend(q, cu_seqlens_q, block_table, new.to(torch.int32), max_seqlen_q, capacity)
     return flashattn.flash_attn_varlen_func(
         q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0, softmax_scale, causal, window, softcap,
         None, False, False, block_table, seqused_k=new.to(torch.int32), return_softmax_lse=True, sinks=sinks)

@@ -205,6 +205,50 @@ def test_kvcache_varlen_paged(causal, device):
 
 
 @pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_batch_queries_varlen_new_keys(paged, device):
+    """Queries as a batch (b, sq, h, d) with varlen new keys (cu_seqlens_k_new) and a rotary
+    embedding: out (b, sq, h, d) and lse (b, h, sq), each sequence equal to the library's batch
+    KV-cache call with its own new keys; the caches receive the rotated keys."""
+    b, sq, hq, hk, d, cap, page = 3, 2, 4, 2, 32, 24, 8
+    old, n_new = [5, 0, 9], [2, 3, 1]
+    g = torch.Generator().manual_seed(13)
+    cache_k = randn((b, cap, hk, d), torch.bfloat16, device, g)
+    cache_v = randn((b, cap, hk, d), torch.bfloat16, device, g)
+    q = randn((b, sq, hq, d), torch.bfloat16, device, g)
+    k_new = randn((sum(n_new), hk, d), torch.bfloat16, device, g)
+    v_new = randn((sum(n_new), hk, d), torch.bfloat16, device, g)
+    angles = np.outer(np.arange(cap), 10000.0 ** (-np.arange(0, d, 2) / d))
+    cos = torch.from_numpy(np.cos(angles)).to(device=device, dtype=torch.bfloat16)
+    sin = torch.from_numpy(np.sin(angles)).to(device=device, dtype=torch.bfloat16)
+    seqlens = torch.tensor(old, dtype=torch.int32, device=device)
+    kwargs = {}
+    if paged:
+        table = shuffled_table(b, cap // page, device, g)
+        k_arg, v_arg = paged_like(cache_k, table, page), paged_like(cache_v, table, page)
+        kwargs["page_table"] = table
+    else:
+        k_arg, v_arg = cache_k.clone(), cache_v.clone()
+    out, lse, *_ = fa3.flash_attn_with_kvcache(
+        q, k_arg, v_arg, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        cu_seqlens_k_new=cu(n_new, device), causal=True, return_softmax_lse=True, **kwargs)
+    assert out.shape == q.shape and lse.shape == (b, hq, sq)
+    k_after = unpaged(k_arg, table) if paged else k_arg
+    ck = cu(n_new, "cpu").tolist()
+    for i in range(b):
+        k_ref, v_ref = cache_k[i:i + 1].clone(), cache_v[i:i + 1].clone()
+        out_ref, lse_ref = flashattn.flash_attn_with_kvcache(
+            q[i:i + 1], k_ref, v_ref, k_new[ck[i]:ck[i + 1]].unsqueeze(0), v_new[ck[i]:ck[i + 1]].unsqueeze(0), cos,
+            sin, cache_seqlens=seqlens[i:i + 1], causal=True, return_softmax_lse=True)
+        torch.testing.assert_close(out[i:i + 1], out_ref)
+        torch.testing.assert_close(lse[i:i + 1], lse_ref)
+        assert torch.equal(k_after[i], k_ref[0])
+    with pytest.raises(flashattn.Error, match="q: "):
+        fa3.flash_attn_with_kvcache(q[:2], k_arg, v_arg, k_new, v_new, cache_seqlens=seqlens,
+                                    cu_seqlens_k_new=cu(n_new, device), **kwargs)
+
+
+@pytest.mark.parametrize("device", torch_devices())
 @pytest.mark.parametrize("layout", ["paged", "batch_idx", "contiguous"])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_kvcache_varlen_queries_without_new_keys(mask, layout, device):
