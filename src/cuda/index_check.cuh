@@ -80,6 +80,17 @@ static __device__ __noinline__ void record_first_bad_entry(const IndexFold& f, i
                          common::check_block_table_entry(f.bounds, b, first), int(f.bounds.api));
 }
 
+// Sequence b's rules other than its block_table entries, checked by every thread of a block alike
+// (thread 0 records a violation); *len: the keys it reads.
+__device__ __forceinline__ bool sequence_scalars_pass(const IndexFold& f, int b, long long* len) {
+  const common::IndexViolation v = common::check_sequence_scalars(f.bounds, b, len);
+  if (v && threadIdx.x == 0) {
+    record_index_violation(static_cast<IndexRecord*>(f.record), static_cast<IndexRecord*>(f.mirror), v,
+                           int(f.bounds.api));
+  }
+  return !v;
+}
+
 // The folded check of a paged cache's sequence b in the sm80 split forward, by a block that is
 // `part` of the `parts` blocks reading b: every thread checks b's rules other than its block_table
 // entries (the same few loads for all threads, so all agree, and a violation ends the block's work
@@ -93,14 +104,7 @@ __device__ __forceinline__ bool index_check_sequence_share_passes(const IndexFol
                                                                   const int* flag) {
   const int earlier = flag != nullptr ? *flag : 0;
   long long len = 0;
-  const common::IndexViolation v = common::check_sequence_scalars(f.bounds, b, &len);
-  if (v) {
-    if (threadIdx.x == 0) {
-      record_index_violation(static_cast<IndexRecord*>(f.record), static_cast<IndexRecord*>(f.mirror), v,
-                             int(f.bounds.api));
-    }
-    return false;
-  }
+  if (!sequence_scalars_pass(f, b, &len)) return false;
   const long long pages = common::block_table_pages(f.bounds, len);
   const long long end = pages * (part + 1) / parts;
   for (long long blk = pages * part / parts + threadIdx.x; blk < end; blk += blockDim.x) {
@@ -111,6 +115,40 @@ __device__ __forceinline__ bool index_check_sequence_share_passes(const IndexFol
     }
   }
   return earlier == 0;
+}
+
+// index_check_sequence_share_passes in two halves, for a kernel that compares its share of the
+// entries late (Sm80FwdTuning::paged_check_late): the first checks b's other rules as above and
+// loads this thread's first entry of the share into *entry (0 where it has none), comparing
+// nothing; index_check_share_finish, by every thread of the block at the kernel's end (after its
+// partials are written; before any exit past the first half), compares it and checks the rest of
+// the share. The share is found again there from b's length (the loads hit the cache), so that
+// only the entry is held through the kernel.
+__device__ __forceinline__ bool index_check_share_begin(const IndexFold& f, int b, int part, int parts,
+                                                        const int* flag, std::int32_t* entry) {
+  const int earlier = flag != nullptr ? *flag : 0;
+  long long len = 0;
+  if (!sequence_scalars_pass(f, b, &len)) return false;
+  const long long pages = common::block_table_pages(f.bounds, len);
+  const long long blk = pages * part / parts + threadIdx.x;
+  *entry = blk < pages * (part + 1) / parts ? f.bounds.block_table[b * f.bounds.block_table_batch_stride + blk] : 0;
+  return earlier == 0;
+}
+
+static __device__ __noinline__ void index_check_share_finish(const IndexFold& f, int b, int part, int parts,
+                                                              std::int32_t entry) {
+  long long len = 0;
+  (void)common::check_sequence_scalars(f.bounds, b, &len);  // passed in the first half
+  const long long pages = common::block_table_pages(f.bounds, len);
+  const long long end = pages * (part + 1) / parts;
+  long long blk = pages * part / parts + threadIdx.x;
+  for (bool first = true; blk < end; blk += blockDim.x, first = false) {
+    const std::int32_t page = first ? entry : f.bounds.block_table[b * f.bounds.block_table_batch_stride + blk];
+    if (page < 0 || page >= f.bounds.cache_rows) {
+      record_first_bad_entry(f, b, blk);
+      return;
+    }
+  }
 }
 
 }  // namespace flashattn::cuda
