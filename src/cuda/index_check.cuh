@@ -57,6 +57,23 @@ __device__ __forceinline__ bool index_check_sequence_passes(const IndexFold& f, 
   return !v && earlier == 0;
 }
 
+// Entry blk of sequence b's block_table row, and whether a page number leaves the cache.
+__device__ __forceinline__ std::int32_t table_entry(const IndexFold& f, int b, long long blk) {
+  return f.bounds.block_table[b * f.bounds.block_table_batch_stride + blk];
+}
+__device__ __forceinline__ bool page_outside_cache(const IndexFold& f, std::int32_t page) {
+  return page < 0 || page >= f.bounds.cache_rows;
+}
+// Share `part` of `parts` equal shares of the entries of the pages that hold a sequence's `len`
+// keys: entries [begin, end).
+struct EntryShare {
+  long long begin, end;
+};
+__device__ __forceinline__ EntryShare entry_share(const IndexFold& f, long long len, int part, int parts) {
+  const long long pages = common::block_table_pages(f.bounds, len);
+  return {pages * part / parts, pages * (part + 1) / parts};
+}
+
 // The error path of index_check_sequence_share_passes: entry `found` of sequence b is bad; the
 // first bad entry at or before it (what the host's check names) is looked for and recorded. Every
 // thread that finds a bad entry of b records the same one, whichever block it is in.
@@ -67,12 +84,12 @@ static __device__ __noinline__ void record_first_bad_entry(const IndexFold& f, i
     std::int32_t page[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      page[u] = base + u < first ? f.bounds.block_table[b * f.bounds.block_table_batch_stride + base + u] : 0;
+      page[u] = base + u < first ? table_entry(f, b, base + u) : 0;
     }
     bool bad = false;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (!bad && base + u < first && (page[u] < 0 || page[u] >= f.bounds.cache_rows)) first = base + u, bad = true;
+      if (!bad && base + u < first && page_outside_cache(f, page[u])) first = base + u, bad = true;
     }
     if (bad) break;
   }
@@ -105,11 +122,9 @@ __device__ __forceinline__ bool index_check_sequence_share_passes(const IndexFol
   const int earlier = flag != nullptr ? *flag : 0;
   long long len = 0;
   if (!sequence_scalars_pass(f, b, &len)) return false;
-  const long long pages = common::block_table_pages(f.bounds, len);
-  const long long end = pages * (part + 1) / parts;
-  for (long long blk = pages * part / parts + threadIdx.x; blk < end; blk += blockDim.x) {
-    const std::int32_t page = f.bounds.block_table[b * f.bounds.block_table_batch_stride + blk];
-    if (page < 0 || page >= f.bounds.cache_rows) {
+  const EntryShare share = entry_share(f, len, part, parts);
+  for (long long blk = share.begin + threadIdx.x; blk < share.end; blk += blockDim.x) {
+    if (page_outside_cache(f, table_entry(f, b, blk))) {
       record_first_bad_entry(f, b, blk);
       break;
     }
@@ -129,9 +144,9 @@ __device__ __forceinline__ bool index_check_share_begin(const IndexFold& f, int 
   const int earlier = flag != nullptr ? *flag : 0;
   long long len = 0;
   if (!sequence_scalars_pass(f, b, &len)) return false;
-  const long long pages = common::block_table_pages(f.bounds, len);
-  const long long blk = pages * part / parts + threadIdx.x;
-  *entry = blk < pages * (part + 1) / parts ? f.bounds.block_table[b * f.bounds.block_table_batch_stride + blk] : 0;
+  const EntryShare share = entry_share(f, len, part, parts);
+  const long long blk = share.begin + threadIdx.x;
+  *entry = blk < share.end ? table_entry(f, b, blk) : 0;
   return earlier == 0;
 }
 
@@ -139,12 +154,10 @@ static __device__ __noinline__ void index_check_share_finish(const IndexFold& f,
                                                               std::int32_t entry) {
   long long len = 0;
   (void)common::check_sequence_scalars(f.bounds, b, &len);  // passed in the first half
-  const long long pages = common::block_table_pages(f.bounds, len);
-  const long long end = pages * (part + 1) / parts;
-  long long blk = pages * part / parts + threadIdx.x;
-  for (bool first = true; blk < end; blk += blockDim.x, first = false) {
-    const std::int32_t page = first ? entry : f.bounds.block_table[b * f.bounds.block_table_batch_stride + blk];
-    if (page < 0 || page >= f.bounds.cache_rows) {
+  const EntryShare share = entry_share(f, len, part, parts);
+  long long blk = share.begin + threadIdx.x;
+  for (bool first = true; blk < share.end; blk += blockDim.x, first = false) {
+    if (page_outside_cache(f, first ? entry : table_entry(f, b, blk))) {
       record_first_bad_entry(f, b, blk);
       return;
     }
