@@ -145,12 +145,12 @@ TEST_P(CudaBackward, SpecialCases) {
   FA_SKIP_WITHOUT_GPU();
   {  // no keys: dq = 0, softmax_d = 0
     const BackwardResult r = expect_matches(base(64, 37, 0));
-    r.dq.for_each_index([&](const Index& ix) { ASSERT_EQ(r.dq.get(ix), 0.0f); });
+    if (!r.not_run) r.dq.for_each_index([&](const Index& ix) { ASSERT_EQ(r.dq.get(ix), 0.0f); });
   }
   {  // no queries: dk = dv = 0
     const BackwardResult r = expect_matches(base(64, 0, 45));
-    r.dk.for_each_index([&](const Index& ix) { ASSERT_EQ(r.dk.get(ix), 0.0f); });
-    r.dv.for_each_index([&](const Index& ix) { ASSERT_EQ(r.dv.get(ix), 0.0f); });
+    if (!r.not_run) r.dk.for_each_index([&](const Index& ix) { ASSERT_EQ(r.dk.get(ix), 0.0f); });
+    if (!r.not_run) r.dv.for_each_index([&](const Index& ix) { ASSERT_EQ(r.dv.get(ix), 0.0f); });
   }
   {  // peaky softmax
     AttnConfig cfg = base(128, 257, 513);
@@ -169,7 +169,8 @@ TEST_P(CudaBackward, SpecialCases) {
     AttnConfig cfg = base(64, 150, 40);
     cfg.opt.causal = true;
     const BackwardResult r = expect_matches(cfg);
-    for (int b = 0; b < cfg.batch; ++b)
+    // (A build without the kernel records the case as not run; its outputs are then the poison.)
+    for (int b = 0; b < (r.not_run ? 0 : cfg.batch); ++b)
       for (int i = 0; i < 110; ++i)
         for (int h = 0; h < cfg.heads; ++h) {
           ASSERT_EQ(r.softmax_d.get({b, h, i}), 0.0f);
