@@ -132,36 +132,4 @@ __device__ __forceinline__ bool index_check_sequence_share_passes(const IndexFol
   return earlier == 0;
 }
 
-// index_check_sequence_share_passes in two halves, for a kernel that compares its share of the
-// entries late (Sm80FwdTuning::paged_check_late): the first checks b's other rules as above and
-// loads this thread's first entry of the share into *entry (0 where it has none), comparing
-// nothing; index_check_share_finish, by every thread of the block at the kernel's end (after its
-// partials are written; before any exit past the first half), compares it and checks the rest of
-// the share. The share is found again there from b's length (the loads hit the cache), so that
-// only the entry is held through the kernel.
-__device__ __forceinline__ bool index_check_share_begin(const IndexFold& f, int b, int part, int parts,
-                                                        const int* flag, std::int32_t* entry) {
-  const int earlier = flag != nullptr ? *flag : 0;
-  long long len = 0;
-  if (!sequence_scalars_pass(f, b, &len)) return false;
-  const EntryShare share = entry_share(f, len, part, parts);
-  const long long blk = share.begin + threadIdx.x;
-  *entry = blk < share.end ? table_entry(f, b, blk) : 0;
-  return earlier == 0;
-}
-
-static __device__ __noinline__ void index_check_share_finish(const IndexFold& f, int b, int part, int parts,
-                                                              std::int32_t entry) {
-  long long len = 0;
-  (void)common::check_sequence_scalars(f.bounds, b, &len);  // passed in the first half
-  const EntryShare share = entry_share(f, len, part, parts);
-  long long blk = share.begin + threadIdx.x;
-  for (bool first = true; blk < share.end; blk += blockDim.x, first = false) {
-    if (page_outside_cache(f, first ? entry : table_entry(f, b, blk))) {
-      record_first_bad_entry(f, b, blk);
-      return;
-    }
-  }
-}
-
 }  // namespace flashattn::cuda

@@ -123,12 +123,6 @@ constexpr bool kLazyRescale = fwd_tuning(kHeadDim).lazy_rescale;
 // always takes it: in the loop its paged d 64 kernel spilled 492 bytes instead of 88.
 template <int kHeadDim>
 constexpr bool kBranchRescale = fwd_tuning(kHeadDim).first_tile_branch;
-// kPagedCheckLate: the packed paged split kernel's folded index check compares its block-table
-// entries after the partials are written (index_check_share_begin / _finish) instead of in the
-// prologue, where each thread's branch on its entry waits for that entry's load before the
-// kernel's own loads are issued.
-template <int kHeadDim>
-constexpr bool kPagedCheckLate = fwd_tuning(kHeadDim).paged_check_late;
 
 // x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
 // built on it stay "base + constant" inside the key loop instead of being hoisted out as one
@@ -354,30 +348,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // kernels leave the code out (at d 128 it took the unpacked split kernel's spills from 52 to 180
   // bytes, inlined or called): launch_fwd_grid launches the check kernel ahead of them.
   constexpr bool kFoldsPaged = kPaged && kSplit && kPacked;
-  constexpr bool kLateShare = kFoldsPaged && kPagedCheckLate<kHeadDim>;
-  // The block's share of its sequence's block-table entries: part share_part() of share_parts().
-  auto share_part = [] { return int(blockIdx.y * gridDim.x + blockIdx.x); };
-  auto share_parts = [] { return int(gridDim.x * gridDim.y); };
-  std::int32_t share_entry = 0;  // kLateShare: this thread's first entry of the share, compared at the end
-  // kLateShare: every exit past the prologue compares the share first.
-  auto finish_share = [&] {
-    if constexpr (kLateShare) {
-      if (p.index_fold.active()) {
-        index_check_share_finish(p.index_fold, int(blockIdx.z), share_part(), share_parts(), share_entry);
-      }
-    }
-  };
   bool folded = false;
   if constexpr (!kPaged || kFoldsPaged) folded = p.index_fold.active();
   if (folded) {
-    if constexpr (kLateShare) {
-      if (!index_check_share_begin(p.index_fold, int(blockIdx.z), share_part(), share_parts(), p.index_error,
-                                   &share_entry)) {
-        return;
-      }
-    } else if constexpr (kFoldsPaged) {
-      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), share_part(), share_parts(),
-                                             p.index_error)) {
+    if constexpr (kFoldsPaged) {
+      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), int(blockIdx.y * gridDim.x + blockIdx.x),
+                                             int(gridDim.x * gridDim.y), p.index_error)) {
         return;
       }
     } else if constexpr (kSplit) {
@@ -409,10 +385,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const int seqlen_k = p.seqlen_k(batch);
   const std::int64_t q_row0 = p.q_row0(batch);
   const int m_start = m_block * kBlockM;
-  if (m_start >= seqlen_q * pack) {  // varlen: this sequence is shorter than the grid
-    finish_share();
-    return;
-  }
+  if (m_start >= seqlen_q * pack) return;  // varlen: this sequence is shorter than the grid
   const int rows_here = min(kBlockM, seqlen_q * pack - m_start);
   // Packed row r of the grid (r = m_start + tile row) as (query row, query head). r / pack as a
   // multiply-high by ⌈2³² / pack⌉, exact for r < 2³² / pack (the host packs short queries only):
@@ -862,7 +835,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
         }
       }
     }
-    finish_share();
     return;
   }
 

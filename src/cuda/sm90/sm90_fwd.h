@@ -197,15 +197,6 @@ bool fwd_paged_built();
 // prefill over pages of 64 and 256 rows ran 1.81–1.85× faster with 64-row boxes than with 16-row ones,
 // level with the contiguous cache.
 int fwd_page_box_rows(int page_size);
-// The paged kernels' TMA boxes issued by the 32 lanes of the producer's warp 0 side by side (a
-// box per lane: one pass of the issue code per 32 boxes, where one thread made one per box; pages
-// of 16 rows take 16 boxes per 128-row key tile at d 128, K's and V's each), their producer at 40
-// registers (the consumers keep 232: sm_90a, d 128, no spills in the plain paged kernel).
-// -DFLASHATTN_SM90_FWD_PAGE_LANES=1 builds it; 0, the default until timed on a GPU: one thread.
-#ifndef FLASHATTN_SM90_FWD_PAGE_LANES
-#define FLASHATTN_SM90_FWD_PAGE_LANES 0
-#endif
-inline constexpr bool kFwdPageLanes = FLASHATTN_SM90_FWD_PAGE_LANES != 0;
 
 // Split-KV in this family: each tile's key tiles spread over `splits` CTAs of the persistent
 // grid (the split innermost in the tile order), which write fp32 partials (cuda/split_kv.h) that

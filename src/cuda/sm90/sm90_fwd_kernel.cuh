@@ -1,7 +1,6 @@
 // src/cuda/sm90/sm90_fwd_kernel.cuh — the Hopper forward kernel (warp-specialised, TMA + wgmma):
-// one producer warpgroup, of which one thread issues every TMA load (a paged kernel's boxes: the
-// lanes of its warp 0), and kConsumerWarpgroups consumer warpgroups of 64 query rows each that
-// compute S, the online softmax and O (with
+// one producer warpgroup, of which one thread issues every TMA load, and kConsumerWarpgroups
+// consumer warpgroups of 64 query rows each that compute S, the online softmax and O (with
 // FLASHATTN_SM90_FWD_TMA_STORE, one thread of the producer's warp 1 stores each tile's O). The body
 // only orchestrates: loads and products in sm90_fwd_mainloop.cuh, softmax in sm90_softmax.cuh,
 // the output in sm90_fwd_epilogue.cuh, the tile in sm90_tile_scheduler.cuh.
@@ -106,12 +105,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   [[maybe_unused]] auto fetch = [&]() {
     int index = int(blockIdx.x);
     if (fetched_first) {
-      int v = 0;
-      if (Mainloop::issue_leader()) {
-        v = atomicAdd(params.tile_counter, 1);
-        if (v == tiles - 1) atomicExch(params.tile_counter, 0);
-      }
-      if constexpr (Mainloop::kWarpIssue) v = __shfl_sync(0xffffffffu, v, 0);
+      const int v = atomicAdd(params.tile_counter, 1);
+      if (v == tiles - 1) atomicExch(params.tile_counter, 0);
       index = int(gridDim.x) + v;
     }
     fetched_first = true;
@@ -125,10 +120,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     if constexpr (kFwdDynamic) {
       const int slot = int(ring_n % kFwdTileSlots);
       cutlass::arch::ClusterBarrier::wait(&ss.ring.empty[slot], ((ring_n / kFwdTileSlots) & 1u) ^ 1u);
-      if (Mainloop::issue_leader()) {
-        ss.ring.index[slot] = index;
-        cutlass::arch::ClusterBarrier::arrive(&ss.ring.full[slot]);
-      }
+      ss.ring.index[slot] = index;
+      cutlass::arch::ClusterBarrier::arrive(&ss.ring.full[slot]);
     }
     ++ring_n;
   };
@@ -154,10 +147,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
     return index;
   };
   if (warpgroup == 0) {
-    // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads, or
-    // the whole warp where a paged kernel's lanes issue its boxes (Traits::kPageLanes).
+    // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (warp == 0 && (Mainloop::kWarpIssue || cute::elect_one_sync())) {
+    if (warp == 0 && cute::elect_one_sync()) {
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
       if (dynamic) {
         if constexpr (kFwdDynamic) {

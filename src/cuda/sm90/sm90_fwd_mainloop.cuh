@@ -59,14 +59,7 @@ struct FwdMainloop {
   using SharedStorage = typename Traits::SharedStorage;
   using Pipeline = TmaPipeline<kStages>;
 
-  // --- producer: one thread, or warp 0 of a paged kernel ---------------------------------------
-  // A paged kernel built with lanes that issue its boxes (Traits::kPageLanes) runs the producer in
-  // the whole of warp 0: every lane walks the tiles and waits on the stages, lane 0 alone (the
-  // leader) loads Q, announces the bytes and keeps the schedule, and the lanes issue a key tile's
-  // boxes side by side (load_paged_lanes). Otherwise one elected thread does everything.
-  static constexpr bool kWarpIssue = Traits::kPageLanes;
-  __device__ __forceinline__ static bool issue_leader() { return !kWarpIssue || threadIdx.x % 32 == 0; }
-
+  // --- producer: one thread -------------------------------------------------------------------
   // The Q of tile t, the CTA's `count`-th non-empty one, into its buffer once the consumers are
   // done with the buffer's previous tile (the first use of a buffer passes at once).
   __device__ static void load_q(const FwdParams<Traits>& params, SharedStorage& ss, const FwdTile& t,
@@ -150,7 +143,7 @@ struct FwdMainloop {
                               const Pipeline& v_pipe, const FwdTile& t, std::uint32_t count, bool q_loaded,
                               const FwdTile& next, bool has_next, PipelineState<kStages>& st) {
     if constexpr (Traits::kPaged) {
-      if (!q_loaded && issue_leader()) load_q(params, ss, t, count);
+      if (!q_loaded) load_q(params, ss, t, count);
       load_paged(params, ss, k_pipe, v_pipe, t, count, next, has_next, st);
     } else {
       Tensor mK = params.tma_k.get_tma_tensor(params.shape_k);  // (sk, d, hk, b)
@@ -209,103 +202,16 @@ struct FwdMainloop {
     const int page_size = params.p.page_size;
     for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
       const std::uint32_t boxes = paged_tile_boxes<kRows>(t, n);
-      if constexpr (kWarpIssue) {
-        load_paged_lanes<kRows>(tma_k, tma_v, mK, mV, ss, k_pipe, v_pipe, st, pages, page_size, boxes, t, n);
-      } else {
-        int box_page[Traits::kChunksPerTile];
-        tile_pages<kRows>(pages, page_size, t, n, box_page);
-        load_paged_tile<kRows, Traits::kColumnBlocksK>(
-            tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
-            k_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxK<kRows>), box_page, page_size, t, n);
-        load_paged_tile<kRows, Traits::kColumnBlocksV>(
-            tma_v, mV, ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
-            v_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxV<kRows>), box_page, page_size, t, n);
-      }
+      int box_page[Traits::kChunksPerTile];
+      tile_pages<kRows>(pages, page_size, t, n, box_page);
+      load_paged_tile<kRows, Traits::kColumnBlocksK>(
+          tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
+          k_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxK<kRows>), box_page, page_size, t, n);
+      load_paged_tile<kRows, Traits::kColumnBlocksV>(
+          tma_v, mV, ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
+          v_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxV<kRows>), box_page, page_size, t, n);
       st.advance();
-      if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1 && issue_leader()) {
-        load_q(params, ss, next, count + 1);
-      }
-    }
-  }
-
-  // The boxes of kRows rows of key tile n of t, issued by the 32 lanes of warp 0 side by side:
-  // box pair i (chunk i / kColumnBlocks, column block i % kColumnBlocks) by lane i % 32. Each lane
-  // reads the block_table entries of its own boxes before the stage waits (K's and V's, the same
-  // when their column blocks are), every lane waits for the stage, lane 0 announces its bytes, and
-  // after the warp's sync the lanes issue: one pass of the loop per 32 boxes instead of one per box.
-  template <int kRows, class TmaK, class TmaV, class MK, class MV>
-  __device__ static void load_paged_lanes(const TmaK& tma_k, const TmaV& tma_v, const MK& mK, const MV& mV,
-                                          SharedStorage& ss, const Pipeline& k_pipe, const Pipeline& v_pipe,
-                                          PipelineState<kStages> st, const std::int32_t* pages, int page_size,
-                                          std::uint32_t boxes, const FwdTile& t, int n) {
-    constexpr int kBlocksK = Traits::kColumnBlocksK;
-    constexpr int kBlocksV = Traits::kColumnBlocksV;
-    const int lane = int(threadIdx.x) % 32;
-    int page_k[lane_boxes<kRows, kBlocksK>()];
-    int page_v[lane_boxes<kRows, kBlocksV>()];
-    lane_pages<kRows, kBlocksK>(pages, page_size, boxes, n, lane, page_k);
-    if constexpr (kBlocksV == kBlocksK) {
-      CUTE_UNROLL
-      for (int k = 0; k < lane_boxes<kRows, kBlocksV>(); ++k) page_v[k] = page_k[k];
-    } else {
-      lane_pages<kRows, kBlocksV>(pages, page_size, boxes, n, lane, page_v);
-    }
-    std::uint64_t& k_full = lane_acquire(k_pipe, st, boxes * Traits::template kTmaBytesBoxK<kRows>, lane);
-    issue_lane_boxes<kRows, kBlocksK>(tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim), k_full,
-                                      page_k, page_size, boxes, t, n, lane);
-    std::uint64_t& v_full = lane_acquire(v_pipe, st, boxes * Traits::template kTmaBytesBoxV<kRows>, lane);
-    issue_lane_boxes<kRows, kBlocksV>(tma_v, mV, ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
-                                      v_full, page_v, page_size, boxes, t, n, lane);
-  }
-  // Box pairs of a key tile per lane (a pair: one chunk of kRows rows, one block of kAtomCols columns).
-  template <int kRows, int kColumnBlocks>
-  __host__ __device__ static constexpr int lane_boxes() {
-    return (kBlockN / kRows * kColumnBlocks + 31) / 32;
-  }
-  // Whether lane's k-th pair (i = lane + 32·k) is one of the `boxes` chunks that hold keys.
-  template <int kRows, int kColumnBlocks>
-  __device__ __forceinline__ static bool lane_has_box(std::uint32_t boxes, int lane, int k) {
-    const int i = lane + 32 * k;
-    return i < kBlockN / kRows * kColumnBlocks && i / kColumnBlocks < int(boxes);
-  }
-  template <int kRows, int kColumnBlocks>
-  __device__ __forceinline__ static void lane_pages(const std::int32_t* pages, int page_size, std::uint32_t boxes,
-                                                    int n, int lane, int (&page)[lane_boxes<kRows, kColumnBlocks>()]) {
-    CUTE_UNROLL
-    for (int k = 0; k < lane_boxes<kRows, kColumnBlocks>(); ++k) {
-      const int chunk = (lane + 32 * k) / kColumnBlocks;
-      page[k] = lane_has_box<kRows, kColumnBlocks>(boxes, lane, k) ? __ldg(pages + (n * kBlockN + chunk * kRows) / page_size)
-                                                                  : 0;
-    }
-  }
-  // Every lane waits for the stage to be free; lane 0 announces the bytes; the warp syncs so that no
-  // lane's copy precedes the announcement.
-  __device__ __forceinline__ static std::uint64_t& lane_acquire(const Pipeline& pipe, PipelineState<kStages> st,
-                                                                std::uint32_t bytes, int lane) {
-    cutlass::arch::ClusterBarrier::wait(&pipe.empty[st.index], st.phase);
-    if (lane == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&pipe.full[st.index], bytes);
-    __syncwarp();
-    return pipe.full[st.index];
-  }
-  template <int kRows, int kColumnBlocks, class Tma, class MKV>
-  __device__ __forceinline__ static void issue_lane_boxes(const Tma& tma, const MKV& mKV, Element* stage,
-                                                          std::uint64_t& full,
-                                                          const int (&page)[lane_boxes<kRows, kColumnBlocks>()],
-                                                          int page_size, std::uint32_t boxes, const FwdTile& t, int n,
-                                                          int lane) {
-    constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
-    auto slice = tma.get_slice(_0{});
-    CUTE_UNROLL
-    for (int k = 0; k < lane_boxes<kRows, kColumnBlocks>(); ++k) {
-      if (!lane_has_box<kRows, kColumnBlocks>(boxes, lane, k)) continue;
-      const int chunk = (lane + 32 * k) / kColumnBlocks;
-      const int block = (lane + 32 * k) % kColumnBlocks;
-      const int in_page = (n * kBlockN + chunk * kRows) % page_size;
-      Tensor g = local_tile(mKV(_, _, t.kv_head, page[k]), Shape<Int<kRows>, typename Traits::BoxCols>{},
-                            make_coord(in_page / kRows, block));
-      Tensor sBox = make_tensor(make_smem_ptr(stage + Traits::chunk_offset(chunk, block, kRows)),
-                                typename Traits::template SmemLayoutKVBox<kRows>{});
-      copy(tma.with(full, 0, kKeep), slice.partition_S(g), slice.partition_D(sBox));
+      if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
     }
   }
 

@@ -104,25 +104,21 @@ struct FwdTraits {
   // stay within the CTA's registers (setmaxnreg_pool: 63K of 384 threads, 64K of 512):
   // 128 · kProducerRegs + kConsumerThreads · kConsumerRegs. With O stored by TMA the producer
   // warpgroup walks the tiles twice (loads, stores): 32, and the two consumer warpgroups 232.
-  // The paged kernels' producer reads the page table and issues a TMA box per page chunk: one
-  // thread at the default share, or with kPageLanes the lanes of warp 0 at 40 registers
-  // (FLASHATTN_SM90_FWD_PAGED_PRODUCER_REGS sets it, A/B builds); their consumers take what the
+  // FLASHATTN_SM90_FWD_PAGED_PRODUCER_REGS (A/B builds): the paged kernels' producer share, whose
+  // thread reads the page table and issues a TMA box per page chunk; their consumers take what the
   // pool leaves, in steps of 8, at most the default.
-  // kPageLanes: the paged kernels' boxes issued by the lanes of the producer's warp 0
-  // (kFwdPageLanes, FwdMainloop::load_paged_lanes).
-  static constexpr bool kPageLanes = kPaged && kFwdPageLanes;
   static constexpr int kDefaultProducerRegs = kConsumerWarpgroups == 2 && !kTmaStoreO ? 24 : 32;
   static constexpr int kDefaultConsumerRegs = kConsumerWarpgroups == 2 ? (kTmaStoreO ? 232 : 240) : 160;
 #ifdef FLASHATTN_SM90_FWD_PAGED_PRODUCER_REGS
-  static constexpr int kPagedProducerRegs = FLASHATTN_SM90_FWD_PAGED_PRODUCER_REGS;
-#else
-  static constexpr int kPagedProducerRegs = kPageLanes ? 40 : kDefaultProducerRegs;
-#endif
-  static constexpr int kProducerRegs = kPaged ? kPagedProducerRegs : kDefaultProducerRegs;
+  static constexpr int kProducerRegs = kPaged ? FLASHATTN_SM90_FWD_PAGED_PRODUCER_REGS : kDefaultProducerRegs;
   static constexpr int kPoolConsumerRegs =
       (setmaxnreg_pool(kThreads) - kWarpgroupThreads * kProducerRegs) / kConsumerThreads / 8 * 8;
   static constexpr int kConsumerRegs =
       kPoolConsumerRegs < kDefaultConsumerRegs ? kPoolConsumerRegs : kDefaultConsumerRegs;
+#else
+  static constexpr int kProducerRegs = kDefaultProducerRegs;
+  static constexpr int kConsumerRegs = kDefaultConsumerRegs;
+#endif
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
                 "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
 
