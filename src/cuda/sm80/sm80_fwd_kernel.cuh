@@ -364,20 +364,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   if constexpr (kFoldsPaged && kPagedCheckDeferred<kHeadDim>) {
     deferred = folded && p.index_fold.bounds.cu_seqlens_q == nullptr;
   }
+  // A paged check's share of the sequence's block_table entries: this block's part of all of them.
+  const int share_part = int(blockIdx.y * gridDim.x + blockIdx.x);
+  const int share_parts = int(gridDim.x * gridDim.y);
   auto deferred_check = [&] {
     if constexpr (kFoldsPaged && kPagedCheckDeferred<kHeadDim>) {
-      if (deferred) {
-        (void)index_check_sequence_share_record(p.index_fold, int(blockIdx.z), int(blockIdx.y * gridDim.x + blockIdx.x),
-                                                int(gridDim.x * gridDim.y));
-      }
+      if (deferred) (void)index_check_sequence_share_record(p.index_fold, int(blockIdx.z), share_part, share_parts);
     }
   };
-  if (deferred) {
-    // checked below
-  } else if (folded) {
+  if (folded && !deferred) {
     if constexpr (kFoldsPaged) {
-      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), int(blockIdx.y * gridDim.x + blockIdx.x),
-                                             int(gridDim.x * gridDim.y), p.index_error)) {
+      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), share_part, share_parts,
+                                             p.index_error)) {
         return;
       }
     } else if constexpr (kSplit) {
@@ -385,7 +383,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     } else if constexpr (!kPaged) {
       if (!index_check_passes_call(p.index_fold) || p.index_check_failed()) return;
     }
-  } else if (p.index_check_failed()) {
+  } else if (!folded && p.index_check_failed()) {
     return;
   }
 
@@ -406,8 +404,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // The sequence's lengths and first rows, read once (varlen and KV caches: global loads that the
   // offsets below would otherwise each repeat, dependent loads before the first tile's copies).
   const int seqlen_q = p.seqlen_q(batch);
-  const int seqlen_k = deferred ? int(min(max(std::int64_t(p.seqlen_k(batch)), std::int64_t(0)), p.index_fold.bounds.capacity))
-                                : p.seqlen_k(batch);
+  const int keys = p.seqlen_k(batch);
+  const int seqlen_k = deferred ? int(min(max(std::int64_t(keys), std::int64_t(0)), p.index_fold.bounds.capacity)) : keys;
   const std::int64_t q_row0 = p.q_row0(batch);
   const int m_start = m_block * kBlockM;
   if (m_start >= seqlen_q * pack) {  // varlen: this sequence is shorter than the grid
