@@ -108,24 +108,6 @@ __device__ __forceinline__ bool sequence_scalars_pass(const IndexFold& f, int b,
   return !v;
 }
 
-// The recording half of index_check_sequence_share_passes (below): b's other rules, then the
-// block's share of b's entries, each violation recorded; true when b's other rules passed. Alone it
-// serves a kernel that reads safely whatever the values (Sm80FwdTuning::paged_check_deferred: its
-// key count clamped into the block_table row, its page numbers into the cache) and so checks after
-// issuing its first loads instead of before them, the combine after it reading the flag.
-__device__ __forceinline__ bool index_check_sequence_share_record(const IndexFold& f, int b, int part, int parts) {
-  long long len = 0;
-  if (!sequence_scalars_pass(f, b, &len)) return false;
-  const EntryShare share = entry_share(f, len, part, parts);
-  for (long long blk = share.begin + threadIdx.x; blk < share.end; blk += blockDim.x) {
-    if (page_outside_cache(f, table_entry(f, b, blk))) {
-      record_first_bad_entry(f, b, blk);
-      break;
-    }
-  }
-  return true;
-}
-
 // The folded check of a paged cache's sequence b in the sm80 split forward, by a block that is
 // `part` of the `parts` blocks reading b: every thread checks b's rules other than its block_table
 // entries (the same few loads for all threads, so all agree, and a violation ends the block's work
@@ -138,7 +120,15 @@ __device__ __forceinline__ bool index_check_sequence_share_record(const IndexFol
 __device__ __forceinline__ bool index_check_sequence_share_passes(const IndexFold& f, int b, int part, int parts,
                                                                   const int* flag) {
   const int earlier = flag != nullptr ? *flag : 0;
-  if (!index_check_sequence_share_record(f, b, part, parts)) return false;
+  long long len = 0;
+  if (!sequence_scalars_pass(f, b, &len)) return false;
+  const EntryShare share = entry_share(f, len, part, parts);
+  for (long long blk = share.begin + threadIdx.x; blk < share.end; blk += blockDim.x) {
+    if (page_outside_cache(f, table_entry(f, b, blk))) {
+      record_first_bad_entry(f, b, blk);
+      break;
+    }
+  }
   return earlier == 0;
 }
 

@@ -28,8 +28,7 @@ constexpr bool kOverridden =
     defined(FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS) || defined(FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS) || \
     defined(FLASHATTN_SM80_FWD_ROW_CHAINS) || defined(FLASHATTN_SM80_FWD_FIRST_RESCALE) ||            \
     defined(FLASHATTN_SM80_FWD_EARLY_V) || defined(FLASHATTN_SM80_FWD_LAZY_RESCALE) ||                \
-    defined(FLASHATTN_SM80_FWD_PLAIN_SCOREMOD) || defined(FLASHATTN_SM80_FWD_PAGED_CHECK_DEFERRED) || \
-    defined(FLASHATTN_SM80_BWD64_SDP_WARPS_M) ||                                                      \
+    defined(FLASHATTN_SM80_FWD_PLAIN_SCOREMOD) || defined(FLASHATTN_SM80_BWD64_SDP_WARPS_M) ||        \
     defined(FLASHATTN_SM80_BWD64_SPREAD_DQ) || defined(FLASHATTN_SM80_BWD64_LATE_LOAD) ||             \
     defined(FLASHATTN_SM80_BWD128_DKV_WARPS_N) || defined(FLASHATTN_SM80_BWD128_DQ_WARPS_M) ||        \
     defined(FLASHATTN_SM80_BWD128_SPREAD_DQ) || defined(FLASHATTN_SM80_BWD128_LATE_LOAD) ||           \
@@ -84,7 +83,6 @@ TEST(CudaSm80Tuning, ForwardTableHasTheDocumentedEntries) {
     EXPECT_TRUE(t.early_v) << d;
     EXPECT_FALSE(t.lazy_rescale) << d;
     EXPECT_FALSE(t.plain_scoremod) << d;
-    EXPECT_FALSE(t.paged_check_deferred) << d;
   }
 }
 

@@ -123,10 +123,6 @@ constexpr bool kLazyRescale = fwd_tuning(kHeadDim).lazy_rescale;
 // always takes it: in the loop its paged d 64 kernel spilled 492 bytes instead of 88.
 template <int kHeadDim>
 constexpr bool kBranchRescale = fwd_tuning(kHeadDim).first_tile_branch;
-// kPagedCheckDeferred: the packed paged split kernel's folded check of a KV-cache call after the
-// block's first loads are issued (index_check_sequence_share_record), instead of before them.
-template <int kHeadDim>
-constexpr bool kPagedCheckDeferred = fwd_tuning(kHeadDim).paged_check_deferred;
 
 // x, hidden from the optimiser: a value it cannot move out of a loop. Per-element coordinates
 // built on it stay "base + constant" inside the key loop instead of being hoisted out as one
@@ -354,28 +350,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   constexpr bool kFoldsPaged = kPaged && kSplit && kPacked;
   bool folded = false;
   if constexpr (!kPaged || kFoldsPaged) folded = p.index_fold.active();
-  // kPagedCheckDeferred, a KV-cache call (no cu_seqlens_q: no index value places the block's
-  // query rows or outputs): nothing here waits for the check. The block's key count is clamped into
-  // its block_table row (seqlen_k below) and its page numbers into the cache, so whatever the
-  // values it reads and writes inside the cache and its partials; it records what it finds once its
-  // first loads are in flight (deferred_check), and the combine, reading the flag, leaves the
-  // output unwritten.
-  bool deferred = false;
-  if constexpr (kFoldsPaged && kPagedCheckDeferred<kHeadDim>) {
-    deferred = folded && p.index_fold.bounds.cu_seqlens_q == nullptr;
-  }
-  // A paged check's share of the sequence's block_table entries: this block's part of all of them.
-  const int share_part = int(blockIdx.y * gridDim.x + blockIdx.x);
-  const int share_parts = int(gridDim.x * gridDim.y);
-  auto deferred_check = [&] {
-    if constexpr (kFoldsPaged && kPagedCheckDeferred<kHeadDim>) {
-      if (deferred) (void)index_check_sequence_share_record(p.index_fold, int(blockIdx.z), share_part, share_parts);
-    }
-  };
-  if (folded && !deferred) {
+  if (folded) {
     if constexpr (kFoldsPaged) {
-      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), share_part, share_parts,
-                                             p.index_error)) {
+      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), int(blockIdx.y * gridDim.x + blockIdx.x),
+                                             int(gridDim.x * gridDim.y), p.index_error)) {
         return;
       }
     } else if constexpr (kSplit) {
@@ -383,7 +361,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     } else if constexpr (!kPaged) {
       if (!index_check_passes_call(p.index_fold) || p.index_check_failed()) return;
     }
-  } else if (!folded && p.index_check_failed()) {
+  } else if (p.index_check_failed()) {
     return;
   }
 
@@ -404,14 +382,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // The sequence's lengths and first rows, read once (varlen and KV caches: global loads that the
   // offsets below would otherwise each repeat, dependent loads before the first tile's copies).
   const int seqlen_q = p.seqlen_q(batch);
-  const int keys = p.seqlen_k(batch);
-  const int seqlen_k = deferred ? int(min(max(std::int64_t(keys), std::int64_t(0)), p.index_fold.bounds.capacity)) : keys;
+  const int seqlen_k = p.seqlen_k(batch);
   const std::int64_t q_row0 = p.q_row0(batch);
   const int m_start = m_block * kBlockM;
-  if (m_start >= seqlen_q * pack) {  // varlen: this sequence is shorter than the grid
-    deferred_check();
-    return;
-  }
+  if (m_start >= seqlen_q * pack) return;  // varlen: this sequence is shorter than the grid
   const int rows_here = min(kBlockM, seqlen_q * pack - m_start);
   // Packed row r of the grid (r = m_start + tile row) as (query row, query head). r / pack as a
   // multiply-high by ⌈2³² / pack⌉, exact for r < 2³² / pack (the host packs short queries only):
@@ -534,7 +508,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const TileScoreMod mod(p.score_mod_for<float>(batch, head, seqlen_q, seqlen_k), kScoreModAndDropout || kScoreMod);
   const float score_to_log2 = mod.out_scale * kLog2e;
 
-  if (n_block_min >= n_block_max) deferred_check();  // no key tile: nothing to load first
   if (n_block_min < n_block_max) {
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);            // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma.partition_fragment_B(sK);            // (MMA, MMA_N, MMA_K)
@@ -592,7 +565,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       if (n_block_max - 1 > n_block_min) prefetch_pages(n_block_max - 2);
       cp_async_fence();
     }
-    deferred_check();  // the first loads in flight
 
     // One key tile. kMasked (a std::bool_constant) compiles the per-element mask in or out: the
     // loop below calls the masked copy only for tiles that are not wholly visible, so the common

@@ -50,11 +50,6 @@ struct Sm80FwdTuning {
   // Softcap and ALiBi compiled into the plain variant (only dropout takes the full variant).
   // Family-wide: the same in every bucket.
   bool plain_scoremod;
-  // The packed paged split kernel's folded index check of a KV-cache call deferred until the
-  // block's first loads are issued, recording only (its key count clamped into the block_table
-  // row, its page numbers into the cache, the combine after it reading the flag), instead of
-  // checked before them with the block's work ending on a violation. Family-wide.
-  bool paged_check_deferred;
 };
 
 FA_HOST_DEVICE constexpr Sm80FwdTuning fwd_tuning(int head_dim) {
@@ -68,12 +63,12 @@ FA_HOST_DEVICE constexpr Sm80FwdTuning fwd_tuning(int head_dim) {
   // registers, no spills), up to 384 keys per row.
   Sm80FwdTuning t = head_dim <= 64
                         ? Sm80FwdTuning{{128, 128, 4}, {128, 64, 4}, {64, 128, 4}, {64, 64, 4}, 384, 4, 1, false,
-                                        true, false, false, false}
+                                        true, false, false}
                     : head_dim <= 128
                         ? Sm80FwdTuning{{128, 64, 4}, {128, 32, 4}, {64, 128, 4}, {64, 64, 4}, 384, 3, 4, true,
-                                        true, false, false, false}
+                                        true, false, false}
                         : Sm80FwdTuning{{128, 64, 8}, {128, 32, 8}, {64, 64, 4}, {64, 64, 4}, 4096, 1, 1, false,
-                                        true, false, false, false};
+                                        true, false, false};
   // --- overrides for A/B timing (scripts/gpu-variants) ---
 #ifdef FLASHATTN_SM80_FWD64_BLOCK_N
   if (head_dim <= 64) t.plain.block_n = FLASHATTN_SM80_FWD64_BLOCK_N;
@@ -119,9 +114,6 @@ FA_HOST_DEVICE constexpr Sm80FwdTuning fwd_tuning(int head_dim) {
 #endif
 #ifdef FLASHATTN_SM80_FWD_PLAIN_SCOREMOD
   t.plain_scoremod = FLASHATTN_SM80_FWD_PLAIN_SCOREMOD != 0;
-#endif
-#ifdef FLASHATTN_SM80_FWD_PAGED_CHECK_DEFERRED
-  t.paged_check_deferred = FLASHATTN_SM80_FWD_PAGED_CHECK_DEFERRED != 0;
 #endif
   if (t.lazy_rescale) t.first_tile_branch = true;
   return t;

@@ -197,15 +197,6 @@ bool fwd_paged_built();
 // prefill over pages of 64 and 256 rows ran 1.81–1.85× faster with 64-row boxes than with 16-row ones,
 // level with the contiguous cache.
 int fwd_page_box_rows(int page_size);
-// Paged calls whose pages take no 64-row boxes (page sizes 16, 32, 48, …) gathered by cp.async from
-// the producer warpgroup's 128 threads instead of 16-row TMA boxes from one thread (pages of 16 ran
-// at 0.58 of the contiguous cache with those boxes on an H100: the TMA unit's rate on 2 KiB boxes).
-// -DFLASHATTN_SM90_FWD_PAGED_CPASYNC=1 builds it (FwdMainloop::gather_paged); 0, the default until
-// run on a GPU.
-#ifndef FLASHATTN_SM90_FWD_PAGED_CPASYNC
-#define FLASHATTN_SM90_FWD_PAGED_CPASYNC 0
-#endif
-inline constexpr bool kFwdPagedCpAsync = FLASHATTN_SM90_FWD_PAGED_CPASYNC != 0;
 
 // Split-KV in this family: each tile's key tiles spread over `splits` CTAs of the persistent
 // grid (the split innermost in the tile order), which write fp32 partials (cuda/split_kv.h) that

@@ -28,10 +28,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // Warp-uniform indices (the shuffle tells the compiler they are uniform).
   const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);
   const int warpgroup = warp / 4;
-  // Paged K/V gathered by the producer warpgroup's threads (Traits::kPagedCpAsync; the host sets it
-  // for the static walk only).
-  bool gather = false;
-  if constexpr (Traits::kPagedCpAsync) gather = params.gather_pages;
 
   if (threadIdx.x == 0) {
     for (int b = 0; b < Traits::kQStages; ++b) {
@@ -50,10 +46,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
         cutlass::arch::ClusterBarrier::init(&ss.ring.empty[i], kRingReaders);
       }
     }
-    // The arrivals that fill a K/V stage: the TMA thread's, or the gathering threads' (gather_paged).
-    const int fillers = gather ? Traits::kWarpgroupThreads : 1;
-    Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups, fillers);
-    Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups, fillers);
+    Pipeline::init(ss.k_full, ss.k_empty, Traits::kConsumerWarpgroups);
+    Pipeline::init(ss.v_full, ss.v_empty, Traits::kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();
   }
   if (warp == 0 && cute::elect_one_sync()) {
@@ -155,29 +149,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   if (warpgroup == 0) {
     // Producer: registers go to the consumers; one elected thread of warp 0 issues the loads.
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (gather) {
-      if constexpr (Traits::kPagedCpAsync) {
-        // Every non-empty tile of the static walk, its K/V by the warpgroup's 128 threads and its Q
-        // by thread 0 (with two Q buffers the next tile's Q during this one's loads, as load does).
-        PipelineState<Traits::kStages> st = Pipeline::producer_start();
-        int round = 0;
-        FwdTile t, next;
-        bool have = next_tile(round, t), q_loaded = false;
-        while (have) {
-          const bool have_next = Traits::kQStages == 2 ? next_tile(round, next) : false;
-          Mainloop::gather_paged(params, ss, k_pipe, v_pipe, t, loaded++, q_loaded, next, have_next, st,
-                                 int(threadIdx.x));
-          if constexpr (Traits::kQStages == 2) {
-            q_loaded = have_next;
-            t = next;
-            have = have_next;
-          } else {
-            have = next_tile(round, t);
-          }
-        }
-        cute::cp_async_wait<0>();  // no thread leaves with copies in flight
-      }
-    } else if (warp == 0 && cute::elect_one_sync()) {
+    if (warp == 0 && cute::elect_one_sync()) {
       PipelineState<Traits::kStages> st = Pipeline::producer_start();
       if (dynamic) {
         if constexpr (kFwdDynamic) {

@@ -69,9 +69,6 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   params.section = sections.pairs;
   params.section_rising = common::MaskedTileOrder::rising_parity_of(p.heads * p.batch, sections.pairs, sections.alternate);
   params.tile_counter = fwd_tile_counter(p, stream);
-  // The cp.async gather serves pages that take no 64-row boxes, on the static walk.
-  params.gather_pages = Traits::kPagedCpAsync && !params.wide_pages;
-  if (params.gather_pages) params.tile_counter = nullptr;
 
   auto* kernel = &fwd_kernel<Traits>;
   const cudaError_t err =

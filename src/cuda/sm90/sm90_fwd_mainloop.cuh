@@ -33,7 +33,6 @@ struct FwdParams {
   typename Traits::TmaKVWide tma_k_wide;
   typename Traits::TmaKVWide tma_v_wide;
   bool wide_pages;
-  bool gather_pages;  // Traits::kPagedCpAsync, pages that take no 64-row boxes: K/V by gather_paged
   typename Traits::ShapeRows shape_q;  // (max_seqlen_q, d, heads, batch)
   typename Traits::ShapeRows shape_k;  // (max_seqlen_k, d, heads_k, batch)
   typename Traits::ShapeRows shape_v;  // (max_seqlen_k, dv, heads_k, batch)
@@ -216,91 +215,6 @@ struct FwdMainloop {
     }
   }
 
-  // --- the cp.async gather (Traits::kPagedCpAsync and FwdParams::gather_pages) ----------------
-  // Tile t's K(n) and V(n), n from the last key tile to the first as load's order, each into the
-  // next free stage of its ring, by the producer warpgroup's 128 threads (`thread`: 0 … 127) with
-  // cp.async, 16 bytes a copy; Q (and, with two Q buffers, the next tile's) by thread 0 with TMA.
-  // Row j of the sequence's keys comes from page block_table[t.batch][j / page_size], its row
-  // j % page_size. Rows past the keys are not copied (their block_table entries may be anything):
-  // compute masks their K and zeroes their V, as for the TMA boxes. Every thread waits for a stage
-  // to be free, and arrives on its full barrier once its own copies have landed (gather_arrive; the
-  // barrier counts the 128).
-  __device__ static void gather_paged(const FwdParams<Traits>& params, SharedStorage& ss, const Pipeline& k_pipe,
-                                      const Pipeline& v_pipe, const FwdTile& t, std::uint32_t count, bool q_loaded,
-                                      const FwdTile& next, bool has_next, PipelineState<kStages>& st, int thread) {
-    if constexpr (Traits::kPagedCpAsync) {
-      const common::AttentionParams& p = params.p;
-      if (thread == 0 && !q_loaded) load_q(params, ss, t, count);
-      const std::int32_t* pages = p.block_table + std::int64_t(t.batch) * p.block_table_batch_stride;
-      const Element* k_head = static_cast<const Element*>(p.k.data) + std::int64_t(t.kv_head) * p.k.head_stride;
-      const Element* v_head = static_cast<const Element*>(p.v.data) + std::int64_t(t.kv_head) * p.v.head_stride;
-      constexpr int kRowThreads = Traits::kGatherRowThreads;
-      const int row = thread / kRowThreads;                         // in each pass
-      const int col = (thread % kRowThreads) * Traits::kGatherVec;  // in each column block
-      // The thread's place in a stage, K's and V's alike (the chunk layout lands in both:
-      // Traits::chunks_match_stage).
-      const int dst = Traits::chunk_offset(row / Traits::kPageChunkRows, 0) +
-                      int(typename Traits::SmemLayoutKVChunk{}(row % Traits::kPageChunkRows, col));
-      for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
-        const int j0 = n * kBlockN;
-        const int rows = min(kBlockN, t.seqlen_k - j0);
-        // This thread's share of its row group's rows: the page and the row in it of passes c,
-        // c + kRowThreads, … for thread c of the group (rows past the keys: page 0, never read).
-        int page[Traits::kGatherOffsets], in_page[Traits::kGatherOffsets];
-        CUTE_UNROLL
-        for (int i = 0; i < Traits::kGatherOffsets; ++i) {
-          const int r = ((thread % kRowThreads) + i * kRowThreads) * Traits::kGatherPassRows + row;
-          page[i] = r < rows ? __ldg(pages + (j0 + r) / p.page_size) : 0;
-          in_page[i] = (j0 + r) % p.page_size;
-        }
-        k_pipe.producer_wait(st);
-        gather_tile<Traits::kColumnBlocksK>(k_head, p.k.batch_stride, p.k.row_stride, page, in_page,
-                                            ss.k.data() + Traits::stage_offset(st.index, kHeadDim) + dst, rows, row,
-                                            col);
-        k_pipe.gather_arrive(st);
-        v_pipe.producer_wait(st);
-        gather_tile<Traits::kColumnBlocksV>(v_head, p.v.batch_stride, p.v.row_stride, page, in_page,
-                                            ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV) + dst,
-                                            rows, row, col);
-        v_pipe.gather_arrive(st);
-        st.advance();
-        if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1 && thread == 0) {
-          load_q(params, ss, next, count + 1);
-        }
-      }
-    }
-  }
-  // One key tile of K or V (kColumnBlocks blocks of kAtomCols columns; head: the kv head's element
-  // 0 of page 0, pages page_stride and rows row_stride elements apart): pass m copies row
-  // m · kGatherPassRows + row of the tile, its 16 bytes at `col` of every column block, from the
-  // page and row that the row group hands round by shuffles, to dst, the thread's place in the
-  // stage (8-row swizzle atoms stacked along the rows: a pass's rows lie kGatherPassRows · kAtomCols
-  // elements further on).
-  template <int kColumnBlocks>
-  __device__ __forceinline__ static void gather_tile(const Element* head, std::int64_t page_stride,
-                                                     std::int64_t row_stride,
-                                                     const int (&page)[Traits::kGatherOffsets],
-                                                     const int (&in_page)[Traits::kGatherOffsets], Element* dst,
-                                                     int rows, int row, int col) {
-    constexpr int kRowThreads = Traits::kGatherRowThreads;
-    CUTE_UNROLL
-    for (int m = 0; m < Traits::kGatherPasses; ++m) {
-      // Every thread of the group shuffles (whole warps), whether or not its row holds a key.
-      const int pg = __shfl_sync(0xffffffffu, page[m / kRowThreads], m % kRowThreads, kRowThreads);
-      const int in = __shfl_sync(0xffffffffu, in_page[m / kRowThreads], m % kRowThreads, kRowThreads);
-      if (m * Traits::kGatherPassRows + row < rows) {
-        const Element* src = head + std::int64_t(pg) * page_stride + std::int64_t(in) * row_stride + col;
-        CUTE_UNROLL
-        for (int block = 0; block < kColumnBlocks; ++block) {
-          Element* to = dst + m * Traits::kGatherPassRows * Traits::kAtomCols + block * kBlockN * Traits::kAtomCols;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(cute::cast_smem_ptr_to_uint(to)),
-                       "l"(src + block * Traits::kAtomCols)
-                       : "memory");
-        }
-      }
-    }
-  }
-
   // --- consumers: kConsumerWarpgroups warpgroups ----------------------------------------------
   // Ping-pong (Traits::kPingPong): the two consumer warpgroups take turns to issue their products,
   // so that the tensor cores run one warpgroup's while the other computes its softmax. A turn is
@@ -336,16 +250,6 @@ struct FwdMainloop {
     }
     cutlass::arch::fence_view_async_shared();
     named_barrier_sync(int(FwdBarrier::kVTail), Traits::kConsumerThreads);
-  }
-
-  // A consumer's wait for a K or V stage. Stages gathered by cp.async (FwdParams::gather_pages) were
-  // written through the generic proxy: a proxy fence orders them before the wgmma that reads them.
-  __device__ __forceinline__ static void wait_stage(const FwdParams<Traits>& params, const Pipeline& pipe,
-                                                    PipelineState<kStages> st) {
-    pipe.consumer_wait(st);
-    if constexpr (Traits::kPagedCpAsync) {
-      if (params.gather_pages) cutlass::arch::fence_view_async_shared();
-    }
   }
 
   // thread: index among the consumer threads (0 … kConsumerThreads − 1). Leaves O (fp32, not yet
@@ -473,7 +377,7 @@ struct FwdMainloop {
 
     // The last key tile: S, softmax, P — nothing accumulated yet.
     int n = t.n_block_max - 1;
-    wait_stage(params, k_pipe, k_st);
+    k_pipe.consumer_wait(k_st);
     turn_begin(wg);
     wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
     turn_end(wg);
@@ -493,16 +397,16 @@ struct FwdMainloop {
     if constexpr (Traits::kVarlen) {
       const int kv_valid = t.seqlen_k - n * kBlockN;
       if (kv_valid < kBlockN) {
-        wait_stage(params, v_pipe, v_st);
+        v_pipe.consumer_wait(v_st);
         zero_v_rows_from(ss, v_st.index, kv_valid, thread);
       }
     }
 
     for (--n; n >= t.n_block_min; --n) {
-      wait_stage(params, k_pipe, k_st);
+      k_pipe.consumer_wait(k_st);
       turn_begin(wg);
       wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
-      wait_stage(params, v_pipe, v_st);
+      v_pipe.consumer_wait(v_st);
       wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
       turn_end(wg);
       cute::warpgroup_wait<1>();  // S has landed; P·V still runs
@@ -524,7 +428,7 @@ struct FwdMainloop {
     }
 
     // P of the first key tile times its V.
-    wait_stage(params, v_pipe, v_st);
+    v_pipe.consumer_wait(v_st);
     turn_begin(wg);
     wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
     turn_end(wg);

@@ -107,9 +107,6 @@ struct FwdTraits {
   // FLASHATTN_SM90_FWD_PAGED_PRODUCER_REGS (A/B builds): the paged kernels' producer share, whose
   // thread reads the page table and issues a TMA box per page chunk; their consumers take what the
   // pool leaves, in steps of 8, at most the default.
-  // kPagedCpAsync: paged K/V gathered by the producer warpgroup's threads with cp.async where the
-  // pages take no 64-row boxes (kFwdPagedCpAsync; FwdMainloop::gather_paged).
-  static constexpr bool kPagedCpAsync = kPaged && kFwdPagedCpAsync;
   static constexpr int kDefaultProducerRegs = kConsumerWarpgroups == 2 && !kTmaStoreO ? 24 : 32;
   static constexpr int kDefaultConsumerRegs = kConsumerWarpgroups == 2 ? (kTmaStoreO ? 232 : 240) : 160;
 #ifdef FLASHATTN_SM90_FWD_PAGED_PRODUCER_REGS
@@ -173,18 +170,6 @@ struct FwdTraits {
   // rows instead of four of 16 (FwdMainloop::load_paged, FwdParams::wide_pages), a quarter of the
   // TMA issues and block_table reads of the producer's one thread.
   static constexpr int kPageWideRows = 64;
-  // The cp.async gather (kPagedCpAsync): 16 bytes (kGatherVec elements) a copy; kGatherRowThreads
-  // threads share a row of one kAtomCols-column block, so one pass of the warpgroup covers
-  // kGatherPassRows rows of every column block, pass m of a key tile its rows m · kGatherPassRows + r.
-  // The threads of a row share its page offsets: thread c of the group finds those of passes c,
-  // c + kGatherRowThreads, … (kGatherOffsets of them) and the group hands them round by shuffles.
-  static constexpr int kGatherVec = 16 / int(sizeof(Element));
-  static constexpr int kGatherRowThreads = kAtomCols / kGatherVec;
-  static constexpr int kGatherPassRows = kWarpgroupThreads / kGatherRowThreads;
-  static constexpr int kGatherPasses = kBlockN / kGatherPassRows;
-  static constexpr int kGatherOffsets = (kGatherPasses + kGatherRowThreads - 1) / kGatherRowThreads;
-  static_assert(!kPagedCpAsync || kBlockN % kGatherPassRows == 0, "a key tile is whole passes");
-  static_assert(!kPagedCpAsync || !kTmaStoreO, "the producer warpgroup's threads all gather");
   static constexpr bool kWideChunks = kPaged && kBlockN % kPageWideRows == 0;
   using SmemLayoutKVWide = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kPageWideRows>, BoxCols>{}));
   struct NoTmaWide {};

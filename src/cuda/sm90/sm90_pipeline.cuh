@@ -41,12 +41,10 @@ struct TmaPipeline {
   std::uint64_t* full;
   std::uint64_t* empty;
 
-  // One thread, before any use; a fence and a CTA barrier must follow. producers: the arrivals
-  // that fill a stage — 1 (the TMA thread's, with the expected bytes), or the threads that gather
-  // it with cp.async (each one's arrival once its copies have landed: gather_arrive).
-  __device__ static void init(std::uint64_t* full, std::uint64_t* empty, int consumers, int producers = 1) {
+  // One thread, before any use; a fence and a CTA barrier must follow.
+  __device__ static void init(std::uint64_t* full, std::uint64_t* empty, int consumers) {
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&full[s], producers);
+      cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
       cutlass::arch::ClusterBarrier::init(&empty[s], consumers);
     }
   }
@@ -58,15 +56,6 @@ struct TmaPipeline {
     cutlass::arch::ClusterBarrier::wait(&empty[st.index], st.phase);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[st.index], bytes);
     return full[st.index];
-  }
-  // A gathering thread (init's producers counts it): wait until the stage is free.
-  __device__ __forceinline__ void producer_wait(PipelineState<kStages> st) const {
-    cutlass::arch::ClusterBarrier::wait(&empty[st.index], st.phase);
-  }
-  // A gathering thread's arrival on the stage's full barrier once every cp.async it has issued so
-  // far has landed (the pending count not raised: init counted the thread).
-  __device__ __forceinline__ void gather_arrive(PipelineState<kStages> st) const {
-    cutlass::arch::cpasync_barrier_arrive_noinc(&full[st.index]);
   }
   // Consumer: wait until the stage's bytes have landed.
   __device__ __forceinline__ void consumer_wait(PipelineState<kStages> st) const {
