@@ -170,6 +170,22 @@ inline bool kernel_built(flashattn::cuda::sm80::Family family, const flashattn::
   return kernel_built(family, p.storage, p.head_dim, p.head_dim_v);
 }
 
+// A dtype for which this build compiled a kernel of `family` at head dim d, bf16 before f16, for
+// tests whose subject is not the dtype: they then run in a build restricted to one dtype
+// (FLASHATTN_CUDA_DTYPES) instead of failing on the refusal. Where neither is built the skip is
+// recorded, naming the build options, and false returned.
+inline bool built_dtype(flashattn::cuda::sm80::Family family, int head_dim, DType* dtype) {
+  namespace fc = flashattn::cuda;
+  for (DType t : {DType::bf16, DType::f16}) {
+    const auto storage = t == DType::bf16 ? flashattn::common::Storage::bf16 : flashattn::common::Storage::f16;
+    if (fc::sm80::compiled_head_dim(family, storage, head_dim) != 0) {
+      *dtype = t;
+      return true;
+    }
+  }
+  return kernel_built(family, flashattn::common::Storage::bf16, head_dim, head_dim);
+}
+
 // Whether this build compiled bf16 kernels of head dim d for both families' forward (backward
 // where asked) — the family-choice tests compare the two on one call; when not, the skip names
 // the build options and false is returned.

@@ -274,7 +274,7 @@ TEST(CudaPublicApi, BackwardDispatchesToCudaWithWorkspace) {
     GTEST_SKIP() << "NOT RUN: the API layer of this build does not dispatch to the CUDA backend";
   }
   AttnConfig cfg;
-  cfg.dtype = DType::bf16;
+  if (!built_dtype(flashattn::cuda::sm80::Family::bwd, 64, &cfg.dtype)) return;
   cfg.batch = 2;
   cfg.seqlen_q = 100;
   cfg.seqlen_k = 150;
