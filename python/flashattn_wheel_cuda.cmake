@@ -124,9 +124,15 @@ else()
   if(NOT EXISTS "${_flashattn_cutlass}/cute/tensor.hpp" AND NOT DEFINED FLASHATTN_CUTLASS_DIR)
     message(STATUS "flashattn: installing the CUTLASS headers (scripts/setup-cuda)")
     execute_process(COMMAND bash "${CMAKE_CURRENT_LIST_DIR}/../scripts/setup-cuda" RESULT_VARIABLE _flashattn_rc)
+    # A GPU machine should not end up with a package that refuses its GPU's tensors at run time
+    # for want of headers: the install stops and says how to go on.
     if(NOT _flashattn_rc EQUAL 0)
-      set(FLASHATTN_CUDA OFF)
-      set(_flashattn_why "AUTO: nvcc and ${_flashattn_archs_from} found, but scripts/setup-cuda could not install the CUTLASS headers")
+      message(FATAL_ERROR
+        "flashattn: nvcc and ${_flashattn_archs_from} were found, so the CUDA backend is to be built, "
+        "but scripts/setup-cuda could not install the CUTLASS headers it compiles against (no access to "
+        "PyPI?). Install them (pip install the nvidia-cutlass version that scripts/setup-cuda names, or "
+        "copy them to .deps/cutlass), or point -Ccmake.define.FLASHATTN_CUTLASS_DIR=<dir with cute/> at "
+        "them; or build a CPU-only package with FLASHATTN_CUDA=OFF.")
     endif()
   endif()
 endif()

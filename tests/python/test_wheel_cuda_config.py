@@ -89,6 +89,32 @@ def test_explicit_define_wins(tmp_path):
     assert (cuda, archs) == ("ON", "90a")
 
 
+def test_auto_with_a_gpu_but_no_cutlass_stops(tmp_path):
+    """A GPU and nvcc found but the CUTLASS headers not installable (no registry): the install stops
+    with a message saying how to go on, rather than leaving a CPU-only package on a GPU machine."""
+    tree = tmp_path / "tree"
+    (tree / "python").mkdir(parents=True)
+    (tree / "scripts").mkdir()
+    module = tree / "python" / MODULE.name
+    module.write_text(MODULE.read_text())
+    (tree / "scripts" / "setup-cuda").write_text("echo 'setup-cuda: no network' >&2\nexit 1\n")
+    nvcc = fake_tool(tmp_path, "nvcc")
+    fake_tool(tmp_path, "nvidia-smi", "9.0\n")
+    driver = tmp_path / "driver.cmake"
+    driver.write_text(f'include("{module}")\n')
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "CUDACXX": nvcc}
+    result = subprocess.run([CMAKE, "-P", str(driver)], env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    message = " ".join(result.stderr.split())
+    assert "could not install the CUTLASS headers" in message and "FLASHATTN_CUDA=OFF" in message
+    assert "FLASHATTN_CUTLASS_DIR" in message
+    # Given the headers' location, or OFF, it goes on.
+    cuda, _, _ = decide(tmp_path, {"CUDACXX": nvcc})
+    assert cuda == "ON"
+    cuda, _, _ = decide(tmp_path, {"CUDACXX": nvcc, "FLASHATTN_CUDA": "OFF"})
+    assert cuda == "OFF"
+
+
 def test_installed_build_says_what_it_built():
     config = flashattn.build_config()
     has_cuda = "cuda" in flashattn.compiled_backends()
