@@ -53,7 +53,10 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   const int row = int(batch_row % c.max_seqlen_q);
   const int batch = int(batch_row / c.max_seqlen_q);
   if (batch >= c.batch) return;
-  if (c.index_error != nullptr && *c.index_error != 0) return;  // cu_seqlens_q failed the index check
+  // The index check's flag (a violation found by the split kernel or before it: nothing is
+  // written then), loaded beside the splits' lse rather than before them; the reads below stay
+  // inside the partials whatever cu_seqlens_q holds.
+  const int index_failed = c.index_error != nullptr ? *c.index_error : 0;
   const bool varlen = c.cu_seqlens_q != nullptr;
   if (varlen && row >= c.cu_seqlens_q[batch + 1] - c.cu_seqlens_q[batch]) return;
 
@@ -94,6 +97,7 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
     lse = __fadd_rn(max_lse, logf(sum));
   }
 
+  if (index_failed != 0) return;
   const std::int64_t out_row0 = varlen ? c.cu_seqlens_q[batch] : 0;
   OutElement* out_row = static_cast<OutElement*>(c.out.data) +
                         (varlen ? 0 : std::int64_t(batch) * c.out.batch_stride) +

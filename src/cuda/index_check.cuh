@@ -64,19 +64,10 @@ __device__ __forceinline__ std::int32_t table_entry(const IndexFold& f, int b, l
 __device__ __forceinline__ bool page_outside_cache(const IndexFold& f, std::int32_t page) {
   return page < 0 || page >= f.bounds.cache_rows;
 }
-// Share `part` of `parts` equal shares of the entries of the pages that hold a sequence's `len`
-// keys: entries [begin, end).
-struct EntryShare {
-  long long begin, end;
-};
-__device__ __forceinline__ EntryShare entry_share(const IndexFold& f, long long len, int part, int parts) {
-  const long long pages = common::block_table_pages(f.bounds, len);
-  return {pages * part / parts, pages * (part + 1) / parts};
-}
-
-// The error path of index_check_sequence_share_passes: entry `found` of sequence b is bad; the
-// first bad entry at or before it (what the host's check names) is looked for and recorded. Every
-// thread that finds a bad entry of b records the same one, whichever block it is in.
+// The error path of the paged check (below): entry `found` of sequence b is bad, or the last of
+// a range that holds a bad one; the first bad entry at or before it (what the host's check names)
+// is looked for and recorded. Every thread that finds a bad entry of b records the same one,
+// whichever block it is in.
 static __device__ __noinline__ void record_first_bad_entry(const IndexFold& f, int b, long long found) {
   long long first = found;
   constexpr int kUnroll = 8;
@@ -108,28 +99,33 @@ __device__ __forceinline__ bool sequence_scalars_pass(const IndexFold& f, int b,
   return !v;
 }
 
-// The folded check of a paged cache's sequence b in the sm80 split forward, by a block that is
-// `part` of the `parts` blocks reading b: every thread checks b's rules other than its block_table
-// entries (the same few loads for all threads, so all agree, and a violation ends the block's work
-// with thread 0 recording it), and the block's threads check its share of b's entries, part of
-// `parts` equal shares, an entry each. A bad entry is recorded (the sequence's first, as the host
-// names it: record_first_bad_entry) but does not stop the block: no block waits for another's
-// finding, the kernel clamps every page number it reads into the cache, and what it writes is
-// partials that the combine, reading the flag, then leaves uncombined. True when b's other rules
-// passed and no earlier kernel flagged a violation (`flag`, read beside b's indices). No barrier.
-__device__ __forceinline__ bool index_check_sequence_share_passes(const IndexFold& f, int b, int part, int parts,
-                                                                  const int* flag) {
+// The folded check of a paged cache's sequence b in the sm80 split forward, by each block that
+// reads b. In the prologue (index_check_paged_sequence_passes), every thread checks b's rules other
+// than its block_table entries — the loads the kernel makes anyway for its key count, so nothing
+// waits longer for them — and a violation ends the block's work, thread 0 recording it; true when
+// they passed and no earlier kernel flagged a violation (`flag`, read beside them). The entries
+// are checked where the kernel reads them: each K/V row's page number is compared as it is looked
+// up (and clamped into the cache, so a bad one leads nowhere outside it), and a block that saw a
+// bad one records the sequence's first (record_first_bad_entry) after its main loop; the entries
+// of pages that no block reads (outside the mask's visible keys) are checked by the row block's
+// first split (index_check_entries). What such a kernel writes is partials that the combine,
+// reading the flag, then leaves uncombined; no block waits for another's finding.
+__device__ __forceinline__ bool index_check_paged_sequence_passes(const IndexFold& f, int b, const int* flag) {
   const int earlier = flag != nullptr ? *flag : 0;
   long long len = 0;
   if (!sequence_scalars_pass(f, b, &len)) return false;
-  const EntryShare share = entry_share(f, len, part, parts);
-  for (long long blk = share.begin + threadIdx.x; blk < share.end; blk += blockDim.x) {
+  return earlier == 0;
+}
+
+// Sequence b's block_table entries [begin, end), by the block's threads, an entry each in turn; a
+// bad one makes its thread record the sequence's first.
+__device__ __forceinline__ void index_check_entries(const IndexFold& f, int b, long long begin, long long end) {
+  for (long long blk = begin + threadIdx.x; blk < end; blk += blockDim.x) {
     if (page_outside_cache(f, table_entry(f, b, blk))) {
       record_first_bad_entry(f, b, blk);
       break;
     }
   }
-  return earlier == 0;
 }
 
 }  // namespace flashattn::cuda

@@ -368,10 +368,11 @@ TEST(CudaIndexCheck, LongBlockTablesReportTheFirstBadEntryAsTheHostDoes) {
 }
 
 // The check of a paged KV-cache call folded into the sm80 split forward (GQA 8/2 decoding: the
-// packed split kernel, each block checking its share of a sequence's pages;
+// packed split kernel, each block checking the entries it reads, a row block's first split those
+// of pages outside the mask's visible keys;
 // FLASHATTN_INDEX_CHECK_FOLD on, the default) and as a kernel of its own (off), through the public
 // API (whichever family the ordered choice takes): long block tables, 16 splits, bad entries spread over one
-// sequence's shares — the one named is the first, as the host's check names it, and entries past
+// sequence's splits — the one named is the first, as the host's check names it, and entries past
 // a sequence's keys are not read. Outputs, caches and their guards keep every byte, and the same
 // call with the table repaired then matches the reference.
 TEST(CudaFaultInjection, PagedCheckFoldedIntoTheSplitKernelNamesTheFirstBadEntry) {
@@ -417,21 +418,28 @@ TEST(CudaFaultInjection, PagedCheckFoldedIntoTheSplitKernelNamesTheFirstBadEntry
     for (const DeviceGuarded* g : watched) b.push_back(g->bytes());
     return b;
   };
-  const auto before = snapshot();
-  for (const char* fold : {"1", "0"}) {
-    SCOPED_TRACE(std::string("FLASHATTN_INDEX_CHECK_FOLD=") + fold);
-    const EnvOverride folding("FLASHATTN_INDEX_CHECK_FOLD", fold);
-    ASSERT_NO_THROW(run(table, false));
-    const fa::common::IndexViolation got = fa::cuda::take_index_violation(nullptr);
-    ASSERT_TRUE(bool(got)) << "a bad table passed";
-    EXPECT_EQ(got.rule, fa::common::IndexRule::block_table_range);
-    EXPECT_EQ(got.batch, 1);
-    EXPECT_EQ(got.entry, 300);
-    EXPECT_EQ(got.value, kCachePages);
-    EXPECT_EQ(got.bound, kCachePages);
-    EXPECT_TRUE(throws_naming([&] { run(table, true); }, "block_table"));
-    EXPECT_TRUE(snapshot() == before) << "a guarded buffer changed";
-  }
+  // With the check folded and as a kernel of its own: the violation recorded names `batch`'s
+  // entry `entry` holding `value`, the synchronous check throws naming block_table, and no
+  // watched byte changes.
+  auto expect_first_bad_named = [&](const std::vector<std::int32_t>& t, std::int64_t batch, std::int64_t entry,
+                                    std::int64_t value) {
+    const auto before = snapshot();
+    for (const char* fold : {"1", "0"}) {
+      SCOPED_TRACE(std::string("FLASHATTN_INDEX_CHECK_FOLD=") + fold);
+      const EnvOverride folding("FLASHATTN_INDEX_CHECK_FOLD", fold);
+      ASSERT_NO_THROW(run(t, false));
+      const fa::common::IndexViolation got = fa::cuda::take_index_violation(nullptr);
+      ASSERT_TRUE(bool(got)) << "a bad table passed";
+      EXPECT_EQ(got.rule, fa::common::IndexRule::block_table_range);
+      EXPECT_EQ(got.batch, batch);
+      EXPECT_EQ(got.entry, entry);
+      EXPECT_EQ(got.value, value);
+      EXPECT_EQ(got.bound, kCachePages);
+      EXPECT_TRUE(throws_naming([&] { run(t, true); }, "block_table"));
+      EXPECT_TRUE(snapshot() == before) << "a guarded buffer changed";
+    }
+  };
+  expect_first_bad_named(table, 1, 300, kCachePages);
   // Repaired but for the entries past the keys: nothing to report, and the result is right.
   std::vector<std::int32_t> repaired = clean;
   repaired[std::size_t(1 * kPagesPerSeq + 501)] = -5, repaired[std::size_t(2 * kPagesPerSeq + 400)] = -7;
@@ -448,6 +456,18 @@ TEST(CudaFaultInjection, PagedCheckFoldedIntoTheSplitKernelNamesTheFirstBadEntry
   const Tensor got = out.download(), got_lse = lse.download();
   for (std::int64_t e = 0; e < got.numel(); ++e) ASSERT_NEAR(got.load(e), out_ref.load(e), 2e-2) << "out element " << e;
   for (std::int64_t e = 0; e < got_lse.numel(); ++e) ASSERT_NEAR(got_lse.load(e), lse_ref.load(e), 1e-3) << "lse " << e;
+  for (const DeviceGuarded* g : watched) EXPECT_TRUE(g->guards_intact());
+
+  // A sliding window: each sequence's one query row sees its last 201 keys, so no block reads the
+  // entries of the pages before them; a bad one there is found all the same and named, and
+  // nothing is written.
+  std::vector<std::int32_t> windowed = repaired;
+  windowed[std::size_t(0 * kPagesPerSeq + 5)] = -3;
+  opt.window_left = 200;
+  {
+    SCOPED_TRACE("window_left 200");
+    expect_first_bad_named(windowed, 0, 5, -3);
+  }
   for (const DeviceGuarded* g : watched) EXPECT_TRUE(g->guards_intact());
 }
 

@@ -342,9 +342,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // only the partials, and the combine after it reads the flag before it writes the output; any
   // other block checks every sequence (a block barrier), so that no block writes its rows of the
   // output unless all passed. A paged cache's packed split kernel (GQA decoding): each block checks
-  // the sequence's other rules and its share of the sequence's block_table entries
-  // (index_check_sequence_share_passes; a bad entry found elsewhere cannot make this block read
-  // outside the cache: page numbers are clamped where they are read, below). The other paged
+  // the sequence's other rules here and its block_table entries where it reads them, clamping each
+  // page number into the cache (index_check_paged_sequence_passes, load_kv below). The other paged
   // kernels leave the code out (at d 128 it took the unpacked split kernel's spills from 52 to 180
   // bytes, inlined or called): launch_fwd_grid launches the check kernel ahead of them.
   constexpr bool kFoldsPaged = kPaged && kSplit && kPacked;
@@ -352,10 +351,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   if constexpr (!kPaged || kFoldsPaged) folded = p.index_fold.active();
   if (folded) {
     if constexpr (kFoldsPaged) {
-      if (!index_check_sequence_share_passes(p.index_fold, int(blockIdx.z), int(blockIdx.y * gridDim.x + blockIdx.x),
-                                             int(gridDim.x * gridDim.y), p.index_error)) {
-        return;
-      }
+      if (!index_check_paged_sequence_passes(p.index_fold, int(blockIdx.z), p.index_error)) return;
     } else if constexpr (kSplit) {
       if (!index_check_sequence_passes(p.index_fold, int(blockIdx.z), p.index_error)) return;
     } else if constexpr (!kPaged) {
@@ -385,7 +381,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const int seqlen_k = p.seqlen_k(batch);
   const std::int64_t q_row0 = p.q_row0(batch);
   const int m_start = m_block * kBlockM;
-  if (m_start >= seqlen_q * pack) return;  // varlen: this sequence is shorter than the grid
+  if (m_start >= seqlen_q * pack) {  // varlen: this sequence is shorter than the grid
+    if constexpr (kFoldsPaged) {
+      // No row block reads the entries then: the first one's first split checks them all.
+      if (folded && m_block == 0 && split_idx == 0) {
+        index_check_entries(p.index_fold, batch, 0, common::block_table_pages(p.index_fold.bounds, seqlen_k));
+      }
+    }
+    return;
+  }
   const int rows_here = min(kBlockM, seqlen_q * pack - m_start);
   // Packed row r of the grid (r = m_start + tile row) as (query row, query head). r / pack as a
   // multiply-high by ⌈2³² / pack⌉, exact for r < 2³² / pack (the host packs short queries only):
@@ -439,6 +443,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const FastDiv page_div(page_size);
   static_assert(!kPaged || Traits::kNThreads >= Traits::kPageSlotsSmall, "a thread per page-table entry of a tile");
   auto page_of = [&](int j) { return page_div.div(j); };
+  bool entry_bad = false;  // kFoldsPaged: a block_table entry this thread read left the cache
   // The entries of tile n_block into buffer n_block & 1 (pages holding no row below seqlen_k are
   // not read: the table need not have them).
   auto prefetch_pages = [&](int n_block) {
@@ -469,10 +474,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
                                  [&](int r) {
                                    const int j = n_start + r;
                                    const int page = page_of(j);
-                                   // Clamped into the cache (a bad entry under a folded check
-                                   // must not lead outside it: index_check_sequence_share_passes).
-                                   const std::uint32_t cache_page = min(std::uint32_t(pages[2 * (page - first)]),
-                                                                        std::uint32_t(p.cache_batches - 1));
+                                   // Clamped into the cache: a bad entry must not lead outside
+                                   // it; under a folded check it is recorded after the main loop.
+                                   const std::uint32_t entry = std::uint32_t(pages[2 * (page - first)]);
+                                   if constexpr (kFoldsPaged) entry_bad |= entry >= std::uint32_t(p.cache_batches);
+                                   const std::uint32_t cache_page = min(entry, std::uint32_t(p.cache_batches - 1));
                                    return std::int64_t(cache_page) * t.batch_stride +
                                           std::int64_t(j - page * page_size) * t.row_stride + head_offset;
                                  }, tid);
@@ -760,6 +766,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
       } else {
         key_tile(n_block, std::true_type{});
       }
+    }
+    if constexpr (kFoldsPaged) {
+      // The sequence's first bad entry, at or before the last this block read.
+      if (folded && entry_bad) {
+        record_first_bad_entry(p.index_fold, batch, page_of(min(n_block_max * kBlockN, seqlen_k) - 1));
+      }
+    }
+  }
+  if constexpr (kFoldsPaged) {
+    // The entries of pages outside the visible keys of this row block, which none of its splits
+    // reads: its first split checks them.
+    if (folded && split_idx == 0) {
+      const long long pages = common::block_table_pages(p.index_fold.bounds, seqlen_k);
+      const bool any = n_block_visible_min < n_block_visible_max;
+      const long long read_begin = any ? page_of(n_block_visible_min * kBlockN) : pages;
+      const long long read_end = any ? page_of(min(n_block_visible_max * kBlockN, seqlen_k) - 1) + 1 : pages;
+      index_check_entries(p.index_fold, batch, 0, read_begin);
+      index_check_entries(p.index_fold, batch, read_end, pages);
     }
   }
 
