@@ -395,10 +395,10 @@ TEST(CudaBackwardWorkspace, PublicSizeCoversTheBackend) {
     const std::size_t bound = flashattn::backward_workspace_size(in, p.opt);
     EXPECT_GE(bound, expected);
     EXPECT_EQ(bound, flashattn::cuda::backward_workspace_bound(pr.params, rows));
-    // (A build that compiles no backward kernel for the dtype refuses the call anyway, as the
-    // forced sm90 family does without an sm90 GPU: then the size is 0.)
-    if (!forced &&
-        flashattn::cuda::sm80::compiled_head_dim(flashattn::cuda::sm80::Family::bwd, pr.params.storage, 64) != 0) {
+    // (A build that compiles no backward kernel for the dtype and head dim refuses the call
+    // anyway, as the forced sm90 family does without an sm90 GPU: then the size is 0.)
+    if (!forced && flashattn::cuda::sm80::compiled_head_dim(flashattn::cuda::sm80::Family::bwd, pr.params.storage,
+                                                            std::max(shape.d, shape.dv)) != 0) {
       EXPECT_GT(expected, 0u);
     }
   };
