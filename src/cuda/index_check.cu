@@ -49,8 +49,21 @@ Record* mirror_of(int device) {
   return g_mirror[device].load(std::memory_order_acquire);
 }
 
+// A kernel launched as the check's programmatic dependent (the sm80 forward of a paged call, in
+// builds with FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP=1) may start now, beside it: it waits for the
+// check to finish before its first store. (No effect on kernels launched the usual way after it;
+// other builds leave it out.)
+__device__ __forceinline__ void let_dependents_start() {
+#if defined(FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+#endif
+}
+
 // Without a block table: one thread per sequence.
 __global__ void __launch_bounds__(kThreads) check_indices_kernel(const common::IndexBounds ib, Record* mirror) {
+  let_dependents_start();
   const int b = blockIdx.x * kThreads + threadIdx.x;
   if (b >= ib.batch) return;
   const common::IndexViolation v = common::check_sequence_indices(ib, b);
@@ -67,6 +80,7 @@ constexpr int kPagedUnroll = 8;
 __global__ void __launch_bounds__(kPagedThreads) check_paged_indices_kernel(const common::IndexBounds ib, Record* mirror) {
   __shared__ long long pages;
   __shared__ int first_bad;
+  let_dependents_start();
   const int b = blockIdx.x;
   if (threadIdx.x == 0) {
     long long len = 0;

@@ -28,7 +28,8 @@ constexpr bool kOverridden =
     defined(FLASHATTN_SM80_FWD64_SHORT_MIN_BLOCKS) || defined(FLASHATTN_SM80_FWD128_SHORT_MIN_BLOCKS) || \
     defined(FLASHATTN_SM80_FWD_ROW_CHAINS) || defined(FLASHATTN_SM80_FWD_FIRST_RESCALE) ||            \
     defined(FLASHATTN_SM80_FWD_EARLY_V) || defined(FLASHATTN_SM80_FWD_LAZY_RESCALE) ||                \
-    defined(FLASHATTN_SM80_FWD_PLAIN_SCOREMOD) || defined(FLASHATTN_SM80_BWD64_SDP_WARPS_M) ||        \
+    defined(FLASHATTN_SM80_FWD_PLAIN_SCOREMOD) || defined(FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP) ||  \
+    defined(FLASHATTN_SM80_BWD64_SDP_WARPS_M) ||                                                      \
     defined(FLASHATTN_SM80_BWD64_SPREAD_DQ) || defined(FLASHATTN_SM80_BWD64_LATE_LOAD) ||             \
     defined(FLASHATTN_SM80_BWD128_DKV_WARPS_N) || defined(FLASHATTN_SM80_BWD128_DQ_WARPS_M) ||        \
     defined(FLASHATTN_SM80_BWD128_SPREAD_DQ) || defined(FLASHATTN_SM80_BWD128_LATE_LOAD) ||           \
@@ -83,6 +84,7 @@ TEST(CudaSm80Tuning, ForwardTableHasTheDocumentedEntries) {
     EXPECT_TRUE(t.early_v) << d;
     EXPECT_FALSE(t.lazy_rescale) << d;
     EXPECT_FALSE(t.plain_scoremod) << d;
+    EXPECT_FALSE(t.paged_check_overlap) << d;
   }
 }
 
@@ -141,6 +143,7 @@ TEST(CudaSm80Tuning, ForwardHelpersAgreeWithTheTable) {
     EXPECT_EQ(sm80::fwd_short_min_blocks(d), t.short_min_blocks) << d;
     EXPECT_EQ(sm80::fwd_has_short_tile(d), t.short_keys > 0) << d;
     EXPECT_EQ(sm80::kPlainScoreMod, t.plain_scoremod) << d;  // family-wide
+    EXPECT_EQ(sm80::kPagedCheckOverlap, t.paged_check_overlap) << d;
   }
 }
 

@@ -39,6 +39,9 @@ constexpr FwdTile fwd_tile_packed(int head_dim) { return fwd_tuning(head_dim).pa
 // the full variant and its halved key tile; false sends all three to the full variant.
 // (Family-wide; fwd_tuning has the same value at every head dim.)
 constexpr bool kPlainScoreMod = fwd_tuning(128).plain_scoremod;
+// The forward of a paged call launched beside its index check kernel (fwd_tuning's
+// paged_check_overlap; family-wide).
+constexpr bool kPagedCheckOverlap = fwd_tuning(128).paged_check_overlap;
 
 // Whether p uses softcap, ALiBi or dropout (each depends on the head of every element).
 inline bool has_score_mod_or_dropout(const common::AttentionParams& p) {

@@ -328,10 +328,14 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 // s-th of num_splits equal shares of the key tiles that row block m sees and writes, instead of
 // out and lse, its normalised fp32 partial O and its lse into `split` (a share with no visible key
 // for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
+// index_gate (kPagedCheckOverlap builds, paged kernels that do not fold the check; else null): the
+// index check's flag, set by the check kernel that this one runs beside as its programmatic
+// dependent — waited for (griddepcontrol.wait) and read before the first store, no store made
+// when it is set; until then the key count is clamped into the block_table row.
 template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged, bool kPacked, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
-               const std::uint64_t* rng_state, int pack_arg) {
+               const std::uint64_t* rng_state, int pack_arg, const int* index_gate) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -347,6 +351,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // kernels leave the code out (at d 128 it took the unpacked split kernel's spills from 52 to 180
   // bytes, inlined or called): launch_fwd_grid launches the check kernel ahead of them.
   constexpr bool kFoldsPaged = kPaged && kSplit && kPacked;
+  constexpr bool kGated = kPaged && !kFoldsPaged && kPagedCheckOverlap;
   bool folded = false;
   if constexpr (!kPaged || kFoldsPaged) folded = p.index_fold.active();
   if (folded) {
@@ -378,7 +383,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   // The sequence's lengths and first rows, read once (varlen and KV caches: global loads that the
   // offsets below would otherwise each repeat, dependent loads before the first tile's copies).
   const int seqlen_q = p.seqlen_q(batch);
-  const int seqlen_k = p.seqlen_k(batch);
+  int seqlen_k = p.seqlen_k(batch);
+  if constexpr (kGated) {
+    // Not yet checked (a KV-cache call: its key count is its only index here): kept inside the
+    // block_table row, whose entries are clamped into the cache where they are read.
+    if (index_gate != nullptr) {
+      seqlen_k = int(min(max(std::int64_t(seqlen_k), std::int64_t(0)), p.index_fold.bounds.capacity));
+    }
+  }
   const std::int64_t q_row0 = p.q_row0(batch);
   const int m_start = m_block * kBlockM;
   if (m_start >= seqlen_q * pack) {  // varlen: this sequence is shorter than the grid
@@ -821,6 +833,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     lse[mi] = empty ? common::empty_row_lse(sink) : (max_log2 + __log2f(sum)) * kLn2;
     CUTE_UNROLL
     for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) *= inv;
+  }
+
+  if constexpr (kGated) {
+    // The first store: the index check this kernel ran beside must have passed.
+    if (index_gate != nullptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+      if (*reinterpret_cast<const volatile int*>(index_gate) != 0) return;
+    }
   }
 
   if constexpr (kSplit) {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include "cuda/device/element.cuh"
+#include "cuda/device_query.h"
+#include "cuda/index_check.h"
 #include "cuda/sm80/sm80_fwd.h"
 #include "cuda/sm80/sm80_fwd_kernel.cuh"
 #include "cuda/sm80/sm80_smem.h"
@@ -32,6 +34,15 @@ struct FwdConfig {
                 "fwd_smem_bytes (host side) agrees with the kernel's shared memory");
 };
 
+// Whether a paged call's forward may run beside its index check kernel (kPagedCheckOverlap): a
+// KV-cache call, whose only index the kernel reads before the check is done is its key count
+// (clamped there), on a GPU with programmatic dependent launches (sm_90).
+inline bool paged_check_overlaps(const common::IndexBounds& ib) {
+  return ib.cu_seqlens_q == nullptr && ib.cu_seqlens_k == nullptr && ib.seqused_k == nullptr &&
+         ib.cache_batch_idx == nullptr && ib.cache_leftpad == nullptr && ib.cache_seqlens != nullptr &&
+         current_compute_capability() >= 90;
+}
+
 // One launch of fwd_kernel<KTraits, …>: grid (row blocks [× splits], heads / pack, batch).
 template <class KTraits, bool kFull, bool kSplit, bool kPaged, bool kPacked>
 cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvPartials& split,
@@ -55,11 +66,29 @@ cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvParti
       common::AttentionParams unfolded = p;
       unfolded.index_fold = {};
       check_indices(p.index_fold.bounds, stream);
-      kernel<<<grid, KTraits::kNThreads, smem, stream>>>(unfolded, split, rng_state, pack);
+      if constexpr (kPagedCheckOverlap) {
+        if (paged_check_overlaps(p.index_fold.bounds)) {
+          // Beside the check (its programmatic dependent, sm_90): the bounds stay for the key
+          // count's clamp, the fold inactive; the kernel waits for the check before its first store.
+          unfolded.index_fold.bounds = p.index_fold.bounds;
+          cudaLaunchAttribute attribute{};
+          attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attribute.val.programmaticStreamSerializationAllowed = 1;
+          cudaLaunchConfig_t config{};
+          config.gridDim = grid;
+          config.blockDim = dim3(KTraits::kNThreads);
+          config.dynamicSmemBytes = std::size_t(smem);
+          config.stream = stream;
+          config.attrs = &attribute;
+          config.numAttrs = 1;
+          return cudaLaunchKernelEx(&config, kernel, unfolded, split, rng_state, pack, index_error_flag());
+        }
+      }
+      kernel<<<grid, KTraits::kNThreads, smem, stream>>>(unfolded, split, rng_state, pack, nullptr);
       return cudaGetLastError();
     }
   }
-  kernel<<<grid, KTraits::kNThreads, smem, stream>>>(p, split, rng_state, pack);
+  kernel<<<grid, KTraits::kNThreads, smem, stream>>>(p, split, rng_state, pack, nullptr);
   return cudaGetLastError();
 }
 

@@ -50,6 +50,12 @@ struct Sm80FwdTuning {
   // Softcap and ALiBi compiled into the plain variant (only dropout takes the full variant).
   // Family-wide: the same in every bucket.
   bool plain_scoremod;
+  // A paged KV-cache call whose index check runs as a kernel of its own (every paged kernel but
+  // the packed split one, which folds it): on sm_90 the forward is launched as its programmatic
+  // dependent, running beside the check with its key count clamped into the block_table row and
+  // its page numbers into the cache, and waits for the check (griddepcontrol.wait) and reads its
+  // flag only before its first store. Family-wide.
+  bool paged_check_overlap;
 };
 
 FA_HOST_DEVICE constexpr Sm80FwdTuning fwd_tuning(int head_dim) {
@@ -63,12 +69,12 @@ FA_HOST_DEVICE constexpr Sm80FwdTuning fwd_tuning(int head_dim) {
   // registers, no spills), up to 384 keys per row.
   Sm80FwdTuning t = head_dim <= 64
                         ? Sm80FwdTuning{{128, 128, 4}, {128, 64, 4}, {64, 128, 4}, {64, 64, 4}, 384, 4, 1, false,
-                                        true, false, false}
+                                        true, false, false, false}
                     : head_dim <= 128
                         ? Sm80FwdTuning{{128, 64, 4}, {128, 32, 4}, {64, 128, 4}, {64, 64, 4}, 384, 3, 4, true,
-                                        true, false, false}
+                                        true, false, false, false}
                         : Sm80FwdTuning{{128, 64, 8}, {128, 32, 8}, {64, 64, 4}, {64, 64, 4}, 4096, 1, 1, false,
-                                        true, false, false};
+                                        true, false, false, false};
   // --- overrides for A/B timing (scripts/gpu-variants) ---
 #ifdef FLASHATTN_SM80_FWD64_BLOCK_N
   if (head_dim <= 64) t.plain.block_n = FLASHATTN_SM80_FWD64_BLOCK_N;
@@ -114,6 +120,9 @@ FA_HOST_DEVICE constexpr Sm80FwdTuning fwd_tuning(int head_dim) {
 #endif
 #ifdef FLASHATTN_SM80_FWD_PLAIN_SCOREMOD
   t.plain_scoremod = FLASHATTN_SM80_FWD_PLAIN_SCOREMOD != 0;
+#endif
+#ifdef FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP
+  t.paged_check_overlap = FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP != 0;
 #endif
   if (t.lazy_rescale) t.first_tile_branch = true;
   return t;
