@@ -170,6 +170,12 @@ inline bool kernel_built(flashattn::cuda::sm80::Family family, const flashattn::
   return kernel_built(family, p.storage, p.head_dim, p.head_dim_v);
 }
 
+// The kernels' storage type of a test dtype.
+inline flashattn::common::Storage storage_of(DType t) {
+  using flashattn::common::Storage;
+  return t == DType::bf16 ? Storage::bf16 : t == DType::f16 ? Storage::f16 : Storage::f32;
+}
+
 // A dtype for which this build compiled a kernel of `family` at head dim d, bf16 before f16, for
 // tests whose subject is not the dtype: they then run in a build restricted to one dtype
 // (FLASHATTN_CUDA_DTYPES) instead of failing on the refusal. Where neither is built the skip is
@@ -177,8 +183,7 @@ inline bool kernel_built(flashattn::cuda::sm80::Family family, const flashattn::
 inline bool built_dtype(flashattn::cuda::sm80::Family family, int head_dim, DType* dtype) {
   namespace fc = flashattn::cuda;
   for (DType t : {DType::bf16, DType::f16}) {
-    const auto storage = t == DType::bf16 ? flashattn::common::Storage::bf16 : flashattn::common::Storage::f16;
-    if (fc::sm80::compiled_head_dim(family, storage, head_dim) != 0) {
+    if (fc::sm80::compiled_head_dim(family, storage_of(t), head_dim) != 0) {
       *dtype = t;
       return true;
     }

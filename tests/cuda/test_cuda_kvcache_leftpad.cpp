@@ -65,7 +65,7 @@ class CudaKvcacheLeftpad : public testing::TestWithParam<LeftpadGpuCase> {};
 TEST_P(CudaKvcacheLeftpad, MatchesReference) {
   FA_SKIP_WITHOUT_GPU();
   const LeftpadGpuCase& g = GetParam();
-  const fa::common::Storage storage = g.dtype == DType::bf16 ? fa::common::Storage::bf16 : fa::common::Storage::f16;
+  const fa::common::Storage storage = storage_of(g.dtype);
   if (!kernel_built(fa::cuda::sm80::Family::fwd, storage, g.d, g.d)) return;
   LeftpadCase lc;
   lc.dtype = g.dtype;

@@ -81,7 +81,7 @@ class CudaPagedPrefill : public testing::TestWithParam<PagedGpuCase> {};
 TEST_P(CudaPagedPrefill, MatchesReference) {
   FA_SKIP_WITHOUT_GPU();
   const PagedGpuCase& g = GetParam();
-  const fa::common::Storage storage = g.dtype == DType::bf16 ? fa::common::Storage::bf16 : fa::common::Storage::f16;
+  const fa::common::Storage storage = storage_of(g.dtype);
   if (!kernel_built(fa::cuda::sm80::Family::fwd, storage, g.d, g.dv > 0 ? g.dv : g.d)) return;
   // Decoding rows (1 query) beside prefill chunks, a sequence without keys, odd key counts.
   AttnConfig cfg = varlen_config(g.dtype, {1, 37, 1, 130, 5}, {300, 37, 1, 700, 64}, g.h, g.hk, g.d, g.dv);

@@ -570,7 +570,7 @@ TEST(CudaSplitKvWorkspace, SizeOfForcedSplits) {
   DType dtype;
   if (!built_dtype(flashattn::cuda::sm80::Family::fwd_split, 64, &dtype)) return;
   c::AttentionParams p;
-  p.storage = dtype == DType::bf16 ? c::Storage::bf16 : c::Storage::f16;
+  p.storage = storage_of(dtype);
   p.batch = 2;
   p.heads = 4;
   p.heads_k = 2;
