@@ -49,13 +49,13 @@ Record* mirror_of(int device) {
   return g_mirror[device].load(std::memory_order_acquire);
 }
 
-// A kernel launched as the check's programmatic dependent (the sm80 forward of a paged call, in
-// builds with FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP=1) may start now, beside it: it waits for the
-// check to finish before its first store. (No effect on kernels launched the usual way after it;
-// other builds leave it out.)
+// A kernel launched as the check's programmatic dependent (the sm80 forward of a paged call on
+// sm_90, unless a build sets FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP=0) may start now, beside it:
+// it waits for the check to finish before its first store. (No effect on kernels launched the
+// usual way after it.)
 __device__ __forceinline__ void let_dependents_start() {
-#if defined(FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#if FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if !defined(FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP) || FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 #endif

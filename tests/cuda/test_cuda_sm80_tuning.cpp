@@ -84,7 +84,7 @@ TEST(CudaSm80Tuning, ForwardTableHasTheDocumentedEntries) {
     EXPECT_TRUE(t.early_v) << d;
     EXPECT_FALSE(t.lazy_rescale) << d;
     EXPECT_FALSE(t.plain_scoremod) << d;
-    EXPECT_FALSE(t.paged_check_overlap) << d;
+    EXPECT_TRUE(t.paged_check_overlap) << d;
   }
 }
 

@@ -69,12 +69,12 @@ FA_HOST_DEVICE constexpr Sm80FwdTuning fwd_tuning(int head_dim) {
   // registers, no spills), up to 384 keys per row.
   Sm80FwdTuning t = head_dim <= 64
                         ? Sm80FwdTuning{{128, 128, 4}, {128, 64, 4}, {64, 128, 4}, {64, 64, 4}, 384, 4, 1, false,
-                                        true, false, false, false}
+                                        true, false, false, true}
                     : head_dim <= 128
                         ? Sm80FwdTuning{{128, 64, 4}, {128, 32, 4}, {64, 128, 4}, {64, 64, 4}, 384, 3, 4, true,
-                                        true, false, false, false}
+                                        true, false, false, true}
                         : Sm80FwdTuning{{128, 64, 8}, {128, 32, 8}, {64, 64, 4}, {64, 64, 4}, 4096, 1, 1, false,
-                                        true, false, false, false};
+                                        true, false, false, true};
   // --- overrides for A/B timing (scripts/gpu-variants) ---
 #ifdef FLASHATTN_SM80_FWD64_BLOCK_N
   if (head_dim <= 64) t.plain.block_n = FLASHATTN_SM80_FWD64_BLOCK_N;
