@@ -51,7 +51,7 @@ Record* mirror_of(int device) {
 
 // A kernel launched as the check's programmatic dependent (the sm80 forward of a paged call on
 // sm_90, unless a build sets FLASHATTN_SM80_FWD_PAGED_CHECK_OVERLAP=0) may start now, beside it:
-// it waits for the check to finish before its first store. (No effect on kernels launched the
+// it waits for the check to finish before it stores anything. (No effect on kernels launched the
 // usual way after it.)
 __device__ __forceinline__ void let_dependents_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

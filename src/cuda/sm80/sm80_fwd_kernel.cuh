@@ -308,6 +308,15 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
   }
 }
 
+// The flag of the index check that a kernel runs beside as its programmatic dependent: waits for
+// the check kernel to finish and its writes to be visible (griddepcontrol.wait, sm_90), then reads it.
+__device__ __forceinline__ int read_index_gate(const int* gate) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+  return *reinterpret_cast<const volatile int*>(gate);
+}
+
 // --- the kernel ---------------------------------------------------------------------------------
 //
 // Grid: (⌈max_seqlen_q · pack / kBlockM⌉, heads / pack, batch). rng_state: optional device {seed,
@@ -330,8 +339,8 @@ __device__ __forceinline__ void load_strided_tile(const typename Traits::Element
 // for a row gives that row lse = +∞, which the combine skips). Unused when !kSplit.
 // index_gate (kPagedCheckOverlap builds, paged kernels that do not fold the check; else null): the
 // index check's flag, set by the check kernel that this one runs beside as its programmatic
-// dependent — waited for (griddepcontrol.wait) and read before the first store, no store made
-// when it is set; until then the key count is clamped into the block_table row.
+// dependent — waited for (griddepcontrol.wait) and read as the last key tile starts, no store
+// made when it is set; until then the key count is clamped into the block_table row.
 template <class Traits, bool kScoreModAndDropout, bool kSplit, bool kPaged, bool kPacked, bool kScoreMod = false>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
     fwd_kernel(const __grid_constant__ common::AttentionParams p, const __grid_constant__ SplitKvPartials split,
@@ -526,6 +535,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   const TileScoreMod mod(p.score_mod_for<float>(batch, head, seqlen_q, seqlen_k), kScoreModAndDropout || kScoreMod);
   const float score_to_log2 = mod.out_scale * kLog2e;
 
+  int gate_flag = 0;  // index_gate's flag (kGated), read with the last key tile
   if (n_block_min < n_block_max) {
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);            // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma.partition_fragment_B(sK);            // (MMA, MMA_N, MMA_K)
@@ -773,6 +783,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
 
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
       const int n_start = n_block * kBlockN;
+      if constexpr (kGated) {
+        // The gate's flag, read as the last key tile starts, so that its load is in flight during
+        // the tile's products (read at the first store it added a load's latency to every CTA).
+        if (index_gate != nullptr && n_block == n_block_min) gate_flag = read_index_gate(index_gate);
+      }
       if (mask.block_fully_visible(q_begin, q_end, n_start, n_start + kBlockN)) {
         key_tile(n_block, std::false_type{});
       } else {
@@ -836,12 +851,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   }
 
   if constexpr (kGated) {
-    // The first store: the index check this kernel ran beside must have passed.
+    // The first store: the index check this kernel ran beside must have passed (its flag read in
+    // the last key tile, or here by a block without one).
     if (index_gate != nullptr) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-      if (*reinterpret_cast<const volatile int*>(index_gate) != 0) return;
+      if (n_block_min >= n_block_max) gate_flag = read_index_gate(index_gate);
+      if (gate_flag != 0) return;
     }
   }
 

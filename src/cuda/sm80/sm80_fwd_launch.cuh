@@ -69,7 +69,7 @@ cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvParti
       if constexpr (kPagedCheckOverlap) {
         if (paged_check_overlaps(p.index_fold.bounds)) {
           // Beside the check (its programmatic dependent, sm_90): the bounds stay for the key
-          // count's clamp, the fold inactive; the kernel waits for the check before its first store.
+          // count's clamp, the fold inactive; the kernel waits for the check (as its last key tile starts) before it stores anything.
           unfolded.index_fold.bounds = p.index_fold.bounds;
           cudaLaunchAttribute attribute{};
           attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -54,7 +54,7 @@ struct Sm80FwdTuning {
   // the packed split one, which folds it): on sm_90 the forward is launched as its programmatic
   // dependent, running beside the check with its key count clamped into the block_table row and
   // its page numbers into the cache, and waits for the check (griddepcontrol.wait) and reads its
-  // flag only before its first store. Family-wide.
+  // flag as its last key tile starts (no store when it is set). Family-wide.
   bool paged_check_overlap;
 };
 
