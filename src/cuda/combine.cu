@@ -11,6 +11,7 @@
 
 #include "common/numeric.h"
 #include "common/sink.h"
+#include "cuda/device_query.h"
 #include "flashattn/error.h"
 
 namespace flashattn::cuda {
@@ -53,6 +54,11 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   const int row = int(batch_row % c.max_seqlen_q);
   const int batch = int(batch_row / c.max_seqlen_q);
   if (batch >= c.batch) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as the split kernel's programmatic dependent (CombineParams::after_primary): nothing
+  // that kernel writes is read before it has finished. (Returns at once after a usual launch.)
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   // The index check's flag (a violation found by the split kernel or before it: nothing is
   // written then), loaded beside the splits' lse rather than before them; the reads below stay
   // inside the partials whatever cu_seqlens_q holds.
@@ -154,13 +160,30 @@ void combine(const CombineParams& c, void* stream) {
   auto* s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(blocks));
   const dim3 block(kCombineWarps * kWarpSize);
+  auto launch = [&](auto* kernel) {
+    if (c.after_primary && current_compute_capability() >= 90) {
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = grid;
+      config.blockDim = block;
+      config.stream = s;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      return cudaLaunchKernelEx(&config, kernel, c);
+    }
+    kernel<<<grid, block, 0, s>>>(c);
+    return cudaGetLastError();
+  };
+  cudaError_t err = cudaSuccess;
   switch (c.out_storage) {
-    case common::Storage::f16: combine_kernel<common::Storage::f16><<<grid, block, 0, s>>>(c); break;
-    case common::Storage::bf16: combine_kernel<common::Storage::bf16><<<grid, block, 0, s>>>(c); break;
-    case common::Storage::f32: combine_kernel<common::Storage::f32><<<grid, block, 0, s>>>(c); break;
+    case common::Storage::f16: err = launch(&combine_kernel<common::Storage::f16>); break;
+    case common::Storage::bf16: err = launch(&combine_kernel<common::Storage::bf16>); break;
+    case common::Storage::f32: err = launch(&combine_kernel<common::Storage::f32>); break;
   }
-  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // not left for the next launch to report
     throw Error(std::string("flashattn::combine (CUDA): kernel launch failed: ") + cudaGetErrorString(err));
   }
 }

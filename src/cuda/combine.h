@@ -42,6 +42,12 @@ struct CombineParams {
   const float* sinks = nullptr;
   // The index-check flag (AttentionParams::index_error): the kernel exits when it is set.
   const int* index_error = nullptr;
+  // Launch as the programmatic dependent of the kernel before it on the stream (the split-KV
+  // forward that wrote the partials), on sm_90 and newer: the combine's blocks start while that
+  // kernel's last ones still run and wait for it (griddepcontrol.wait) before reading the partials
+  // and the flag. Other GPUs launch it the usual way. combine_split_partials sets it where
+  // FLASHATTN_COMBINE_PDL=1 (read per call; src/cuda/README.md, tuning knobs).
+  bool after_primary = false;
 };
 
 // Launches the combine kernel on `stream` (a cudaStream_t; nullptr = default stream). Per row:

@@ -190,6 +190,23 @@ TEST_P(CudaSplitKv, PagedKV) {
   }
 }
 
+// FLASHATTN_COMBINE_PDL=1: the combine launched as the split kernel's programmatic dependent
+// (sm_90; other GPUs launch it the usual way) gives the same results — dense, causal over a paged
+// cache, and shares of which most are empty (128 splits).
+TEST_P(CudaSplitKv, CombineAsProgrammaticDependent) {
+  FA_SKIP_WITHOUT_GPU();
+  const EnvOverride pdl("FLASHATTN_COMBINE_PDL", "1");
+  for (int d : {64, 128, 256}) {
+    for (int splits : {5, 128}) expect_split_matches(decode_config(GetParam(), d, 1, 8192), splits);
+    AttnConfig cfg = decode_config(GetParam(), d, 4, 3000);
+    cfg.opt.causal = true;
+    const AttnProblem p = make_problem(cfg);
+    SCOPED_TRACE(describe(cfg) + " page 16");
+    const ForwardResult r = run_cuda_forward(p, then(force_splits(7), paged_hook(p, 16)), nullptr, true);
+    EXPECT_TRUE(check_forward(p, r));
+  }
+}
+
 // Varlen batches with seqused_k: sequences of different lengths (one without keys, one without
 // rows) share the grid, so their split shares differ in size; the combine writes packed rows.
 TEST_P(CudaSplitKv, VarlenWithSequsedK) {

@@ -349,6 +349,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  if constexpr (kSplit) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // The combine after this kernel, where launched as its programmatic dependent
+    // (FLASHATTN_COMBINE_PDL=1), may be scheduled from now on: it waits for this grid to finish
+    // before it reads anything the grid writes. (No effect on a combine launched the usual way.)
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  }
   // An index tensor failed the device-side check (src/cuda/index_check.h): read and write nothing.
   // Where the call's check is folded in here (AttentionParams::index_fold) it runs first: a split
   // kernel's block checks the one sequence it reads (blockIdx.z), beside that flag — it writes
