@@ -7,6 +7,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "common/numeric.h"
@@ -20,10 +21,13 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kCombineWarps = 4;  // one warp per output row (batch, row, head); 4 rows per CTA
 constexpr int kColsPerLane = 8;   // lane l holds columns l, l + 32, …: 256 columns per pass
-constexpr int kColsPerPass = kColsPerLane * kWarpSize;
 // Partial rows loaded before the first of them is accumulated: with few rows per launch (decoding)
 // each warp must keep many loads in flight to hide the memory latency.
 constexpr int kSplitsInFlight = 8;
+// The kVec layout (FLASHATTN_COMBINE_VEC=1): 4 adjacent columns per lane (one 16-byte load),
+// 128 per pass, and twice the splits in flight (sm_90a: 210 registers against 128, no spills).
+constexpr int kVecColsPerLane = 4;
+constexpr int kVecSplitsInFlight = 16;
 constexpr float kInf = __builtin_huge_valf();
 constexpr int kQuietNaNBits = 0x7fc00000;
 
@@ -43,9 +47,19 @@ struct StorageType<common::Storage::f32> {
 };
 
 // Grid: ⌈b · max_seqlen_q · h / kCombineWarps⌉ CTAs of kCombineWarps warps.
-template <common::Storage kOutStorage>
+// kVec (FLASHATTN_COMBINE_VEC=1 where the partials allow it: combine() below): lane l holds the 4
+// adjacent columns 4l … 4l + 3 of a 128-column pass (one 16-byte load per split) and keeps
+// kVecSplitsInFlight splits' rows in flight, the first of them issued beside the splits' lse — one
+// trip to memory less per row and fewer batches of loads after it. The sums are the same, in the
+// same order.
+template <common::Storage kOutStorage, bool kVec>
 __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(const __grid_constant__ CombineParams c) {
   using OutElement = typename StorageType<kOutStorage>::type;
+  constexpr int kLaneCols = kVec ? kVecColsPerLane : kColsPerLane;
+  constexpr int kPassCols = kLaneCols * kWarpSize;
+  constexpr int kInFlight = kVec ? kVecSplitsInFlight : kSplitsInFlight;
+  // Column k of lane l in a pass: adjacent (kVec) or strided by the warp.
+  auto lane_col = [](int lane, int k) { return kVec ? lane * kLaneCols + k : lane + k * kWarpSize; };
   const int lane = threadIdx.x % kWarpSize;
   // Heads fastest: the warps of a CTA write neighbouring heads of one output row.
   const std::int64_t task = std::int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / kWarpSize;
@@ -72,6 +86,29 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   const float* out_splits = c.out_partial + std::int64_t(batch) * c.out_partial_batch_stride +
                             std::int64_t(row) * c.out_partial_row_stride +
                             std::int64_t(head) * c.out_partial_head_stride;
+  // Lane l's columns of split s's partial row in the pass from col0 (0 past the row or the splits).
+  auto load_part = [&](int s, int col0, float (&part)[kLaneCols]) {
+    const float* o = out_splits + std::int64_t(s) * c.out_partial_split_stride + col0;
+    if constexpr (kVec) {
+      // head_dim_v is a multiple of 4 here: a lane's 4 columns are all in the row or none is.
+      const bool in = s < c.splits && col0 + lane_col(lane, 0) < c.head_dim_v;
+      const float4 x = in ? *reinterpret_cast<const float4*>(o + lane_col(lane, 0)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      part[0] = x.x, part[1] = x.y, part[2] = x.z, part[3] = x.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kLaneCols; ++k) {
+        const bool in = s < c.splits && col0 + lane_col(lane, k) < c.head_dim_v;
+        part[k] = in ? o[lane_col(lane, k)] : 0.0f;
+      }
+    }
+  };
+  // kVec: the first pass's first splits, loaded now, beside the lse below (a split that turns out
+  // not to contribute is loaded for nothing; its row is inside the partials all the same).
+  float first[kVec ? kInFlight : 1][kLaneCols];
+  if constexpr (kVec) {
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) load_part(j, 0, first[j]);
+  }
 
   // Every lane computes the row's lse (the loads are broadcasts). The arithmetic is the host's,
   // step for step, with explicit rounding so that nothing is contracted into an FMA: a row with
@@ -108,39 +145,42 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   OutElement* out_row = static_cast<OutElement*>(c.out.data) +
                         (varlen ? 0 : std::int64_t(batch) * c.out.batch_stride) +
                         (out_row0 + row) * c.out.row_stride + std::int64_t(head) * c.out.head_stride;
-  for (int col0 = 0; col0 < c.head_dim_v; col0 += kColsPerPass) {
-    float acc[kColsPerLane];
+  for (int col0 = 0; col0 < c.head_dim_v; col0 += kPassCols) {
+    float acc[kLaneCols];
 #pragma unroll
-    for (int k = 0; k < kColsPerLane; ++k) acc[k] = nan_split ? lse : 0.0f;
-    for (int s0 = 0; !empty && s0 < c.splits; s0 += kSplitsInFlight) {
-      // Weights and partial rows of kSplitsInFlight splits first, then the sums in split order.
-      bool contributes[kSplitsInFlight];
-      float weight[kSplitsInFlight];
-      float part[kSplitsInFlight][kColsPerLane];
+    for (int k = 0; k < kLaneCols; ++k) acc[k] = nan_split ? lse : 0.0f;
+    for (int s0 = 0; !empty && s0 < c.splits; s0 += kInFlight) {
+      // Weights and partial rows of kInFlight splits first, then the sums in split order.
+      bool contributes[kInFlight];
+      float weight[kInFlight];
+      float part[kInFlight][kLaneCols];
 #pragma unroll
-      for (int j = 0; j < kSplitsInFlight; ++j) {
+      for (int j = 0; j < kInFlight; ++j) {
         const int s = s0 + j;
         const float l = s < c.splits ? lse_of(s) : -kInf;
         // A split without a finite lse is skipped, whatever its out_partial holds.
         contributes[j] = isfinite(l);
         weight[j] = contributes[j] ? expf(__fsub_rn(l, lse)) : 0.0f;
-        const float* o = out_splits + std::int64_t(s) * c.out_partial_split_stride + col0 + lane;
+        bool prefetched = false;
+        if constexpr (kVec) {
+          if (col0 == 0 && s0 == 0) {
 #pragma unroll
-        for (int k = 0; k < kColsPerLane; ++k) {
-          const bool in_row = col0 + lane + k * kWarpSize < c.head_dim_v;
-          part[j][k] = contributes[j] && in_row ? o[k * kWarpSize] : 0.0f;
+            for (int k = 0; k < kLaneCols; ++k) part[j][k] = first[j][k];
+            prefetched = true;
+          }
         }
+        if (!prefetched) load_part(contributes[j] ? s : c.splits, col0, part[j]);
       }
 #pragma unroll
-      for (int j = 0; j < kSplitsInFlight; ++j) {
+      for (int j = 0; j < kInFlight; ++j) {
         if (!contributes[j]) continue;
 #pragma unroll
-        for (int k = 0; k < kColsPerLane; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(weight[j], part[j][k]));
+        for (int k = 0; k < kLaneCols; ++k) acc[k] = __fadd_rn(acc[k], __fmul_rn(weight[j], part[j][k]));
       }
     }
 #pragma unroll
-    for (int k = 0; k < kColsPerLane; ++k) {
-      const int col = col0 + lane + k * kWarpSize;
+    for (int k = 0; k < kLaneCols; ++k) {
+      const int col = col0 + lane_col(lane, k);
       if (col < c.head_dim_v) out_row[col] = common::from_float<OutElement>(acc[k]);
     }
   }
@@ -160,6 +200,12 @@ void combine(const CombineParams& c, void* stream) {
   auto* s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(blocks));
   const dim3 block(kCombineWarps * kWarpSize);
+  // The kVec layout where asked for (read per call) and the partials allow its 16-byte loads.
+  const char* vec_env = std::getenv("FLASHATTN_COMBINE_VEC");
+  const bool vec = vec_env != nullptr && std::string(vec_env) == "1" && c.head_dim_v % kVecColsPerLane == 0 &&
+                   reinterpret_cast<std::uintptr_t>(c.out_partial) % 16 == 0 &&
+                   c.out_partial_split_stride % kVecColsPerLane == 0 && c.out_partial_batch_stride % kVecColsPerLane == 0 &&
+                   c.out_partial_row_stride % kVecColsPerLane == 0 && c.out_partial_head_stride % kVecColsPerLane == 0;
   auto launch = [&](auto* kernel) {
     if (c.after_primary && current_compute_capability() >= 90) {
       cudaLaunchAttribute attribute{};
@@ -178,9 +224,15 @@ void combine(const CombineParams& c, void* stream) {
   };
   cudaError_t err = cudaSuccess;
   switch (c.out_storage) {
-    case common::Storage::f16: err = launch(&combine_kernel<common::Storage::f16>); break;
-    case common::Storage::bf16: err = launch(&combine_kernel<common::Storage::bf16>); break;
-    case common::Storage::f32: err = launch(&combine_kernel<common::Storage::f32>); break;
+    case common::Storage::f16:
+      err = vec ? launch(&combine_kernel<common::Storage::f16, true>) : launch(&combine_kernel<common::Storage::f16, false>);
+      break;
+    case common::Storage::bf16:
+      err = vec ? launch(&combine_kernel<common::Storage::bf16, true>) : launch(&combine_kernel<common::Storage::bf16, false>);
+      break;
+    case common::Storage::f32:
+      err = vec ? launch(&combine_kernel<common::Storage::f32, true>) : launch(&combine_kernel<common::Storage::f32, false>);
+      break;
   }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // not left for the next launch to report

@@ -374,9 +374,7 @@ class CudaCombine : public testing::TestWithParam<CombineCase> {};
 // Random partials with every kind of split: finite lse of either sign and wide range, +inf (no
 // key, this library's convention), −inf (other producers); out_partial of a non-finite split is
 // NaN and must be skipped. Some rows have one finite split, some none.
-TEST_P(CudaCombine, MatchesCpuCombine) {
-  FA_SKIP_WITHOUT_GPU();
-  const CombineCase& cc = GetParam();
+void expect_combine_matches_cpu(const CombineCase& cc) {
   const std::int64_t s = cc.splits, b = 2, sq = 5, h = 3, dv = cc.dv;
   auto rows_tensor = [&](DType dt, Shape shape) {
     if (!cc.padded) return Tensor(dt, shape);
@@ -460,6 +458,18 @@ TEST_P(CudaCombine, MatchesCpuCombine) {
   EXPECT_EQ(mismatches, 0);
   EXPECT_GT(exact_rows, 0);
   EXPECT_EQ(gpu_out.count_written_outside_view(), 0);
+}
+
+// The kernel's two layouts: a lane's columns strided by the warp (the default), and adjacent with
+// 16-byte loads and the first splits' rows loaded beside the lse (FLASHATTN_COMBINE_VEC=1; every
+// case here allows it: dv a multiple of 4, the gaps of 8 elements).
+TEST_P(CudaCombine, MatchesCpuCombine) {
+  FA_SKIP_WITHOUT_GPU();
+  for (const char* vec : {"", "1"}) {
+    SCOPED_TRACE(std::string("FLASHATTN_COMBINE_VEC=") + vec);
+    const EnvOverride layout("FLASHATTN_COMBINE_VEC", vec);
+    expect_combine_matches_cpu(GetParam());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
