@@ -12,6 +12,7 @@
 
 #include "common/numeric.h"
 #include "common/sink.h"
+#include "cuda/dependent_launch.h"
 #include "cuda/device_query.h"
 #include "flashattn/error.h"
 
@@ -190,6 +191,13 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   }
 }
 
+// Whether the environment variable `name` is "1" (the combine's runtime knobs, read per call so
+// that a benchmark can alternate them).
+bool knob_on(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && env[0] == '1' && env[1] == '\0';
+}
+
 }  // namespace
 
 void combine(const CombineParams& c, void* stream) {
@@ -201,38 +209,26 @@ void combine(const CombineParams& c, void* stream) {
   const dim3 grid(static_cast<unsigned>(blocks));
   const dim3 block(kCombineWarps * kWarpSize);
   // The kVec layout where asked for (read per call) and the partials allow its 16-byte loads.
-  const char* vec_env = std::getenv("FLASHATTN_COMBINE_VEC");
-  const bool vec = vec_env != nullptr && std::string(vec_env) == "1" && c.head_dim_v % kVecColsPerLane == 0 &&
+  auto vec_multiple = [](std::int64_t n) { return n % kVecColsPerLane == 0; };
+  const bool vec = knob_on("FLASHATTN_COMBINE_VEC") && vec_multiple(c.head_dim_v) &&
                    reinterpret_cast<std::uintptr_t>(c.out_partial) % 16 == 0 &&
-                   c.out_partial_split_stride % kVecColsPerLane == 0 && c.out_partial_batch_stride % kVecColsPerLane == 0 &&
-                   c.out_partial_row_stride % kVecColsPerLane == 0 && c.out_partial_head_stride % kVecColsPerLane == 0;
-  auto launch = [&](auto* kernel) {
-    if (c.after_primary && current_compute_capability() >= 90) {
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attribute.val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t config{};
-      config.gridDim = grid;
-      config.blockDim = block;
-      config.stream = s;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      return cudaLaunchKernelEx(&config, kernel, c);
-    }
-    kernel<<<grid, block, 0, s>>>(c);
-    return cudaGetLastError();
-  };
-  cudaError_t err = cudaSuccess;
+                   vec_multiple(c.out_partial_split_stride) && vec_multiple(c.out_partial_batch_stride) &&
+                   vec_multiple(c.out_partial_row_stride) && vec_multiple(c.out_partial_head_stride);
+  using common::Storage;
+  void (*kernel)(CombineParams) = nullptr;
   switch (c.out_storage) {
-    case common::Storage::f16:
-      err = vec ? launch(&combine_kernel<common::Storage::f16, true>) : launch(&combine_kernel<common::Storage::f16, false>);
+    case Storage::f16: kernel = vec ? combine_kernel<Storage::f16, true> : combine_kernel<Storage::f16, false>; break;
+    case Storage::bf16:
+      kernel = vec ? combine_kernel<Storage::bf16, true> : combine_kernel<Storage::bf16, false>;
       break;
-    case common::Storage::bf16:
-      err = vec ? launch(&combine_kernel<common::Storage::bf16, true>) : launch(&combine_kernel<common::Storage::bf16, false>);
-      break;
-    case common::Storage::f32:
-      err = vec ? launch(&combine_kernel<common::Storage::f32, true>) : launch(&combine_kernel<common::Storage::f32, false>);
-      break;
+    case Storage::f32: kernel = vec ? combine_kernel<Storage::f32, true> : combine_kernel<Storage::f32, false>; break;
+  }
+  cudaError_t err = cudaSuccess;
+  if (c.after_primary && knob_on("FLASHATTN_COMBINE_PDL") && current_compute_capability() >= 90) {
+    err = launch_as_dependent(kernel, grid, block, 0, s, c);
+  } else {
+    kernel<<<grid, block, 0, s>>>(c);
+    err = cudaGetLastError();
   }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // not left for the next launch to report

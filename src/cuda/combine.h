@@ -42,11 +42,11 @@ struct CombineParams {
   const float* sinks = nullptr;
   // The index-check flag (AttentionParams::index_error): the kernel exits when it is set.
   const int* index_error = nullptr;
-  // Launch as the programmatic dependent of the kernel before it on the stream (the split-KV
-  // forward that wrote the partials), on sm_90 and newer: the combine's blocks start while that
-  // kernel's last ones still run and wait for it (griddepcontrol.wait) before reading the partials
-  // and the flag. Other GPUs launch it the usual way. combine_split_partials sets it where
-  // FLASHATTN_COMBINE_PDL=1 (read per call; src/cuda/README.md, tuning knobs).
+  // The kernel before this one on the stream wrote the partials (the split-KV forward;
+  // combine_split_partials sets it). With FLASHATTN_COMBINE_PDL=1 (read per call; src/cuda/README.md,
+  // tuning knobs) the combine is then launched as that kernel's programmatic dependent on sm_90 and
+  // newer: its blocks start while that kernel's last ones still run and wait for it
+  // (griddepcontrol.wait) before reading the partials and the flag. Otherwise the usual launch.
   bool after_primary = false;
 };
 

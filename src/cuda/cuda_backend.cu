@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "common/mask.h"
@@ -39,15 +38,6 @@ SplitKvPartials carve_split_partials(const common::AttentionParams& p, int split
   return partials;
 }
 
-namespace {
-// FLASHATTN_COMBINE_PDL=1: the split-KV forward's combine launched as that kernel's programmatic
-// dependent (CombineParams::after_primary). Read per call, so that a benchmark can alternate.
-bool combine_pdl_requested() {
-  const char* env = std::getenv("FLASHATTN_COMBINE_PDL");
-  return env != nullptr && env[0] == '1' && env[1] == '\0';
-}
-}  // namespace
-
 void combine_split_partials(const common::AttentionParams& p, float* out_partial, float* lse_partial, int splits,
                             cudaStream_t stream) {
   CombineParams c;
@@ -73,7 +63,7 @@ void combine_split_partials(const common::AttentionParams& p, float* out_partial
   c.cu_seqlens_q = p.cu_seqlens_q;
   c.sinks = p.sinks;
   c.index_error = p.index_error;
-  c.after_primary = combine_pdl_requested();
+  c.after_primary = true;  // the split kernel just launched on `stream`
   combine(c, stream);
 }
 

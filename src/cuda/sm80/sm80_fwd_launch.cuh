@@ -3,6 +3,7 @@
 // instantiation files in inst/, one (dtype, head dim, plain or split) each.
 #pragma once
 
+#include "cuda/dependent_launch.h"
 #include "cuda/device/element.cuh"
 #include "cuda/device_query.h"
 #include "cuda/index_check.h"
@@ -69,19 +70,11 @@ cudaError_t launch_fwd_grid(const common::AttentionParams& p, const SplitKvParti
       if constexpr (kPagedCheckOverlap) {
         if (paged_check_overlaps(p.index_fold.bounds)) {
           // Beside the check (its programmatic dependent, sm_90): the bounds stay for the key
-          // count's clamp, the fold inactive; the kernel waits for the check (as its last key tile starts) before it stores anything.
+          // count's clamp, the fold inactive; the kernel waits for the check (as its last key
+          // tile starts) before it stores anything.
           unfolded.index_fold.bounds = p.index_fold.bounds;
-          cudaLaunchAttribute attribute{};
-          attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-          attribute.val.programmaticStreamSerializationAllowed = 1;
-          cudaLaunchConfig_t config{};
-          config.gridDim = grid;
-          config.blockDim = dim3(KTraits::kNThreads);
-          config.dynamicSmemBytes = std::size_t(smem);
-          config.stream = stream;
-          config.attrs = &attribute;
-          config.numAttrs = 1;
-          return cudaLaunchKernelEx(&config, kernel, unfolded, split, rng_state, pack, index_error_flag());
+          return launch_as_dependent(kernel, grid, dim3(KTraits::kNThreads), std::size_t(smem), stream, unfolded,
+                                     split, rng_state, pack, index_error_flag());
         }
       }
       kernel<<<grid, KTraits::kNThreads, smem, stream>>>(unfolded, split, rng_state, pack, nullptr);
