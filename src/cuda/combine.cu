@@ -25,8 +25,9 @@ constexpr int kColsPerLane = 8;   // lane l holds columns l, l + 32, …: 256 co
 // Partial rows loaded before the first of them is accumulated: with few rows per launch (decoding)
 // each warp must keep many loads in flight to hide the memory latency.
 constexpr int kSplitsInFlight = 8;
-// The kVec layout (FLASHATTN_COMBINE_VEC=1): 4 adjacent columns per lane (one 16-byte load),
-// 128 per pass, and twice the splits in flight (sm_90a: 210 registers against 128, no spills).
+// The kVec layout (FLASHATTN_COMBINE_VEC; by default after the split kernel): 4 adjacent columns
+// per lane (one 16-byte load), 128 per pass, and twice the splits in flight (sm_90a: 210 registers
+// against 128, no spills).
 constexpr int kVecColsPerLane = 4;
 constexpr int kVecSplitsInFlight = 16;
 constexpr float kInf = __builtin_huge_valf();
@@ -48,7 +49,7 @@ struct StorageType<common::Storage::f32> {
 };
 
 // Grid: ⌈b · max_seqlen_q · h / kCombineWarps⌉ CTAs of kCombineWarps warps.
-// kVec (FLASHATTN_COMBINE_VEC=1 where the partials allow it: combine() below): lane l holds the 4
+// kVec (FLASHATTN_COMBINE_VEC where the partials allow it: combine() below): lane l holds the 4
 // adjacent columns 4l … 4l + 3 of a 128-column pass (one 16-byte load per split) and keeps
 // kVecSplitsInFlight splits' rows in flight, the first of them issued beside the splits' lse — one
 // trip to memory less per row and fewer batches of loads after it. The sums are the same, in the
@@ -191,11 +192,12 @@ __global__ void __launch_bounds__(kCombineWarps * kWarpSize) combine_kernel(cons
   }
 }
 
-// Whether the environment variable `name` is "1" (the combine's runtime knobs, read per call so
-// that a benchmark can alternate them).
-bool knob_on(const char* name) {
+// A combine runtime knob (read per call, so that a benchmark can alternate them): "1" on, "0" off,
+// unset or anything else `fallback`.
+bool knob(const char* name, bool fallback) {
   const char* env = std::getenv(name);
-  return env != nullptr && env[0] == '1' && env[1] == '\0';
+  if (env == nullptr || (env[0] != '0' && env[0] != '1') || env[1] != '\0') return fallback;
+  return env[0] == '1';
 }
 
 }  // namespace
@@ -208,9 +210,13 @@ void combine(const CombineParams& c, void* stream) {
   auto* s = static_cast<cudaStream_t>(stream);
   const dim3 grid(static_cast<unsigned>(blocks));
   const dim3 block(kCombineWarps * kWarpSize);
-  // The kVec layout where asked for (read per call) and the partials allow its 16-byte loads.
+  // Launched as the split kernel's programmatic dependent (FLASHATTN_COMBINE_PDL, on by default on
+  // sm_90 and newer), and then in the kVec layout (FLASHATTN_COMBINE_VEC, by default where launched
+  // so) where the partials allow its 16-byte loads: on an H100 the two together took 0.6–1.9 µs off
+  // every split decoding step timed, the kVec layout alone added 1.5–2.5 µs (src/cuda/README.md).
+  const bool pdl = c.after_primary && knob("FLASHATTN_COMBINE_PDL", true) && current_compute_capability() >= 90;
   auto vec_multiple = [](std::int64_t n) { return n % kVecColsPerLane == 0; };
-  const bool vec = knob_on("FLASHATTN_COMBINE_VEC") && vec_multiple(c.head_dim_v) &&
+  const bool vec = knob("FLASHATTN_COMBINE_VEC", pdl) && vec_multiple(c.head_dim_v) &&
                    reinterpret_cast<std::uintptr_t>(c.out_partial) % 16 == 0 &&
                    vec_multiple(c.out_partial_split_stride) && vec_multiple(c.out_partial_batch_stride) &&
                    vec_multiple(c.out_partial_row_stride) && vec_multiple(c.out_partial_head_stride);
@@ -224,7 +230,7 @@ void combine(const CombineParams& c, void* stream) {
     case Storage::f32: kernel = vec ? combine_kernel<Storage::f32, true> : combine_kernel<Storage::f32, false>; break;
   }
   cudaError_t err = cudaSuccess;
-  if (c.after_primary && knob_on("FLASHATTN_COMBINE_PDL") && current_compute_capability() >= 90) {
+  if (pdl) {
     err = launch_as_dependent(kernel, grid, block, 0, s, c);
   } else {
     kernel<<<grid, block, 0, s>>>(c);

@@ -43,7 +43,7 @@ struct CombineParams {
   // The index-check flag (AttentionParams::index_error): the kernel exits when it is set.
   const int* index_error = nullptr;
   // The kernel before this one on the stream wrote the partials (the split-KV forward;
-  // combine_split_partials sets it). With FLASHATTN_COMBINE_PDL=1 (read per call; src/cuda/README.md,
+  // combine_split_partials sets it). Unless FLASHATTN_COMBINE_PDL=0 (read per call; src/cuda/README.md,
   // tuning knobs) the combine is then launched as that kernel's programmatic dependent on sm_90 and
   // newer: its blocks start while that kernel's last ones still run and wait for it
   // (griddepcontrol.wait) before reading the partials and the flag. Otherwise the usual launch.

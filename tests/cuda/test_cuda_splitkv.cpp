@@ -190,20 +190,29 @@ TEST_P(CudaSplitKv, PagedKV) {
   }
 }
 
-// FLASHATTN_COMBINE_PDL=1: the combine launched as the split kernel's programmatic dependent
-// (sm_90; other GPUs launch it the usual way) gives the same results — dense, causal over a paged
-// cache, and shares of which most are empty (128 splits).
+// The combine launched as the split kernel's programmatic dependent (FLASHATTN_COMBINE_PDL, the
+// default on sm_90; other GPUs launch it the usual way), in its kVec layout (the default there) or
+// not, and launched the usual way: the same results — dense, causal over a paged cache, and shares
+// of which most are empty (128 splits).
 TEST_P(CudaSplitKv, CombineAsProgrammaticDependent) {
   FA_SKIP_WITHOUT_GPU();
-  const EnvOverride pdl("FLASHATTN_COMBINE_PDL", "1");
-  for (int d : {64, 128, 256}) {
-    for (int splits : {5, 128}) expect_split_matches(decode_config(GetParam(), d, 1, 8192), splits);
-    AttnConfig cfg = decode_config(GetParam(), d, 4, 3000);
-    cfg.opt.causal = true;
-    const AttnProblem p = make_problem(cfg);
-    SCOPED_TRACE(describe(cfg) + " page 16");
-    const ForwardResult r = run_cuda_forward(p, then(force_splits(7), paged_hook(p, 16)), nullptr, true);
-    EXPECT_TRUE(check_forward(p, r));
+  struct Setting {
+    const char* pdl;
+    const char* vec;
+  };
+  for (const Setting& setting : {Setting{"1", ""}, Setting{"1", "0"}, Setting{"0", ""}}) {
+    SCOPED_TRACE(std::string("FLASHATTN_COMBINE_PDL=") + setting.pdl + " FLASHATTN_COMBINE_VEC=" + setting.vec);
+    const EnvOverride pdl("FLASHATTN_COMBINE_PDL", setting.pdl);
+    const EnvOverride vec("FLASHATTN_COMBINE_VEC", setting.vec);
+    for (int d : {64, 128, 256}) {
+      for (int splits : {5, 128}) expect_split_matches(decode_config(GetParam(), d, 1, 8192), splits);
+      AttnConfig cfg = decode_config(GetParam(), d, 4, 3000);
+      cfg.opt.causal = true;
+      const AttnProblem p = make_problem(cfg);
+      SCOPED_TRACE(describe(cfg) + " page 16");
+      const ForwardResult r = run_cuda_forward(p, then(force_splits(7), paged_hook(p, 16)), nullptr, true);
+      EXPECT_TRUE(check_forward(p, r));
+    }
   }
 }
 
@@ -461,11 +470,12 @@ void expect_combine_matches_cpu(const CombineCase& cc) {
 }
 
 // The kernel's two layouts: a lane's columns strided by the warp (the default), and adjacent with
-// 16-byte loads and the first splits' rows loaded beside the lse (FLASHATTN_COMBINE_VEC=1; every
-// case here allows it: dv a multiple of 4, the gaps of 8 elements).
+// 16-byte loads and the first splits' rows loaded beside the lse (FLASHATTN_COMBINE_VEC=1, the
+// default only after the split kernel; every case here allows it: dv a multiple of 4, the gaps of
+// 8 elements).
 TEST_P(CudaCombine, MatchesCpuCombine) {
   FA_SKIP_WITHOUT_GPU();
-  for (const char* vec : {"", "1"}) {
+  for (const char* vec : {"0", "1"}) {
     SCOPED_TRACE(std::string("FLASHATTN_COMBINE_VEC=") + vec);
     const EnvOverride layout("FLASHATTN_COMBINE_VEC", vec);
     expect_combine_matches_cpu(GetParam());

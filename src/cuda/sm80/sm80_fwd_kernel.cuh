@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocks)
   if constexpr (kSplit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // The combine after this kernel, where launched as its programmatic dependent
-    // (FLASHATTN_COMBINE_PDL=1), may be scheduled from now on: it waits for this grid to finish
+    // (the default on sm_90), may be scheduled from now on: it waits for this grid to finish
     // before it reads anything the grid writes. (No effect on a combine launched the usual way.)
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
