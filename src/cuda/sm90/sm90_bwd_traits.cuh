@@ -6,7 +6,8 @@
 // Each consumer warpgroup owns 64 keys of the CTA's key tile and computes, per query row block m:
 //   Sᵀ  = K·Qᵀ      (64 keys × block_m rows, both operands in shared memory)
 //   dPᵀ = V·dOᵀ     (the same shape)
-//   Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e),  dSᵀ = Pᵀ ∘ (dPᵀ − softmax_d) · scale
+//   Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e),  dSᵀ = Pᵀ ∘ (dPᵀ − softmax_d)
+//   (softmax_scale, the last factor of dS, is applied once to dK's sum and by the postprocess to dQ)
 //   dV += Pᵀ·dO     (Pᵀ from registers: the Sᵀ accumulator is the A operand's layout)
 //   dK += dSᵀ·Q     (dSᵀ from registers)
 // and, with both warpgroups' dSᵀ in shared memory, its half of dQ = dS·K (block_m × d, summed over
