@@ -73,12 +73,12 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
       wg * Traits::kDqFloatsPerWarpgroup);
   typename Traits::TiledMmadQ mma_dq;
   Tensor c_dq = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float scale = p.softmax_scale;
+  const float scale = Traits::kScaleInDs ? 1.0f : p.softmax_scale;  // dS's factor, unless dS has it
   float4 x[Traits::kDqFloatsPerThread / 4];
   CUTE_UNROLL
   for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) x[v] = slice[v * Traits::kWarpgroupThreads + lane];
   CUTE_UNROLL
-  for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {  // times softmax_scale, left out of dS
+  for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
     staged.put(get<0>(c_dq(4 * v)), get<1>(c_dq(4 * v)), x[v].x * scale, x[v].y * scale);
     staged.put(get<0>(c_dq(4 * v + 2)), get<1>(c_dq(4 * v + 2)), x[v].z * scale, x[v].w * scale);
   }
@@ -134,9 +134,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
     clear(acc_dk);
     clear(acc_dv);
     Mainloop::compute(params, ss, q_pipe, do_pipe, t, thread, acc_dk, acc_dv);
-    const float scale = params.p.softmax_scale;  // dS's, left out of the steps
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= scale;
+    if constexpr (!Traits::kScaleInDs) {  // dS's factor, left out of the steps
+      const float scale = params.p.softmax_scale;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= scale;
+    }
     Mainloop::store(params, ss, t, thread, acc_dk, acc_dv);
   }
 #endif

@@ -324,7 +324,7 @@ struct BwdMainloop {
   // --- consumers: two warpgroups of 64 keys each (split d: of half the rows, then half of d) ----
   // thread: index among the consumer threads. Leaves dK and dV in acc_dk / acc_dv (fp32; dK from
   // dS without softmax_scale, which the kernel applies once to the sum, as the postprocess does to
-  // dQ: one multiply per score less in the step).
+  // dQ: one multiply per score less in the step; with it where Traits::kScaleInDs).
   template <class AccK, class AccV>
   __device__ static void compute(const BwdParams<Traits>& params, SharedStorage& ss, const Pipeline& q_pipe,
                                  const Pipeline& do_pipe, const BwdTile& t, int thread, AccK& acc_dk,
@@ -576,7 +576,7 @@ struct BwdMainloop {
           if constexpr (Traits::kDropout) {
             if (use_dropout) dp = kept(r, c) ? dp * dropout.keep_scale : 0.0f;  // dP of the dropped P
           }
-          dp_rc(r, c) = s_rc(r, c) * (dp - d);
+          dp_rc(r, c) = Traits::kScaleInDs ? s_rc(r, c) * (dp - d) * p.softmax_scale : s_rc(r, c) * (dp - d);
         }
       }
       if constexpr (Traits::kSoftcap) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)

@@ -7,7 +7,8 @@
 //   Sᵀ  = K·Qᵀ      (64 keys × block_m rows, both operands in shared memory)
 //   dPᵀ = V·dOᵀ     (the same shape)
 //   Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e),  dSᵀ = Pᵀ ∘ (dPᵀ − softmax_d)
-//   (softmax_scale, the last factor of dS, is applied once to dK's sum and by the postprocess to dQ)
+//   (softmax_scale, the last factor of dS, is applied once to dK's sum and by the postprocess to dQ;
+//   at d 64 in dSᵀ itself: kScaleInDs)
 //   dV += Pᵀ·dO     (Pᵀ from registers: the Sᵀ accumulator is the A operand's layout)
 //   dK += dSᵀ·Q     (dSᵀ from registers)
 // and, with both warpgroups' dSᵀ in shared memory, its half of dQ = dS·K (block_m × d, summed over
@@ -65,6 +66,10 @@ struct BwdTraits {
   static constexpr bool kDropout = (kMods & kBwdModDropout) != 0;
   static constexpr bool kScoreMod = kSoftcap || kAlibi;  // device::TileScoreMod's scores
   static constexpr bool kVarlen = kVarlen_;
+  // softmax_scale, dS's last factor: left out of the steps and applied once to dK's sum (and by the
+  // postprocess to dQ), but at d 64, where the kernels are at the edge of their registers and
+  // ptxas, given dS without it, serializes every wgmma for want of registers (C7512).
+  static constexpr bool kScaleInDs = kHeadDim_ <= 64;
 
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
   // Split d (bwd_tile's choice above d 128, see the header): a CTA of one wgmma's M of keys, the
