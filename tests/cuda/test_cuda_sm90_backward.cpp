@@ -5,6 +5,8 @@
 // strided layouts, several key tiles and row blocks, rows and keys that see nothing; the ordered choice takes it for the calls it serves and says why not for the
 // others. Gradients are poisoned and the workspace filled with NaN bytes before each call (see
 // run_cuda_backward). Without an sm90 GPU the tests say they were not run.
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -146,8 +148,41 @@ TEST(CudaSm90BackwardHost, StaggerTilesDefaultsToAQuarterOfTheSms) {
   }
 }
 
+TEST(CudaSm90BackwardHost, WideRowsOnlyForPlainUnmaskedD128) {
+  AttnConfig cfg = feature_config(DType::bf16, 128, 100, 100);
+  const c::AttentionParams plain = backward_params_of(make_problem(cfg));
+  const char* knob = std::getenv("FLASHATTN_SM90_BWD_WIDE_ROWS");  // read once per process
+  const bool on = fc::sm90::kBwdWideRows && (knob == nullptr || std::string(knob) != "0");
+  EXPECT_EQ(fc::sm90::bwd_wide_rows(plain, 128), on);
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(plain, 96));  // d 96 takes d 128's tile of 64 rows
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(plain, 64));
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(plain, 256));
+  c::AttentionParams q = plain;
+  q.causal = true;
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(q, 128));
+  q = plain;
+  q.window_left = 16;
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(q, 128));
+  q = plain;
+  q.softcap = 30.0f;
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(q, 128));
+  q = plain;
+  q.dropout_p = 0.1f;
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(q, 128));
+  q = plain;
+  const float slopes[4] = {0.5f, 0.25f, 0.125f, 0.0625f};
+  q.alibi_slopes = slopes;
+  EXPECT_FALSE(fc::sm90::bwd_wide_rows(q, 128));
+  static_assert(fc::sm90::bwd_tile(128, true).block_m == 80 && fc::sm90::bwd_tile(128, true).block_n == 128);
+  static_assert(fc::sm90::bwd_tile(96, true).block_m == 64 && fc::sm90::bwd_tile(64, true).block_m == 128);
+  // The workspace's row blocks follow the choice.
+  EXPECT_EQ(fc::sm90::bwd_rows(plain, 128).block_m, on ? 80 : 64);
+  EXPECT_EQ(fc::sm90::bwd_rows(plain, 128).padded_rows, on ? 160 : 128);
+}
+
 TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 65, 10);  // 65 rows: two row blocks of 64
+  cfg.opt.causal = true;  // the tile of 64 rows (unmasked calls may take 80: bwd_wide_rows)
   const c::AttentionParams p = backward_params_of(make_problem(cfg));
   const fc::sm90::BwdWorkspace w = fc::sm90::bwd_workspace(p, 128);
   EXPECT_EQ(w.rows.padded_rows, 128);
@@ -158,6 +193,7 @@ TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   // Varlen: each sequence starts on a row block and keeps its rounded-up rows, within
   // total + (b + 1) · block_m rows per head.
   AttnConfig v = feature_config(DType::bf16, 128, 0, 0);
+  v.opt.causal = true;
   v.varlen_q = {65, 0, 1, 130};
   v.varlen_k = {10, 20, 30, 40};
   const c::AttentionParams vp = backward_params_of(make_problem(v));
@@ -283,6 +319,29 @@ TEST_P(CudaSm90BackwardFeatures, LongerSequences) {
     AttnConfig cfg = feature_config_dv(GetParam(), d, 300, 100);
     cfg.opt.window_left = 0;
     cfg.opt.window_right = 0;  // rows 0…199 see no key
+    expect_sm90_backward_matches(cfg);
+  }
+}
+
+// The 80-row tile of d 128 (bwd_wide_rows: no mask, softcap, ALiBi or dropout; dQ computed
+// transposed): row counts on either side of its row blocks (1, 79, 81, 161, 400), keys short of a
+// key tile, MQA and GQA 2:1, strided layouts (packed qkv, bhsd, padded rows).
+TEST_P(CudaSm90BackwardFeatures, WideRowTile) {
+  FA_SKIP_WITHOUT_SM90();
+  AttnConfig plain = feature_config(GetParam(), 128, 161, 161);
+  if (!fc::sm90::bwd_wide_rows(backward_params_of(make_problem(plain)), 128)) {
+    std::printf("note: the 80-row tile is off in this process (FLASHATTN_SM90_BWD_WIDE_ROWS=0 or a build "
+                "without it): the cases below run the 64-row tile\n");
+  }
+  for (auto [sq, sk] : {std::pair{1, 129}, std::pair{79, 300}, std::pair{81, 81}, std::pair{161, 40}, std::pair{400, 1000}}) {
+    AttnConfig cfg = feature_config(GetParam(), 128, sq, sk);
+    expect_sm90_backward_matches(cfg);
+    cfg.heads = 8;
+    cfg.heads_k = 1;
+    expect_sm90_backward_matches(cfg);
+  }
+  for (AttnConfig cfg : strided_configs(GetParam())) {
+    cfg.opt.causal = false;
     expect_sm90_backward_matches(cfg);
   }
 }

@@ -93,8 +93,8 @@ struct SoftmaxDRows {
 // dQ of a row block through shared memory: the threads put their fragment's pairs of adjacent
 // columns into a row-major tile (rows padded by 16 bytes: a warp's pairs, 8 rows × 4 columns, fall
 // in distinct banks), then the block writes the rows below seqlen_q, columns below d, in 16-byte
-// pieces (a fragment's own 32-bit stores use half of each 32-byte sector they touch). The
-// kernel declares the tile: __shared__ alignas(16) std::uint16_t tile[StagedDq<...>::kElems].
+// pieces (a fragment's own 32-bit stores use half of each 32-byte sector they touch); a
+// transposed fragment (the sm90 80-row tile) puts single elements (put_one). The kernel declares the tile: __shared__ alignas(16) std::uint16_t tile[StagedDq<...>::kElems].
 template <class Element, int kBlockM, int kHeadDim, int kThreads>
 struct StagedDq {
   static constexpr int kPitch = kHeadDim + 8;   // elements per staged row
@@ -106,6 +106,10 @@ struct StagedDq {
   __device__ __forceinline__ void put(int row, int col, float a, float b) const {
     const Element pair[2] = {Element(a), Element(b)};
     std::memcpy(&tile[row * kPitch + col], pair, sizeof pair);
+  }
+  __device__ __forceinline__ void put_one(int row, int col, float a) const {
+    const Element e(a);
+    std::memcpy(&tile[row * kPitch + col], &e, sizeof e);
   }
   // After every put of the block.
   __device__ __forceinline__ void write(const common::AttentionParams& p, int batch, int head, int m_start,

@@ -43,9 +43,22 @@ int bwd_stagger_tiles(int sm_count) {
   return int(n < sm_count ? n : sm_count);      // more than one tile per SM could not all be resident
 }
 
+bool bwd_wide_rows(const common::AttentionParams& p, int head_dim) {
+  if (!kBwdWideRows || head_dim != 128 || p.has_mask() || p.softcap > 0.0f || p.alibi_slopes != nullptr ||
+      p.dropout_p > 0.0f) {
+    return false;
+  }
+  // Read once: the workspace a caller sized must be the one the launch lays out.
+  static const bool enabled = [] {
+    const char* env = std::getenv("FLASHATTN_SM90_BWD_WIDE_ROWS");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled;
+}
+
 BwdRows bwd_rows(const common::AttentionParams& p, int head_dim) {
   BwdRows r;
-  r.block_m = bwd_tile(head_dim).block_m;
+  r.block_m = bwd_tile(head_dim, bwd_wide_rows(p, head_dim)).block_m;
   r.padded_rows = (p.max_seqlen_q + r.block_m - 1) / r.block_m * r.block_m;
   const std::int64_t rows = p.is_varlen() ? p.total_q + std::int64_t(p.batch + 1) * r.block_m
                                           : std::int64_t(p.batch) * r.padded_rows;

@@ -20,7 +20,9 @@ namespace flashattn::cuda::sm90 {
 // walks every query row block of every query head of the group, so dK and dV are summed in
 // registers (GQA needs no fp32 dK/dV buffers) and written once.
 //   d 64:  128 keys × 128 rows, 2 stages — K 16 + V 16 + Q 32 + dO 32 + dS 2 × 32 KiB
-//   d 128: 128 keys × 64 rows,  2 stages — K 32 + V 32 + Q 32 + dO 32 + dS 2 × 16 KiB
+//   d 128: 128 keys × 64 rows,  2 stages — K 32 + V 32 + Q 32 + dO 32 + dS 2 × 16 KiB; without
+//          a mask, softcap, ALiBi or dropout (bwd_wide_rows) 80 rows — K 32 + V 32 + Q 40 + dO 40 +
+//          dS 2 × 20 + the dQ slices 40 KiB, dQ computed transposed (FlashAttention-3's tile there)
 //   d 256: 64 keys × 64 rows,   1 stage  — K 32 + V 32 + Q 32 + dO 32 + dS and Pᵀ 2 × 8 each +
 //          the dQ staging 64 KiB: the warpgroups split the rows of Sᵀ and d of the updates
 //          (sm90_bwd_traits.cuh, split d); FlashAttention-3 also keeps one Q/dO stage there
@@ -122,12 +124,26 @@ struct BwdTileShape {
 // warpgroup's slice of it starts on an atom (K in 32-byte rows there: dQ's two 48-column halves of
 // Kᵀ). d 192 (dv 128, bwd_head_dim_v; where built) splits d as d 256 does, with two Q/dO stages:
 // K 24 + V 16 + Q 2 · 24 + dO 2 · 16 + dSᵀ and Pᵀ 2 · 16 + the dQ slices 48 KiB.
-constexpr BwdTileShape bwd_tile(int head_dim) {
+// wide: the 80-row tile of d 128 (bwd_wide_rows).
+constexpr BwdTileShape bwd_tile(int head_dim, bool wide = false) {
   return head_dim <= 64    ? BwdTileShape{128, 128, 2}
-         : head_dim <= 128 ? BwdTileShape{64, 128, 2}
+         : head_dim <= 128 ? BwdTileShape{wide && head_dim == 128 ? 80 : 64, 128, 2}
          : head_dim <= 192 ? BwdTileShape{64, 64, 2}
                            : BwdTileShape{64, 64, 1};
 }
+// Whether a call of the instantiated head dim `head_dim` takes bwd_tile's wide tile: d 128 without
+// a causal mask or window, softcap, ALiBi or dropout, unless built with
+// -DFLASHATTN_SM90_BWD_WIDE_ROWS=0 (then never) or FLASHATTN_SM90_BWD_WIDE_ROWS=0 is set (a runtime
+// knob read once per process, for tests and comparisons: a workspace sized under one setting must
+// be laid out under the same). The workspace's row blocks (bwd_rows) follow the
+// choice and the launcher reads it back from them.
+#ifdef FLASHATTN_SM90_BWD_WIDE_ROWS
+inline constexpr bool kBwdWideRows = FLASHATTN_SM90_BWD_WIDE_ROWS != 0;
+#else
+inline constexpr bool kBwdWideRows = true;
+#endif
+bool bwd_wide_rows(const common::AttentionParams& p, int head_dim);
+
 // The dv of an instantiation: the forward's pairing (sm90_fwd.h), 192 / 128 and d = dv elsewhere.
 constexpr int bwd_head_dim_v(int head_dim) { return fwd_head_dim_v(head_dim); }
 

@@ -17,7 +17,7 @@ namespace flashattn::cuda::sm90 {
 inline constexpr int kBwdPrepostThreads = 256;
 inline constexpr int kBwdPreRows = 64;  // rows of sequence `batch` per preprocess block
 
-// Grid (rows.padded_rows / kBwdPreRows, heads, batch): kHeadDim is dv here (the rows of dO and O);
+// Grid (⌈rows.padded_rows / kBwdPreRows⌉, heads, batch): kHeadDim is dv here (the rows of dO and O);
 // groups of device::row_dot_lanes(kHeadDim) lanes take a row each,
 // 8 consecutive columns of dO and O per lane (device::SoftmaxDRows), all of a thread's rows
 // loaded at once; the rows past sq up to the row-block padding get lse +∞ and softmax_d 0.
@@ -72,15 +72,23 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
       dq_accum + (std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch) + m_start) * kHeadDim +
       wg * Traits::kDqFloatsPerWarpgroup);
   typename Traits::TiledMmadQ mma_dq;
-  Tensor c_dq = mma_dq.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // (row, column) of each fragment element, or (column, row) where dQ was computed transposed.
+  Tensor c_dq = mma_dq.get_thread_slice(thread).partition_C(
+      make_identity_tensor(select<0, 1>(typename Traits::TileShapedQ{})));
   const float scale = Traits::kScaleInDs ? 1.0f : p.softmax_scale;  // dS's factor, unless dS has it
   float4 x[Traits::kDqFloatsPerThread / 4];
   CUTE_UNROLL
   for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) x[v] = slice[v * Traits::kWarpgroupThreads + lane];
   CUTE_UNROLL
   for (int v = 0; v < Traits::kDqFloatsPerThread / 4; ++v) {
-    staged.put(get<0>(c_dq(4 * v)), get<1>(c_dq(4 * v)), x[v].x * scale, x[v].y * scale);
-    staged.put(get<0>(c_dq(4 * v + 2)), get<1>(c_dq(4 * v + 2)), x[v].z * scale, x[v].w * scale);
+    if constexpr (Traits::kDqTransposed) {  // element pairs are neighbouring rows of one column
+      const float f[4] = {x[v].x, x[v].y, x[v].z, x[v].w};
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) staged.put_one(get<1>(c_dq(4 * v + e)), get<0>(c_dq(4 * v + e)), f[e] * scale);
+    } else {
+      staged.put(get<0>(c_dq(4 * v)), get<1>(c_dq(4 * v)), x[v].x * scale, x[v].y * scale);
+      staged.put(get<0>(c_dq(4 * v + 2)), get<1>(c_dq(4 * v + 2)), x[v].z * scale, x[v].w * scale);
+    }
   }
   staged.write(p, batch, head, m_start, seqlen_q);
 }

@@ -71,15 +71,25 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
 // The variants of one (dtype, head dim): which of softcap, ALiBi and dropout are compiled in
 // (kMods: none, softcap alone, ALiBi alone, dropout alone where built with
 // FLASHATTN_SM90_BWD_LEAN_DROPOUT=1, or all three), dense or varlen.
-template <class Element, int kHeadDim, int kMods, bool kVarlen>
-using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim).block_m, bwd_tile(kHeadDim).block_n,
-                              bwd_tile(kHeadDim).stages, kMods, kVarlen>;
+// kWide: bwd_tile's wide tile (plain d 128 calls without a mask, bwd_wide_rows; kBwdModNoMask).
+template <class Element, int kHeadDim, int kMods, bool kVarlen, bool kWide = false>
+using BwdTraitsOf = BwdTraits<Element, kHeadDim, bwd_tile(kHeadDim, kWide).block_m, bwd_tile(kHeadDim, kWide).block_n,
+                              bwd_tile(kHeadDim, kWide).stages, kMods | (kWide ? kBwdModNoMask : 0), kVarlen>;
 
-template <class Element, int kHeadDim, int kMods>
+template <class Element, int kHeadDim, int kMods, bool kWide = false>
 cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                                cudaStream_t stream) {
-  return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, true>>(p, ws, rng_state, stream)
-                       : launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, false>>(p, ws, rng_state, stream);
+  return p.is_varlen() ? launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, true, kWide>>(p, ws, rng_state, stream)
+                       : launch_bwd<BwdTraitsOf<Element, kHeadDim, kMods, false, kWide>>(p, ws, rng_state, stream);
+}
+
+// The dQ postprocess of the tile the call ran (the variants of a tile share the dQ layout).
+template <class Element, int kHeadDim, bool kWide>
+cudaError_t launch_bwd_postprocess(const common::AttentionParams& p, const BwdScratch& ws, cudaStream_t stream) {
+  using Traits = BwdTraitsOf<Element, kHeadDim, 0, false, kWide>;
+  bwd_postprocess_kernel<Traits><<<dim3(ws.rows.padded_rows / Traits::kBlockM, p.heads, p.batch),
+                                   Traits::kConsumerThreads, 0, stream>>>(p, ws.dq_accum, ws.rows);
+  return cudaGetLastError();
 }
 
 // The variant that serves dropout alone: its own where built with FLASHATTN_SM90_BWD_LEAN_DROPOUT=1
@@ -95,7 +105,10 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
     err = cudaMemsetAsync(ws.dq_semaphores, 0, ws.semaphore_bytes, stream);
   }
   if (err != cudaSuccess) return err;
-  const int row_blocks = ws.rows.padded_rows / kBwdPreRows;
+  const int row_blocks = (ws.rows.padded_rows + kBwdPreRows - 1) / kBwdPreRows;
+  // The workspace's row blocks say which tile bwd_wide_rows chose for the call.
+  constexpr bool kHasWide = bwd_tile(kHeadDim, true).block_m != bwd_tile(kHeadDim).block_m;
+  const bool wide = kHasWide && ws.rows.block_m == bwd_tile(kHeadDim, true).block_m;
   if (row_blocks > 0) {
     bwd_preprocess_kernel<Element, bwd_head_dim_v(kHeadDim)><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
         p, ws.lse_log2, ws.dpsum, ws.rows);
@@ -104,7 +117,8 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
   if (p.max_seqlen_k > 0) {
     const int mods = (p.softcap > 0.0f ? kBwdModSoftcap : 0) | (p.alibi_slopes != nullptr ? kBwdModAlibi : 0) |
                      (p.dropout_p > 0.0f ? kBwdModDropout : 0);
-    err = mods == 0                ? launch_bwd_variant<Element, kHeadDim, 0>(p, ws, rng_state, stream)
+    err = wide                     ? launch_bwd_variant<Element, kHeadDim, 0, kHasWide>(p, ws, rng_state, stream)
+          : mods == 0              ? launch_bwd_variant<Element, kHeadDim, 0>(p, ws, rng_state, stream)
           : mods == kBwdModSoftcap ? launch_bwd_variant<Element, kHeadDim, kBwdModSoftcap>(p, ws, rng_state, stream)
           : mods == kBwdModAlibi   ? launch_bwd_variant<Element, kHeadDim, kBwdModAlibi>(p, ws, rng_state, stream)
           : mods == kBwdModDropout ? launch_bwd_variant<Element, kHeadDim, kBwdDropoutOnly>(p, ws, rng_state, stream)
@@ -112,10 +126,8 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
     if (err != cudaSuccess) return err;
   }
   if (row_blocks > 0) {
-    using Traits = BwdTraitsOf<Element, kHeadDim, 0, false>;  // the variants share the dQ layout
-    bwd_postprocess_kernel<Traits><<<dim3(ws.rows.padded_rows / Traits::kBlockM, p.heads, p.batch),
-                                     Traits::kConsumerThreads, 0, stream>>>(p, ws.dq_accum, ws.rows);
-    err = cudaGetLastError();
+    err = wide ? launch_bwd_postprocess<Element, kHeadDim, kHasWide>(p, ws, stream)
+               : launch_bwd_postprocess<Element, kHeadDim, false>(p, ws, stream);
   }
   return err;
 }

@@ -357,8 +357,21 @@ struct BwdMainloop {
     Tensor tPrdO = thr_sdp.partition_fragment_B(sdO);
     Tensor tVrdOt = thr_dv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
     Tensor tKrQt = thr_dk.partition_fragment_B(sQt);
-    Tensor tQrdS = thr_dq.partition_fragment_A(sdSt);   // (MMA, MMA_M, MMA_K, buffer)
-    Tensor tQrKt = thr_dq.partition_fragment_B(sKt);
+    // dQ's operands: dS (MMA, MMA_M, MMA_K, buffer) and Kᵀ, or (transposed) Kᵀ and dS as B.
+    auto tQrdS = [&] {
+      if constexpr (Traits::kDqTransposed) {
+        return thr_dq.partition_fragment_B(sdSt);
+      } else {
+        return thr_dq.partition_fragment_A(sdSt);
+      }
+    }();
+    auto tQrKt = [&] {
+      if constexpr (Traits::kDqTransposed) {
+        return thr_dq.partition_fragment_A(sKt);
+      } else {
+        return thr_dq.partition_fragment_B(sKt);
+      }
+    }();
     // Split d: Pᵀ and dSᵀ of both warpgroups' rows as the A operands of dV and dK.
     Tensor tVrP = thr_dv.partition_fragment_A(sP);      // (MMA, MMA_M, MMA_K, buffer)
     Tensor tKrdS = thr_dk.partition_fragment_A(sdS);
@@ -373,6 +386,14 @@ struct BwdMainloop {
     Tensor p_flat = make_tensor(p_frag.data(), acc_s.layout());
     Tensor ds_flat = make_tensor(ds_frag.data(), acc_s.layout());
     Tensor acc_dq = partition_fragment_C(mma_dq, select<0, 1>(typename Traits::TileShapedQ{}));
+    // One step's dQ = dS·K from row block buffer `buffer` (or its transpose, kDqTransposed).
+    auto dq_product = [&](int buffer) {
+      if constexpr (Traits::kDqTransposed) {
+        wgmma<true>(mma_dq, tQrKt, tQrdS(_, _, _, buffer), acc_dq);
+      } else {
+        wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
+      }
+    };
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(thread);
     Tensor r2s_ds_src = thr_r2s_ds.retile_S(ds_flat);  // dSᵀ in 16 bits, the accumulator layout
@@ -518,12 +539,14 @@ struct BwdMainloop {
       // Pᵀ, with the keys a row does not see (and keys past the sequence) at 0. Rows past the
       // sequence have lse = +∞ and Q = 0: their P is 0 too.
       const int row_e = min(row0 + kBlockM, t.seqlen_q);
-      const bool masked = wg_key_e > t.seqlen_k || !t.mask.block_fully_visible(row0, row_e, wg_key_b, wg_key_e);
+      const bool masked = wg_key_e > t.seqlen_k ||
+                          (!Traits::kNoMask && !t.mask.block_fully_visible(row0, row_e, wg_key_b, wg_key_e));
       if (masked) {
         CUTE_UNROLL
         for (int c = 0; c < kRows; ++c) {
           const int row = row0 + get<1>(c_rc(0, c));
-          const int lo = t.mask.col_begin(row), hi = min(t.mask.col_end(row), t.seqlen_k);
+          const int lo = Traits::kNoMask ? 0 : t.mask.col_begin(row);
+          const int hi = Traits::kNoMask ? t.seqlen_k : min(t.mask.col_end(row), t.seqlen_k);
           CUTE_UNROLL
           for (int r = 0; r < kKeys; ++r) {
             const int key = key0 + get<0>(c_rc(r, 0));
@@ -592,13 +615,16 @@ struct BwdMainloop {
       // dV after dSᵀ (FlashAttention-3's order): Sᵀ's fp32 values die with dSᵀ, so P's 16 bits
       // never live beside both accumulators. Issued before it, to run under it, the product kept
       // them live together: 8–12 % slower at d 64 (ptxas serialized every wgmma there for want
-      // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs).
-      issue_dv();
+      // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs). The 80-row
+      // tile issues it once dSᵀ is in shared memory, as FlashAttention-3 does (issued before
+      // the conversion, ptxas serializes every wgmma of that kernel, C7512).
+      if constexpr (!Traits::kDqTransposed) issue_dv();
       convert_fragment<Element>(acc_dp, ds_flat);
 
       // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
       // stmatrix, 8 × 8 blocks of 16-bit values per instruction, conflict-free in the swizzle.
       copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
+      if constexpr (Traits::kDqTransposed) issue_dv();
       cutlass::arch::fence_view_async_shared();
 
       // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
@@ -633,17 +659,27 @@ struct BwdMainloop {
         // dQ before dK (FlashAttention-3's order): once dV and dQ have landed (groups retire in
         // order) dO is given back and dQ staged while dK, the last product, still runs. Split d
         // keeps dK, then dQ: there this order ran at 0.76–0.89 of it (sm90_bwd.h).
-        wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
-        issue_dk();
-        cute::warpgroup_wait<1>();
-        do_pipe.consumer_release(st, true);  // every thread (each read softmax_d)
+        // The 80-row tile waits for dV before issuing dK, as FlashAttention-3 does: Pᵀ's registers
+        // are free before dK's product is in flight beside dQ's accumulator (without the wait
+        // ptxas serializes every wgmma of the kernel for want of registers, C7512).
+        dq_product(buffer);
+        if constexpr (Traits::kDqTransposed) {
+          cute::warpgroup_wait<1>();
+          do_pipe.consumer_release(st, true);
+          issue_dk();
+          cute::warpgroup_wait<1>();
+        } else {
+          issue_dk();
+          cute::warpgroup_wait<1>();
+          do_pipe.consumer_release(st, true);  // every thread (each read softmax_d)
+        }
         stage_dq();
         cute::warpgroup_wait<0>();
         q_pipe.consumer_release(st, true);
         st.advance();
       } else {
         if constexpr (Traits::kSplitD) issue_dk();
-        wgmma<true>(mma_dq, tQrdS(_, _, _, buffer), tQrKt, acc_dq);
+        dq_product(buffer);
         cute::warpgroup_wait<0>();
         q_pipe.consumer_release(st, true);  // every thread (the row statistics are read by each)
         do_pipe.consumer_release(st, true);

@@ -25,6 +25,10 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+// The wgmma shapes whose N is not a multiple of 32 (bwd_ss_op), which the headers above include
+// only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED.
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/numeric_types.h>
@@ -43,6 +47,26 @@ struct NoPTile {};  // the SharedStorage of a tile that keeps Pᵀ in registers
 
 inline constexpr int kBwdModSoftcap = 1, kBwdModAlibi = 2, kBwdModDropout = 4;
 inline constexpr int kBwdModsAll = kBwdModSoftcap | kBwdModAlibi | kBwdModDropout;
+// Not a feature but a promise of the call: no causal mask or window (every row sees every key
+// below seqlen_k), so that the steps compare keys with seqlen_k only (bwd_tile's wide tile).
+inline constexpr int kBwdModNoMask = 8;
+
+// The SS wgmma of a warpgroup's (M, N, K) tile: CuTe's selector, but for N = 80 (the wide tile's
+// rows), which the selector offers only where CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined
+// before its header (else it takes N = 16, five times as many instructions): that atom by name.
+template <class Element, class Shape, GMMA::Major kMajorA = GMMA::Major::K, GMMA::Major kMajorB = GMMA::Major::K>
+constexpr auto bwd_ss_op() {
+  if constexpr (decltype(size<1>(Shape{}))::value == 80) {
+    if constexpr (std::is_same_v<Element, cutlass::half_t>) {
+      return SM90::GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>{};
+    } else {
+      static_assert(std::is_same_v<Element, cutlass::bfloat16_t>, "fp16 or bf16");
+      return SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+    }
+  } else {
+    return SM90::GMMA::ss_op_selector<Element, Element, float, Shape, kMajorA, kMajorB>();
+  }
+}
 
 // kMods: which of softcap (kBwdModSoftcap), ALiBi (kBwdModAlibi) and dropout (kBwdModDropout) are
 // compiled in (device::TileScoreMod on each Sᵀ tile, softcap's derivative 1 − tanh² in dSᵀ, the
@@ -65,6 +89,7 @@ struct BwdTraits {
   static constexpr bool kAlibi = (kMods & kBwdModAlibi) != 0;
   static constexpr bool kDropout = (kMods & kBwdModDropout) != 0;
   static constexpr bool kScoreMod = kSoftcap || kAlibi;  // device::TileScoreMod's scores
+  static constexpr bool kNoMask = (kMods & kBwdModNoMask) != 0;
   static constexpr bool kVarlen = kVarlen_;
   // softmax_scale, dS's last factor: left out of the steps and applied once to dK's sum (and by the
   // postprocess to dQ), but at d 64, where the kernels are at the edge of their registers and
@@ -96,19 +121,29 @@ struct BwdTraits {
   static_assert(kConsumerWarpgroups == 2, "two consumer warpgroups: the register split assumes it");
   static_assert(kWarpgroupThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= setmaxnreg_pool(kThreads),
                 "the register split exceeds the CTA's registers: setmaxnreg would wait for ever");
-  static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kBlockM % 64 == 0,
-                "whole swizzle rows (32 bytes of d and dv at least, 128 of rows)");
+  static_assert(kHeadDim % 16 == 0 && kHeadDimV % 16 == 0 && kBlockM % 16 == 0,
+                "whole swizzle rows (32 bytes of d, dv and rows at least)");
 
   // (M, N, K) of each product.
   using TileShapeSdP = Shape<Int<kBlockN>, Int<kBlockM>, Int<kHeadDim>>;  // Sᵀ (K = d), dPᵀ (K = dv)
   using TileShapedK = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;   // dK
   using TileShapedV = Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kBlockM>>;  // dV
   // dQ (block_m × d): the warpgroups split its rows when there are 128 of them, else its columns.
+  // A row block that is not a multiple of one wgmma's M (80 rows, bwd_tile's wide tile) computes
+  // it transposed, dQᵀ = Kᵀ·dSᵀ (d × block_m, M = d split across the warpgroups, N = block_m), as
+  // FlashAttention-3 does for its 80-row tile: kDqTransposed. The accumulator keeps that
+  // fragment's order as well (the postprocess reads it with the same tiled MMA).
+  static constexpr bool kDqTransposed = kBlockM % kKeysPerWarpgroup != 0;
+  static_assert(!kDqTransposed || !kSplitD, "split d computes dQ as dS·K");
   static constexpr int kdQWarpgroupsM = kBlockM >= 128 ? 2 : 1;
   static constexpr int kdQWarpgroupsN = kConsumerWarpgroups / kdQWarpgroupsM;
-  static constexpr int kdQColsPerWarpgroup = kHeadDim / kdQWarpgroupsN;
-  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using TileShapedQAtom = Shape<Int<kBlockM / kdQWarpgroupsM>, Int<kdQColsPerWarpgroup>, Int<kBlockN>>;
+  static constexpr int kdQColsPerWarpgroup = kDqTransposed ? kHeadDim / kConsumerWarpgroups : kHeadDim / kdQWarpgroupsN;
+  // (M, N) of dQ as computed: (rows, d), or transposed (d, rows).
+  using TileShapedQ = std::conditional_t<kDqTransposed, Shape<Int<kHeadDim>, Int<kBlockM>, Int<kBlockN>>,
+                                         Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>>;
+  using TileShapedQAtom =
+      std::conditional_t<kDqTransposed, Shape<Int<kdQColsPerWarpgroup>, Int<kBlockM>, Int<kBlockN>>,
+                         Shape<Int<kBlockM / kdQWarpgroupsM>, Int<kdQColsPerWarpgroup>, Int<kBlockN>>>;
 
   // Warpgroups along the keys, or (split d) along the second coordinate: the rows of Sᵀ and dPᵀ,
   // the columns of dK and dV.
@@ -119,8 +154,7 @@ struct BwdTraits {
   static constexpr int kdVColsPerWarpgroup = kSplitD ? kHeadDimV / kConsumerWarpgroups : kHeadDimV;
   // (The K extent of an op's shape does not enter its choice: Sᵀ and dPᵀ share the tiled MMA.)
   using TiledMmaSdP = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Element, Element, float,
-                                 Shape<Int<kKeysPerWarpgroup>, Int<kSdPRowsPerWarpgroup>, Int<kHeadDim>>>(),
+      bwd_ss_op<Element, Shape<Int<kKeysPerWarpgroup>, Int<kSdPRowsPerWarpgroup>, Int<kHeadDim>>>(),
       AtomLayoutWgs{}));
   // dV += Pᵀ·dO: A from registers (split d: Pᵀ from shared memory, both warpgroups' rows); B = dO
   // read as (dv, rows), dv contiguous ("MN-major"). dK += dSᵀ·Q the same way over d.
@@ -138,21 +172,23 @@ struct BwdTraits {
   using TiledMmadK = TiledMmaKeysBy<kdKColsPerWarpgroup>;
   using TiledMmadV = TiledMmaKeysBy<kdVColsPerWarpgroup>;
   // dQ = dS·K: A = dS stored as dSᵀ (keys, rows) with rows contiguous; B = K read as (d, keys).
+  // Transposed, dQᵀ = Kᵀ·dSᵀ: A = Kᵀ (d, keys), d contiguous; B = dS (rows, keys), rows contiguous.
   using TiledMmadQ = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Element, Element, float, TileShapedQAtom, GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
+      bwd_ss_op<Element, TileShapedQAtom, GMMA::Major::MN, GMMA::Major::MN>(),
+      std::conditional_t<kDqTransposed, Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>,
+                         Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>>{}));
 
   // Shared-memory tiles in 8-row GMMA atoms, each tile with the widest swizzle (128, 64 or 32
   // bytes: 64, 32 or 16 elements per row) whose atom columns divide the narrowest slice a
   // warpgroup's product takes of it: a wgmma descriptor starts on an atom, and one that starts
   // inside it reads the wrong elements (the compiler accepts it). Q: dK's Qᵀ (d, or d / 2 split
   // d); dO: dV's dOᵀ; K: dQ's Kᵀ (d / kdQWarpgroupsN; d 96: 48, hence 32-byte rows); V: dPᵀ's
-  // whole dv. dSᵀ and Pᵀ (keys × rows): 128-byte.
+  // whole dv. dSᵀ and Pᵀ (keys × rows): 128-byte rows, 32-byte at 80 rows.
   template <int kCols>
   using AtomFor = std::conditional_t<
       kCols % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
       std::conditional_t<kCols % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>, GMMA::Layout_K_SW32_Atom<Element>>>;
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemAtomdS = AtomFor<kBlockM>;
   using SmemAtomQ = AtomFor<kdKColsPerWarpgroup>;
   using SmemAtomdO = AtomFor<kdVColsPerWarpgroup>;
   using SmemAtomK = AtomFor<kdQColsPerWarpgroup>;
@@ -164,7 +200,7 @@ struct BwdTraits {
   using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<Int<kBlockN>, Int<kHeadDimV>>{}));  // (keys, dv)
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // (rows, d, stage)
   using SmemLayoutdO = decltype(tile_to_shape(SmemAtomdO{}, Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kStages>>{}));
-  using SmemLayoutdS = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));  // (keys, rows, buffer)
+  using SmemLayoutdS = decltype(tile_to_shape(SmemAtomdS{}, Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));  // (keys, rows, buffer)
   // The same bytes with the first two coordinates swapped: Qᵀ and dOᵀ (d or dv, rows, stage) for
   // dK/dV, dS (rows, keys, buffer) and Kᵀ (d, keys) for dQ.
   using SmemLayoutQt = decltype(composition(
