@@ -1,6 +1,7 @@
 // src/cuda/sm90/sm90_bwd_kernel.cuh — the Hopper backward's three kernels:
-//   bwd_preprocess_kernel  softmax_d = rowsum(dO ∘ O) (the caller's output), and the scratch's
-//                          padded copies of lse · log2 e and softmax_d that the main kernel bulk-loads
+//   bwd_preprocess_kernel  softmax_d = rowsum(dO ∘ O) (the caller's output), the scratch's
+//                          padded copies of lse · log2 e and softmax_d that the main kernel bulk-loads,
+//                          and the dQ accumulator cleared
 //   bwd_kernel             warp-specialised: one producer warpgroup (one thread issues the TMA
 //                          loads) and two consumer warpgroups (sm90_bwd_mainloop.cuh)
 //   bwd_postprocess_kernel dQ: the fp32 accumulator (in the consumers' fragment order) in the
@@ -17,19 +18,31 @@ namespace flashattn::cuda::sm90 {
 inline constexpr int kBwdPrepostThreads = 256;
 inline constexpr int kBwdPreRows = 64;  // rows of sequence `batch` per preprocess block
 
-// Grid (⌈rows.padded_rows / kBwdPreRows⌉, heads, batch): kHeadDim is dv here (the rows of dO and O);
-// groups of device::row_dot_lanes(kHeadDim) lanes take a row each,
-// 8 consecutive columns of dO and O per lane (device::SoftmaxDRows), all of a thread's rows
-// loaded at once; the rows past sq up to the row-block padding get lse +∞ and softmax_d 0.
-template <class Element, int kHeadDim>
+// Grid (⌈rows.padded_rows / kBwdPreRows⌉, heads, batch): kHeadDim is dv here (the rows of dO and O),
+// kDqDim the backward's instantiated d (the dQ accumulator's row). Besides the statistics, the
+// block clears its rows of the dQ accumulator (below the row-block padding: every row the main
+// kernel adds to), in 16-byte stores, instead of a memset of the whole accumulator before it. For
+// the statistics, groups of device::row_dot_lanes(kHeadDim) lanes take a row each, 8 consecutive
+// columns of dO and O per lane (device::SoftmaxDRows), all of a thread's rows loaded at once; the
+// rows past sq up to the row-block padding get lse +∞ and softmax_d 0.
+template <class Element, int kHeadDim, int kDqDim>
 __global__ void __launch_bounds__(kBwdPrepostThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* lse_log2, float* dpsum,
-                          const BwdRows rows) {
+                          float* dq_accum, const BwdRows rows) {
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
   const int head = blockIdx.y, batch = blockIdx.z;
   const int seqlen_q = p.seqlen_q(batch);
   const int padded = (seqlen_q + rows.block_m - 1) / rows.block_m * rows.block_m;
   const std::int64_t stats = std::int64_t(head) * rows.head_stride + bwd_row_start(p, rows, batch);
+  {  // this block's rows of the dQ accumulator, below the padding, cleared
+    const int row0 = blockIdx.x * kBwdPreRows;
+    const int clear_rows = min(kBwdPreRows, padded - row0);
+    if (clear_rows > 0) {
+      float4* const dst = reinterpret_cast<float4*>(dq_accum + (stats + row0) * kDqDim);
+      const int n = clear_rows * (kDqDim / 4);
+      for (int i = int(threadIdx.x); i < n; i += kBwdPrepostThreads) dst[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
   const device::SoftmaxDRows<Element, kHeadDim, kBwdPrepostThreads, kBwdPreRows> dots(p, batch, head,
                                                                                      blockIdx.x * kBwdPreRows, seqlen_q);
   if (!dots.writer()) return;

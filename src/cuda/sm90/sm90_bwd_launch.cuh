@@ -100,18 +100,19 @@ template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, const std::uint64_t* rng_state,
                     cudaStream_t stream) {
   using Element = typename device::ElementOf<kStorage>::type;
-  cudaError_t err = cudaMemsetAsync(ws.dq_accum, 0, ws.dq_accum_bytes, stream);
-  if (err == cudaSuccess && ws.dq_semaphores != nullptr) {
-    err = cudaMemsetAsync(ws.dq_semaphores, 0, ws.semaphore_bytes, stream);
-  }
+  // The dQ accumulator is cleared by the preprocess (each block its rows), the deterministic turns'
+  // semaphores here.
+  cudaError_t err = cudaSuccess;
+  if (ws.dq_semaphores != nullptr) err = cudaMemsetAsync(ws.dq_semaphores, 0, ws.semaphore_bytes, stream);
   if (err != cudaSuccess) return err;
   const int row_blocks = (ws.rows.padded_rows + kBwdPreRows - 1) / kBwdPreRows;
   // The workspace's row blocks say which tile bwd_wide_rows chose for the call.
   constexpr bool kHasWide = bwd_tile(kHeadDim, true).block_m != bwd_tile(kHeadDim).block_m;
   const bool wide = kHasWide && ws.rows.block_m == bwd_tile(kHeadDim, true).block_m;
   if (row_blocks > 0) {
-    bwd_preprocess_kernel<Element, bwd_head_dim_v(kHeadDim)><<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(
-        p, ws.lse_log2, ws.dpsum, ws.rows);
+    bwd_preprocess_kernel<Element, bwd_head_dim_v(kHeadDim), kHeadDim>
+        <<<dim3(row_blocks, p.heads, p.batch), kBwdPrepostThreads, 0, stream>>>(p, ws.lse_log2, ws.dpsum, ws.dq_accum,
+                                                                               ws.rows);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   if (p.max_seqlen_k > 0) {
