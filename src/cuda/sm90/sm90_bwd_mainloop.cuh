@@ -615,16 +615,16 @@ struct BwdMainloop {
       // dV after dSᵀ (FlashAttention-3's order): Sᵀ's fp32 values die with dSᵀ, so P's 16 bits
       // never live beside both accumulators. Issued before it, to run under it, the product kept
       // them live together: 8–12 % slower at d 64 (ptxas serialized every wgmma there for want
-      // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs). The 80-row
-      // tile issues it once dSᵀ is in shared memory, as FlashAttention-3 does (issued before
-      // the conversion, ptxas serializes every wgmma of that kernel, C7512).
-      if constexpr (!Traits::kDqTransposed) issue_dv();
+      // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs). kDvLate
+      // issues it once dSᵀ is in shared memory, as FlashAttention-3 does (the 80-row tile
+      // always: issued before the conversion, ptxas serializes every wgmma of it, C7512).
+      if constexpr (!Traits::kDvLate) issue_dv();
       convert_fragment<Element>(acc_dp, ds_flat);
 
       // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
       // stmatrix, 8 × 8 blocks of 16-bit values per instruction, conflict-free in the swizzle.
       copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
-      if constexpr (Traits::kDqTransposed) issue_dv();
+      if constexpr (Traits::kDvLate) issue_dv();
       cutlass::arch::fence_view_async_shared();
 
       // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
@@ -659,11 +659,10 @@ struct BwdMainloop {
         // dQ before dK (FlashAttention-3's order): once dV and dQ have landed (groups retire in
         // order) dO is given back and dQ staged while dK, the last product, still runs. Split d
         // keeps dK, then dQ: there this order ran at 0.76–0.89 of it (sm90_bwd.h).
-        // The 80-row tile waits for dV before issuing dK, as FlashAttention-3 does: Pᵀ's registers
-        // are free before dK's product is in flight beside dQ's accumulator (without the wait
-        // ptxas serializes every wgmma of the kernel for want of registers, C7512).
+        // kDvLate waits for dV before issuing dK, as FlashAttention-3 does: Pᵀ's registers are
+        // free before dK's product is in flight beside dQ's accumulator.
         dq_product(buffer);
-        if constexpr (Traits::kDqTransposed) {
+        if constexpr (Traits::kDvLate) {
           cute::warpgroup_wait<1>();
           do_pipe.consumer_release(st, true);
           issue_dk();
