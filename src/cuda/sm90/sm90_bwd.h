@@ -44,17 +44,18 @@ inline constexpr bool kBwdStageUnderDk = FLASHATTN_SM90_BWD_STAGE_UNDER_DK != 0;
 #else
 inline constexpr bool kBwdStageUnderDk = true;
 #endif
-// The order of the last products of a step at d ≤ 128 (-DFLASHATTN_SM90_BWD_DV_LATE, 0 by default
-// until timed): 1 issues dV += Pᵀ·dO once dSᵀ has been converted and stored for dQ (not before),
-// and dK += dSᵀ·Q once dV has landed, as FlashAttention-3 does, so that Pᵀ's registers are free
-// before dK's product and dQ's accumulator are in flight together; the d 64 kernels then fit with
-// softmax_scale left out of dS (BwdTraits::kScaleInDs; sm_90a, bf16, plain dense d 64 spill
-// stores 76 → 24 bytes, d 128 32 → 20). The 80-row tile (bwd_wide_rows) always takes this order:
-// in the other ptxas serializes every wgmma of it (C7512).
+// The order of the last products of a step at d ≤ 128 (-DFLASHATTN_SM90_BWD_DV_LATE): dV += Pᵀ·dO
+// issued once dSᵀ has been converted and stored for dQ (not before), and dK += dSᵀ·Q once dV has
+// landed, as FlashAttention-3 does, so that Pᵀ's registers are free before dK's product and dQ's
+// accumulator are in flight together; the d 64 kernels then fit with softmax_scale left out of dS
+// (BwdTraits::kScaleInDs; sm_90a, bf16, plain dense d 64 spill stores 76 → 24 bytes). Unset: at
+// d 64 only (H100, bf16: d 64 ×1.06–1.10, the d 128 tile of 64 rows ×0.96–1.00); 1 every tile but
+// split d; 0 none. The 80-row tile (bwd_wide_rows) always takes it: in the other order ptxas
+// serializes every wgmma of it (C7512).
 #ifdef FLASHATTN_SM90_BWD_DV_LATE
-inline constexpr bool kBwdDvLate = FLASHATTN_SM90_BWD_DV_LATE != 0;
+inline constexpr int kBwdDvLate = FLASHATTN_SM90_BWD_DV_LATE != 0 ? 1 : 0;
 #else
-inline constexpr bool kBwdDvLate = false;
+inline constexpr int kBwdDvLate = -1;
 #endif
 // Dropout alone (FLASHATTN_SM90_BWD_LEAN_DROPOUT, 1 by default; 0 sends dropout-only calls to the
 // variant with all three; on the H200, d 128, dropout 0.1: 1.02–1.05× that variant):

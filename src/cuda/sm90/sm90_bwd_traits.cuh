@@ -93,9 +93,10 @@ struct BwdTraits {
   static constexpr bool kVarlen = kVarlen_;
   // The order of a step's last products (sm90_bwd.h, kBwdDvLate): dV += Pᵀ·dO issued once dSᵀ is
   // in shared memory and dK += dSᵀ·Q once dV has landed (FlashAttention-3's order) — always in the
-  // 80-row tile, elsewhere (split d aside) where built with FLASHATTN_SM90_BWD_DV_LATE=1.
+  // 80-row tile, elsewhere (split d aside) at d 64 or as FLASHATTN_SM90_BWD_DV_LATE says.
   static constexpr bool kSplitDTile = kBlockN_ == 64;
-  static constexpr bool kDvLate = !kSplitDTile && (kBlockM_ % 64 != 0 || kBwdDvLate);
+  static constexpr bool kDvLate =
+      !kSplitDTile && (kBlockM_ % 64 != 0 || (kBwdDvLate < 0 ? kHeadDim_ <= 64 : kBwdDvLate == 1));
   // softmax_scale, dS's last factor: left out of the steps and applied once to dK's sum (and by the
   // postprocess to dQ), but at d 64 in the other order, where the kernels are at the edge of their
   // registers and ptxas, given dS without it, serializes every wgmma for want of registers (C7512).
