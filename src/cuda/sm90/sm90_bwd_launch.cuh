@@ -107,7 +107,8 @@ cudaError_t run_bwd(const common::AttentionParams& p, const BwdScratch& ws, cons
   if (err != cudaSuccess) return err;
   const int row_blocks = (ws.rows.padded_rows + kBwdPreRows - 1) / kBwdPreRows;
   // The workspace's row blocks say which tile bwd_wide_rows chose for the call.
-  constexpr bool kHasWide = bwd_tile(kHeadDim, true).block_m != bwd_tile(kHeadDim).block_m;
+  // (Not instantiated where built with FLASHATTN_SM90_BWD_WIDE_ROWS=0.)
+  constexpr bool kHasWide = kBwdWideRows && bwd_tile(kHeadDim, true).block_m != bwd_tile(kHeadDim).block_m;
   const bool wide = kHasWide && ws.rows.block_m == bwd_tile(kHeadDim, true).block_m;
   if (row_blocks > 0) {
     bwd_preprocess_kernel<Element, bwd_head_dim_v(kHeadDim), kHeadDim>
