@@ -8,7 +8,7 @@
 //   dPᵀ = V·dOᵀ     (the same shape)
 //   Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e),  dSᵀ = Pᵀ ∘ (dPᵀ − softmax_d)
 //   (softmax_scale, the last factor of dS, is applied once to dK's sum and by the postprocess to dQ;
-//   at d 64 in dSᵀ itself: kScaleInDs)
+//   in dSᵀ itself only at d 64 built without the late-dV order: kScaleInDs)
 //   dV += Pᵀ·dO     (Pᵀ from registers: the Sᵀ accumulator is the A operand's layout)
 //   dK += dSᵀ·Q     (dSᵀ from registers)
 // and, with both warpgroups' dSᵀ in shared memory, its half of dQ = dS·K (block_m × d, summed over
