@@ -91,22 +91,20 @@ struct BwdTraits {
   static constexpr bool kScoreMod = kSoftcap || kAlibi;  // device::TileScoreMod's scores
   static constexpr bool kNoMask = (kMods & kBwdModNoMask) != 0;
   static constexpr bool kVarlen = kVarlen_;
-  // The order of a step's last products (sm90_bwd.h, kBwdDvLate): dV += Pᵀ·dO issued once dSᵀ is
-  // in shared memory and dK += dSᵀ·Q once dV has landed (FlashAttention-3's order) — always in the
-  // 80-row tile, elsewhere (split d aside) at d 64 or as FLASHATTN_SM90_BWD_DV_LATE says.
-  static constexpr bool kSplitDTile = kBlockN_ == 64;
-  static constexpr bool kDvLate =
-      !kSplitDTile && (kBlockM_ % 64 != 0 || (kBwdDvLate < 0 ? kHeadDim_ <= 64 : kBwdDvLate == 1));
-  // softmax_scale, dS's last factor: left out of the steps and applied once to dK's sum (and by the
-  // postprocess to dQ), but at d 64 in the other order, where the kernels are at the edge of their
-  // registers and ptxas, given dS without it, serializes every wgmma for want of registers (C7512).
-  static constexpr bool kScaleInDs = kHeadDim_ <= 64 && !kDvLate;
 
   static constexpr int kKeysPerWarpgroup = 64;  // the M of one wgmma
   // Split d (bwd_tile's choice above d 128, see the header): a CTA of one wgmma's M of keys, the
   // two warpgroups splitting the rows of Sᵀ and dPᵀ and the columns of dK, dV and dQ.
   static constexpr bool kSplitD = kBlockN == kKeysPerWarpgroup;
-  static_assert(kSplitD == kSplitDTile);
+  // The order of a step's last products (sm90_bwd.h, kBwdDvLate): dV += Pᵀ·dO issued once dSᵀ is
+  // in shared memory and dK += dSᵀ·Q once dV has landed (FlashAttention-3's order) — always in the
+  // 80-row tile, elsewhere (split d aside) at d 64 or as FLASHATTN_SM90_BWD_DV_LATE says.
+  static constexpr bool kDvLate =
+      !kSplitD && (kBlockM % kKeysPerWarpgroup != 0 || (kBwdDvLate < 0 ? kHeadDim <= 64 : kBwdDvLate == 1));
+  // softmax_scale, dS's last factor: left out of the steps and applied once to dK's sum (and by the
+  // postprocess to dQ), but at d 64 in the other order, where the kernels are at the edge of their
+  // registers and ptxas, given dS without it, serializes every wgmma for want of registers (C7512).
+  static constexpr bool kScaleInDs = kHeadDim <= 64 && !kDvLate;
   static constexpr int kConsumerWarpgroups = kSplitD ? 2 : kBlockN / kKeysPerWarpgroup;
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
