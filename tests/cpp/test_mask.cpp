@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common/dq_order.h"
@@ -87,6 +88,46 @@ TEST(Mask, RowBoundsHoldEveryRowThatSeesTheBlock) {
       }
     }
   }
+}
+
+// The offset form (Mask::offset_min / offset_max), which the sm90 backward's masked steps test in
+// 32 bits, against Mask::visible: every element of every small case, and rows and keys near 2^31
+// where visible's 64-bit diagonal is needed (the offset itself stays small there).
+TEST(Mask, OffsetFormMatchesVisible) {
+  int checked = 0;
+  auto agree = [&](const Mask& m, int i, int j) {
+    const int off = m.offset(i, j);
+    return (off >= m.offset_min() && off <= m.offset_max()) == m.visible(i, j);
+  };
+  for (const MaskCase& mc : kMasks) {
+    for (int sq = 1; sq <= 19; sq += 3) {
+      for (int sk = 1; sk <= 19; sk += 2) {
+        const Mask m = make_mask(mc.causal, mc.left, mc.right, sk, sq, sk);
+        // Rows and keys past the sequence too (a tile's padding): the kernels test keys against
+        // seqlen_k apart, and padded rows have P = 0.
+        for (int i = 0; i < sq + 8; ++i) {
+          for (int j = 0; j < sk + 8; ++j) {
+            ASSERT_TRUE(agree(m, i, j)) << "sq " << sq << " sk " << sk << " i " << i << " j " << j << " causal "
+                                        << mc.causal << " window " << mc.left << "," << mc.right;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  const int big = 0x7fffffff - 256;
+  for (const MaskCase& mc : kMasks) {
+    for (const auto& [sq, sk] : {std::pair{big, big}, std::pair{1, big}, std::pair{big, 1}, std::pair{big / 2, big}}) {
+      const Mask m = make_mask(mc.causal, mc.left, mc.right, sk, sq, sk);
+      for (int i : {0, 1, sq / 2, sq - 1}) {
+        for (int j : {0, 1, 7, sk / 2, sk - 2, sk - 1}) {
+          ASSERT_TRUE(agree(m, i, j)) << "sq " << sq << " sk " << sk << " i " << i << " j " << j;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 20000);
 }
 
 // The deterministic sm90 backward adds a key tile's dQ to row block m at turn

@@ -133,16 +133,41 @@ struct BwdTile {
     t.m_block_max = row_e > row_b ? (row_e + kBlockM - 1) / kBlockM : t.m_block_min;
     return t;
   }
-  // The row block of step s (over the heads of the group, each walking [m_block_min, m_block_max)).
-  __device__ __forceinline__ int block_at(int s, int group) const {
-    const int m_blocks = m_block_max - m_block_min;
-    if (heads_inner) return m_block_max - 1 - s / group;
-    return staggered ? walk.block_at(n_block, s % m_blocks) : m_block_min + s % m_blocks;
+  // A step of the walk over the heads of the group (each walking [m_block_min, m_block_max)),
+  // advanced one at a time (StepCursor::advance) rather than divided out of the step's index.
+  // Heads inner: `inner` = s mod group, `outer` = ⌊s / group⌋ (the row blocks from the last down,
+  // the heads from n_block mod group on); else `inner` = the step within its head's walk and `outer`
+  // the head.
+  struct StepCursor {
+    int inner = 0;
+    int outer = 0;
+    int limit;  // where `inner` wraps: group, or the walk's row blocks
+    int shift;  // heads inner: n_block mod group
+    __device__ __forceinline__ void advance() {
+      if (++inner == limit) {
+        inner = 0;
+        ++outer;
+      }
+    }
+  };
+  __device__ __forceinline__ StepCursor first_step(int group) const {
+    StepCursor c;
+    c.limit = heads_inner ? group : m_block_max - m_block_min;
+    c.shift = heads_inner ? n_block % group : 0;
+    return c;
   }
-  // The query head of step s within the group.
-  __device__ __forceinline__ int head_at(int s, int group) const {
-    if (heads_inner) return (s + n_block) % group;
-    return s / (m_block_max - m_block_min);
+  // The row block of the cursor's step.
+  __device__ __forceinline__ int block_at(const StepCursor& c) const {
+    if (heads_inner) return m_block_max - 1 - c.outer;
+    return staggered ? walk.block_at(n_block, c.inner) : m_block_min + c.inner;
+  }
+  // The query head of the cursor's step within the group.
+  __device__ __forceinline__ int head_at(const StepCursor& c, int group) const {
+    if (heads_inner) {
+      const int h = c.inner + c.shift;
+      return h >= group ? h - group : h;
+    }
+    return c.outer;
   }
   // This tile's deterministic turn at row block m: staggered, by arrival; else descending from the
   // last tile that reaches m.
@@ -227,9 +252,10 @@ struct BwdMainloop {
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
     const int group = params.p.group_size();
     PipelineState<kStages> st = Pipeline::producer_start();
-    for (int s = 0; s < t.steps(group); ++s) {
-      const int head = t.kv_head * group + t.head_at(s, group);
-      const int m = t.block_at(s, group);
+    BwdTile::StepCursor cursor = t.first_step(group);
+    for (int s = 0; s < t.steps(group); ++s, cursor.advance()) {
+      const int head = t.kv_head * group + t.head_at(cursor, group);
+      const int m = t.block_at(cursor);
       Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, head, batch)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
       Tensor gdO = local_tile(domain_offset(make_coord(q_row0, _0{}), mdO(_, _, head, batch)),
@@ -260,9 +286,10 @@ struct BwdMainloop {
     constexpr std::uint32_t kBytes = Traits::kDqFloatsPerWarpgroup * sizeof(float);
     const int group = params.p.group_size();
     const int steps = t.steps(group);
-    for (int s = 0; s < steps; ++s) {
-      const int head = t.kv_head * group + t.head_at(s, group);
-      const int m = t.block_at(s, group);
+    BwdTile::StepCursor cursor = t.first_step(group);
+    for (int s = 0; s < steps; ++s, cursor.advance()) {
+      const int head = t.kv_head * group + t.head_at(cursor, group);
+      const int m = t.block_at(cursor);
       float* const rows = params.dq_accum + stat_offset(params, t, head, m) * kHeadDim;
       // Deterministic: the key tiles that reach row block m add their dQ in descending key-tile
       // order, from the last tile that reaches m down, each once its predecessors' additions have
@@ -424,6 +451,13 @@ struct BwdMainloop {
       }
     }
     PipelineState<kStages> st;
+    // The mask's bounds in offsets from the diagonal, and which of the thread's keys are in the
+    // sequence (the same for every step of the tile).
+    const int offset_min = t.mask.offset_min();
+    const int offset_max = t.mask.offset_max();
+    bool key_in[kKeys];
+    CUTE_UNROLL
+    for (int r = 0; r < kKeys; ++r) key_in[r] = key0 + get<0>(c_rc(r, 0)) < t.seqlen_k;
     // Dropout (kDropout kernels; SPEC §3, docs/dropout.md): the forward's mask, bit for bit. The
     // Sᵀ fragment is the transpose of the forward's accumulator, so a thread's 8 scores of a
     // 16 × 16 block belong to two of the forward's lanes: each thread draws its own lane's 8 bits
@@ -446,11 +480,11 @@ struct BwdMainloop {
     // 32 more registers, spilled).
     [[maybe_unused]] __half2 dtanh[Traits::kSoftcap ? kKeys * kRows / 2 : 1];
     // The keep bits of step s's tile (row block row0): one Philox call per 16 × 16 block.
-    [[maybe_unused]] auto draw_keep = [&](int row0, int s) {
+    [[maybe_unused]] auto draw_keep = [&](int row0, int head_in_group) {
       if constexpr (Traits::kDropout) {
         const int lane = thread % 32;
         const int key_block = (key0 + get<0>(c_rc(0, 0))) >> 4;  // the warp's 16 keys
-        const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + t.head_at(s, group));
+        const std::uint64_t stream = p.dropout_stream(t.batch, t.kv_head * group + head_in_group);
         // The 16-row block of the thread's first row: its warpgroup's first (split d: 0 or
         // block_m / 2) + 2 · (lane % 4).
         const int row_block = Traits::kSplitD ? (row0 + get<1>(c_rc(0, 0))) >> 4 : row0 >> 4;
@@ -478,14 +512,16 @@ struct BwdMainloop {
         }
       }
     };
-    for (int s = 0; s < t.steps(group); ++s) {
-      const int m = t.block_at(s, group);
+    BwdTile::StepCursor cursor = t.first_step(group);
+    for (int s = 0; s < t.steps(group); ++s, cursor.advance()) {
+      const int m = t.block_at(cursor);
+      const int head_in_group = t.head_at(cursor, group);
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
       // Softcap and ALiBi (kSoftcap, kAlibi): raw scores in device::TileScoreMod's units, whose
       // out_scale · log2 e is the exponent's multiplier; ALiBi's slope is the head's.
       [[maybe_unused]] const device::TileScoreMod mod(
-          p.template score_mod_for<float>(t.batch, t.kv_head * group + t.head_at(s, group), t.seqlen_q, t.seqlen_k),
+          p.template score_mod_for<float>(t.batch, t.kv_head * group + head_in_group, t.seqlen_q, t.seqlen_k),
           Traits::kScoreMod);
       const float exp_scale = Traits::kScoreMod ? mod.out_scale * device::kLog2e : params.scale_log2;
 
@@ -506,7 +542,7 @@ struct BwdMainloop {
       wgmma<true>(mma_sdp, tPrV, tPrdO(_, _, _, st.index), acc_dp);
       // The keep bits depend on positions only: drawn while both products run (kEarlyDraw).
       if constexpr (kEarlyDraw) {
-        if (use_dropout) draw_keep(row0, s);
+        if (use_dropout) draw_keep(row0, head_in_group);
       }
       // The row statistics are read from shared memory where they are used (registers are short).
       const float* const lse_log2 = ss.lse_log2[st.index];
@@ -538,19 +574,22 @@ struct BwdMainloop {
       }
       // Pᵀ, with the keys a row does not see (and keys past the sequence) at 0. Rows past the
       // sequence have lse = +∞ and Q = 0: their P is 0 too.
+      // The mask in offsets from the diagonal (common::Mask::offset), 32-bit: the block's smallest
+      // and largest offsets decide whether it needs per-element masking, and an element's offset is
+      // the thread's first one plus constants of the fragment's layout.
       const int row_e = min(row0 + kBlockM, t.seqlen_q);
+      const int diag_shift = t.seqlen_q - t.seqlen_k;
       const bool masked = wg_key_e > t.seqlen_k ||
-                          (!Traits::kNoMask && !t.mask.block_fully_visible(row0, row_e, wg_key_b, wg_key_e));
+                          (!Traits::kNoMask && (wg_key_b - (row_e - 1) + diag_shift < offset_min ||
+                                                wg_key_e - 1 - row0 + diag_shift > offset_max));
       if (masked) {
+        const int first = t.mask.offset(row0 + get<1>(c_rc(0, 0)), key0 + get<0>(c_rc(0, 0)));
         CUTE_UNROLL
         for (int c = 0; c < kRows; ++c) {
-          const int row = row0 + get<1>(c_rc(0, c));
-          const int lo = Traits::kNoMask ? 0 : t.mask.col_begin(row);
-          const int hi = Traits::kNoMask ? t.seqlen_k : min(t.mask.col_end(row), t.seqlen_k);
           CUTE_UNROLL
           for (int r = 0; r < kKeys; ++r) {
-            const int key = key0 + get<0>(c_rc(r, 0));
-            if (key < lo || key >= hi) s_rc(r, c) = -device::kInf;
+            const int off = first + (get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0))) - (get<1>(c_rc(0, c)) - get<1>(c_rc(0, 0)));
+            if (!key_in[r] || (!Traits::kNoMask && (off < offset_min || off > offset_max))) s_rc(r, c) = -device::kInf;
           }
         }
       }
@@ -561,7 +600,7 @@ struct BwdMainloop {
         for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
       }
       if constexpr (Traits::kDropout && !kEarlyDraw) {
-        if (use_dropout) draw_keep(row0, s);
+        if (use_dropout) draw_keep(row0, head_in_group);
       }
       auto kept = [&](int r, int c) { return ((keep[(2 * c + r) / 32] >> ((2 * c + r) % 32)) & 1u) != 0; };
       // Pᵀ in 16 bits for dV += Pᵀ·dO, and that product issued (after dSᵀ, below); split d: Pᵀ
