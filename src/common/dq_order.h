@@ -1,5 +1,6 @@
 // src/common/dq_order.h — the order in which a deterministic backward's key tiles add their dQ to
-// a row block, where it is not simply descending (the sm90 backward: BwdMainloop::write_dq).
+// a row block, where it is not simply descending (the sm90 backward: BwdMainloop::write_dq), and
+// the cursor that walks a key tile's steps.
 #pragma once
 
 #include "common/macros.h"
@@ -29,6 +30,27 @@ struct StaggeredWalk {
     const int first = m < n_tiles - 1 ? m : n_tiles - 1;
     const int t = first - n;
     return t < 0 ? t + n_tiles : t;
+  }
+};
+
+// Step s of a walk that takes `limit` inner positions per outer one (the sm90 backward: a GQA
+// group's heads at each row block, or a head's row blocks for each head), kept by counting, as
+// inner = s mod limit and outer = ⌊s / limit⌋, instead of dividing s at every step on the
+// kernel's path. rotated(shift) is (s + shift) mod limit for 0 ≤ shift < limit.
+struct StepCursor {
+  int limit;  // ≥ 1 wherever a step is taken
+  int inner = 0;
+  int outer = 0;
+
+  FA_HOST_DEVICE void advance() {
+    if (++inner == limit) {
+      inner = 0;
+      ++outer;
+    }
+  }
+  FA_HOST_DEVICE int rotated(int shift) const {
+    const int r = inner + shift;
+    return r >= limit ? r - limit : r;
   }
 };
 

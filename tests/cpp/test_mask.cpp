@@ -2,8 +2,9 @@
 // element, over every small shape, window and block size: the forward walks key blocks by
 // block_col_*, the backward walks row blocks by block_row_*, and the deterministic CUDA backward
 // orders its dQ additions by assuming the two walks are transposes of each other (or, unmasked,
-// by staggering the walks: src/common/dq_order.h); and the order of the Hopper forward's tiles
-// under a mask (src/common/tile_order.h).
+// by staggering the walks: src/common/dq_order.h); the offset form of the mask and the step
+// cursor the sm90 backward uses; and the order of the Hopper forward's tiles under a mask
+// (src/common/tile_order.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -204,6 +205,26 @@ TEST(Mask, StaggeredWalksGiveEachRowBlockItsTilesInTheOrderTheyArrive) {
           ASSERT_LT(step_of[by_turn[k - 1]][m], step_of[by_turn[k]][m])
               << "block " << m << " of " << m_blocks << ", " << n_tiles << " tiles: turn " << k;
         }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+// The step cursor (src/common/dq_order.h), which the sm90 backward's producer, consumers and dQ
+// writer advance instead of dividing each step's index: after s steps it holds s mod limit and
+// ⌊s / limit⌋, and rotated(shift) is (s + shift) mod limit.
+TEST(Mask, StepCursorCountsWhatTheDivisionsGive) {
+  using flashattn::common::StepCursor;
+  int checked = 0;
+  for (int limit = 1; limit <= 17; ++limit) {
+    for (int shift = 0; shift < limit; ++shift) {
+      StepCursor c{limit};
+      for (int s = 0; s < 5 * limit + 3; ++s, c.advance()) {
+        ASSERT_EQ(c.inner, s % limit) << "limit " << limit << " step " << s;
+        ASSERT_EQ(c.outer, s / limit) << "limit " << limit << " step " << s;
+        ASSERT_EQ(c.rotated(shift), (s + shift) % limit) << "limit " << limit << " shift " << shift << " step " << s;
         ++checked;
       }
     }

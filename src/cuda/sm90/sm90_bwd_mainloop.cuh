@@ -88,6 +88,7 @@ struct BwdTile {
   // each the group's heads, from head n_block mod group on, so that the tiles of a (kv head, batch)
   // read the same rows at the same time; else each head's row blocks in turn.
   bool heads_inner;
+  int head_shift;  // heads inner: the first head of the walk, n_block mod group
 
   // reversed: the key tiles of a (kv head, batch) launch last first (the deterministic order,
   // see BwdMainloop::write_dq), else first first (under a causal mask the longest go first).
@@ -126,6 +127,7 @@ struct BwdTile {
     t.staggered = reversed && !tile_major && n_tiles <= stagger_tiles && t.mask.window_left < 0 && t.mask.window_right < 0 &&
                   t.walk.n_tiles <= t.walk.m_blocks;
     t.heads_inner = kBwdHeadsInner && heads_inner && !reversed && p.group_size() > 1;
+    t.head_shift = t.heads_inner ? t.n_block % p.group_size() : 0;
     if (col_b >= col_e || t.seqlen_q == 0) return t;
     const int row_b = t.mask.block_row_begin(col_b);
     const int row_e = t.mask.block_row_end(col_e);
@@ -133,41 +135,21 @@ struct BwdTile {
     t.m_block_max = row_e > row_b ? (row_e + kBlockM - 1) / kBlockM : t.m_block_min;
     return t;
   }
-  // A step of the walk over the heads of the group (each walking [m_block_min, m_block_max)),
-  // advanced one at a time (StepCursor::advance) rather than divided out of the step's index.
-  // Heads inner: `inner` = s mod group, `outer` = ⌊s / group⌋ (the row blocks from the last down,
-  // the heads from n_block mod group on); else `inner` = the step within its head's walk and `outer`
-  // the head.
-  struct StepCursor {
-    int inner = 0;
-    int outer = 0;
-    int limit;  // where `inner` wraps: group, or the walk's row blocks
-    int shift;  // heads inner: n_block mod group
-    __device__ __forceinline__ void advance() {
-      if (++inner == limit) {
-        inner = 0;
-        ++outer;
-      }
-    }
-  };
-  __device__ __forceinline__ StepCursor first_step(int group) const {
-    StepCursor c;
-    c.limit = heads_inner ? group : m_block_max - m_block_min;
-    c.shift = heads_inner ? n_block % group : 0;
-    return c;
+  // The steps of the walk over the heads of the group (each walking [m_block_min, m_block_max)),
+  // counted by a cursor rather than divided out of the step's index. Heads inner: inner = s mod
+  // group and outer = ⌊s / group⌋ (the row blocks from the last down, at each the heads from
+  // n_block mod group on); else inner = the step within its head's walk, outer = the head.
+  __device__ __forceinline__ common::StepCursor first_step(int group) const {
+    return common::StepCursor{heads_inner ? group : m_block_max - m_block_min};
   }
   // The row block of the cursor's step.
-  __device__ __forceinline__ int block_at(const StepCursor& c) const {
+  __device__ __forceinline__ int block_at(const common::StepCursor& c) const {
     if (heads_inner) return m_block_max - 1 - c.outer;
     return staggered ? walk.block_at(n_block, c.inner) : m_block_min + c.inner;
   }
   // The query head of the cursor's step within the group.
-  __device__ __forceinline__ int head_at(const StepCursor& c, int group) const {
-    if (heads_inner) {
-      const int h = c.inner + c.shift;
-      return h >= group ? h - group : h;
-    }
-    return c.outer;
+  __device__ __forceinline__ int head_at(const common::StepCursor& c) const {
+    return heads_inner ? c.rotated(head_shift) : c.outer;
   }
   // This tile's deterministic turn at row block m: staggered, by arrival; else descending from the
   // last tile that reaches m.
@@ -252,9 +234,9 @@ struct BwdMainloop {
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
     const int group = params.p.group_size();
     PipelineState<kStages> st = Pipeline::producer_start();
-    BwdTile::StepCursor cursor = t.first_step(group);
+    common::StepCursor cursor = t.first_step(group);
     for (int s = 0; s < t.steps(group); ++s, cursor.advance()) {
-      const int head = t.kv_head * group + t.head_at(cursor, group);
+      const int head = t.kv_head * group + t.head_at(cursor);
       const int m = t.block_at(cursor);
       Tensor gQ = local_tile(domain_offset(make_coord(q_row0, _0{}), mQ(_, _, head, batch)),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m, _0{}));
@@ -286,9 +268,9 @@ struct BwdMainloop {
     constexpr std::uint32_t kBytes = Traits::kDqFloatsPerWarpgroup * sizeof(float);
     const int group = params.p.group_size();
     const int steps = t.steps(group);
-    BwdTile::StepCursor cursor = t.first_step(group);
+    common::StepCursor cursor = t.first_step(group);
     for (int s = 0; s < steps; ++s, cursor.advance()) {
-      const int head = t.kv_head * group + t.head_at(cursor, group);
+      const int head = t.kv_head * group + t.head_at(cursor);
       const int m = t.block_at(cursor);
       float* const rows = params.dq_accum + stat_offset(params, t, head, m) * kHeadDim;
       // Deterministic: the key tiles that reach row block m add their dQ in descending key-tile
@@ -512,10 +494,10 @@ struct BwdMainloop {
         }
       }
     };
-    BwdTile::StepCursor cursor = t.first_step(group);
+    common::StepCursor cursor = t.first_step(group);
     for (int s = 0; s < t.steps(group); ++s, cursor.advance()) {
       const int m = t.block_at(cursor);
-      const int head_in_group = t.head_at(cursor, group);
+      const int head_in_group = t.head_at(cursor);
       const int buffer = s & 1;
       const int row0 = m * kBlockM;
       // Softcap and ALiBi (kSoftcap, kAlibi): raw scores in device::TileScoreMod's units, whose
