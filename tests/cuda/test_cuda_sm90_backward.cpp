@@ -180,6 +180,17 @@ TEST(CudaSm90BackwardHost, WideRowsOnlyForPlainUnmaskedD128) {
   EXPECT_EQ(fc::sm90::bwd_rows(plain, 128).padded_rows, on ? 160 : 128);
 }
 
+TEST(CudaSm90BackwardHost, DependentLaunchUnlessSwitchedOff) {
+  {
+    const EnvOverride off("FLASHATTN_SM90_BWD_PDL", "0");
+    EXPECT_FALSE(fc::sm90::bwd_dependent_launch());
+  }
+  {
+    const EnvOverride on("FLASHATTN_SM90_BWD_PDL", "1");
+    EXPECT_TRUE(fc::sm90::bwd_dependent_launch());
+  }
+}
+
 TEST(CudaSm90BackwardHost, WorkspacePadsRowsToTheRowBlock) {
   AttnConfig cfg = feature_config(DType::bf16, 128, 65, 10);  // 65 rows: two row blocks of 64
   cfg.opt.causal = true;  // the tile of 64 rows (unmasked calls may take 80: bwd_wide_rows)
@@ -343,6 +354,30 @@ TEST_P(CudaSm90BackwardFeatures, WideRowTile) {
   for (AttnConfig cfg : strided_configs(GetParam())) {
     cfg.opt.causal = false;
     expect_sm90_backward_matches(cfg);
+  }
+}
+
+// The three kernels launched one after another (FLASHATTN_SM90_BWD_PDL=0) instead of each as the
+// programmatic dependent of the one before (the default, bwd_dependent_launch): both ways match,
+// dense and varlen, causal or not, deterministic too.
+TEST_P(CudaSm90BackwardFeatures, SeparateLaunches) {
+  FA_SKIP_WITHOUT_SM90();
+  const EnvOverride separate("FLASHATTN_SM90_BWD_PDL", "0");
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
+      cfg.heads = 4;
+      cfg.heads_k = 2;
+      cfg.opt.causal = causal;
+      expect_sm90_backward_matches(cfg);
+      cfg.opt.deterministic = true;
+      expect_sm90_backward_matches(cfg);
+    }
+    AttnConfig varlen = feature_config(GetParam(), d, 0, 0);
+    varlen.varlen_q = {200, 1, 333};
+    varlen.varlen_k = {517, 64, 333};
+    varlen.opt.causal = true;
+    expect_sm90_backward_matches(varlen);
   }
 }
 

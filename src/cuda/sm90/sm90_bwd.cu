@@ -43,6 +43,11 @@ int bwd_stagger_tiles(int sm_count) {
   return int(n < sm_count ? n : sm_count);      // more than one tile per SM could not all be resident
 }
 
+bool bwd_dependent_launch() {
+  const char* env = std::getenv("FLASHATTN_SM90_BWD_PDL");
+  return env == nullptr || std::string(env) != "0";
+}
+
 bool bwd_wide_rows(const common::AttentionParams& p, int head_dim) {
   if (!kBwdWideRows || head_dim != 128 || p.has_mask() || p.softcap > 0.0f || p.alibi_slopes != nullptr ||
       p.dropout_p > 0.0f) {

@@ -128,6 +128,15 @@ inline constexpr bool kBwdHeadsInner = false;
 #endif
 bool bwd_heads_inner(int group, bool deterministic);
 
+// Whether the main kernel is launched as the preprocess's programmatic dependent and the
+// postprocess as the main kernel's (src/cuda/dependent_launch.h): each may begin once every block
+// of the kernel before it has begun, so that its launch and prologue (the main kernel's barriers,
+// descriptors and K/V loads) run under that kernel's tail instead of after it; each waits
+// (griddepcontrol.wait) for the end of the one before before reading what it wrote (the row
+// statistics and the cleared accumulator; the accumulator's sums). FLASHATTN_SM90_BWD_PDL=0 (a
+// runtime knob read per call) launches them one after another as before; on by default.
+bool bwd_dependent_launch();
+
 struct BwdTileShape {
   int block_m;
   int block_n;

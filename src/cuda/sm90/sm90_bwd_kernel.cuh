@@ -29,6 +29,10 @@ template <class Element, int kHeadDim, int kDqDim>
 __global__ void __launch_bounds__(kBwdPrepostThreads)
     bwd_preprocess_kernel(const __grid_constant__ common::AttentionParams p, float* lse_log2, float* dpsum,
                           float* dq_accum, const BwdRows rows) {
+  // The main kernel may launch once every block of this one has begun (bwd_dependent_launch): its
+  // prologue and K/V loads then run under this kernel's tail; it waits for the end before reading
+  // what this kernel writes.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   if (p.index_check_failed()) return;  // a bad index value (src/cuda/index_check.h): touch nothing
   const int head = blockIdx.y, batch = blockIdx.z;
   const int seqlen_q = p.seqlen_q(batch);
@@ -69,6 +73,9 @@ __global__ void __launch_bounds__(kBwdPrepostThreads)
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads)
     bwd_postprocess_kernel(const __grid_constant__ common::AttentionParams p, const float* dq_accum, const BwdRows rows) {
+  // Launched as the main kernel's dependent (bwd_dependent_launch): the accumulator is read once
+  // that kernel has finished.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (p.index_check_failed()) return;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -111,6 +118,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) bwd_kernel(const __grid_c
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Mainloop = BwdMainloop<Traits>;
   using Pipeline = typename Mainloop::Pipeline;
+  // The postprocess may launch once every block of this kernel has begun (bwd_dependent_launch),
+  // and waits for its end before it reads the accumulator.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   if (params.p.index_check_failed()) return;
   extern __shared__ __align__(1024) unsigned char smem_bytes[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_bytes);

@@ -5,6 +5,7 @@
 
 #include "cuda/device/element.cuh"
 #include "cuda/device/math.cuh"
+#include "cuda/dependent_launch.h"
 #include "cuda/device_query.h"
 #include "cuda/sm90/sm90_bwd.h"
 #include "cuda/sm90/sm90_bwd_kernel.cuh"
@@ -64,6 +65,7 @@ cudaError_t launch_bwd(const common::AttentionParams& p, const BwdScratch& ws, c
                                      (long long)n_tiles * p.heads_k * p.batch, (long long)per_sm * current_sm_count());
   const dim3 grid = params.tile_major ? dim3(unsigned(n_tiles) * unsigned(p.heads_k) * unsigned(p.batch), 1, 1)
                                       : dim3(n_tiles, p.heads_k, p.batch);
+  if (bwd_dependent_launch()) return launch_as_dependent(kernel, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream, params);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
@@ -87,8 +89,12 @@ cudaError_t launch_bwd_variant(const common::AttentionParams& p, const BwdScratc
 template <class Element, int kHeadDim, bool kWide>
 cudaError_t launch_bwd_postprocess(const common::AttentionParams& p, const BwdScratch& ws, cudaStream_t stream) {
   using Traits = BwdTraitsOf<Element, kHeadDim, 0, false, kWide>;
-  bwd_postprocess_kernel<Traits><<<dim3(ws.rows.padded_rows / Traits::kBlockM, p.heads, p.batch),
-                                   Traits::kConsumerThreads, 0, stream>>>(p, ws.dq_accum, ws.rows);
+  const dim3 grid(ws.rows.padded_rows / Traits::kBlockM, p.heads, p.batch);
+  if (bwd_dependent_launch()) {
+    return launch_as_dependent(&bwd_postprocess_kernel<Traits>, grid, dim3(Traits::kConsumerThreads), 0, stream, p,
+                               static_cast<const float*>(ws.dq_accum), ws.rows);
+  }
+  bwd_postprocess_kernel<Traits><<<grid, Traits::kConsumerThreads, 0, stream>>>(p, ws.dq_accum, ws.rows);
   return cudaGetLastError();
 }
 

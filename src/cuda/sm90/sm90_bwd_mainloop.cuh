@@ -230,6 +230,9 @@ struct BwdMainloop {
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, Traits::kTmaBytesKV);
     copy(params.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
     copy(params.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+    // Launched as the preprocess's dependent (bwd_dependent_launch): the row statistics it writes
+    // are read from here on, once it has finished (K and V, the caller's, are already on their way).
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
     const int group = params.p.group_size();
@@ -268,6 +271,9 @@ struct BwdMainloop {
     constexpr std::uint32_t kBytes = Traits::kDqFloatsPerWarpgroup * sizeof(float);
     const int group = params.p.group_size();
     const int steps = t.steps(group);
+    // The accumulator is cleared by the preprocess, which this kernel may start beside
+    // (bwd_dependent_launch): the first addition waits for its end.
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
     common::StepCursor cursor = t.first_step(group);
     for (int s = 0; s < steps; ++s, cursor.advance()) {
       const int head = t.kv_head * group + t.head_at(cursor);
