@@ -357,54 +357,47 @@ TEST_P(CudaSm90BackwardFeatures, WideRowTile) {
   }
 }
 
-// The three kernels launched one after another (FLASHATTN_SM90_BWD_PDL=0) instead of each as the
-// programmatic dependent of the one before (the default, bwd_dependent_launch): both ways match,
-// dense and varlen, causal or not, deterministic too.
-TEST_P(CudaSm90BackwardFeatures, SeparateLaunches) {
-  FA_SKIP_WITHOUT_SM90();
-  const EnvOverride separate("FLASHATTN_SM90_BWD_PDL", "0");
+// The cases of the tests that change how the kernels are launched: d 64/128/256, several key
+// tiles, row blocks and (kv head, batch) pairs, GQA 4:1 and MQA, causal or not, each also
+// deterministic (turns and all), and a causal varlen batch (the sequences' own key tiles).
+std::vector<AttnConfig> launch_cases(DType dtype) {
+  std::vector<AttnConfig> cases;
   for (int d : {64, 128, 256}) {
     for (bool causal : {false, true}) {
-      AttnConfig cfg = feature_config(GetParam(), d, 200, 333);
-      cfg.heads = 4;
-      cfg.heads_k = 2;
-      cfg.opt.causal = causal;
-      expect_sm90_backward_matches(cfg);
-      cfg.opt.deterministic = true;
-      expect_sm90_backward_matches(cfg);
-    }
-    AttnConfig varlen = feature_config(GetParam(), d, 0, 0);
-    varlen.varlen_q = {200, 1, 333};
-    varlen.varlen_k = {517, 64, 333};
-    varlen.opt.causal = true;
-    expect_sm90_backward_matches(varlen);
-  }
-}
-
-// The tile-major launch order forced everywhere (FLASHATTN_SM90_BWD_TILE_MAJOR=1: one-dimensional
-// grid, key tiles slowest; by default only masked grids of at most two waves take it): every block must still find its (key tile, kv head, batch) — several of each, GQA 4:1
-// and MQA, causal or not, dense and varlen (the sequences' own key tiles); a deterministic call
-// keeps the default order (and its turns) and still matches.
-TEST_P(CudaSm90BackwardFeatures, TileMajorLaunchOrder) {
-  FA_SKIP_WITHOUT_SM90();
-  const EnvOverride order("FLASHATTN_SM90_BWD_TILE_MAJOR", "1");
-  for (int d : {64, 128, 256}) {
-    for (bool causal : {false, true}) {
-      AttnConfig cfg = feature_config(GetParam(), d, 333, 517);
+      AttnConfig cfg = feature_config(dtype, d, 333, 517);
       cfg.batch = 3;
       cfg.heads = 8;
       cfg.heads_k = causal ? 2 : 1;
       cfg.opt.causal = causal;
-      expect_sm90_backward_matches(cfg);
+      cases.push_back(cfg);
       cfg.opt.deterministic = true;
-      expect_sm90_backward_matches(cfg);
+      cases.push_back(cfg);
     }
-    AttnConfig varlen = feature_config(GetParam(), d, 0, 0);
+    AttnConfig varlen = feature_config(dtype, d, 0, 0);
     varlen.varlen_q = {200, 1, 333};
     varlen.varlen_k = {517, 64, 333};
     varlen.opt.causal = true;
-    expect_sm90_backward_matches(varlen);
+    cases.push_back(varlen);
   }
+  return cases;
+}
+
+// The three kernels launched one after another (FLASHATTN_SM90_BWD_PDL=0) instead of each as the
+// programmatic dependent of the one before (the default, bwd_dependent_launch): both ways match.
+TEST_P(CudaSm90BackwardFeatures, SeparateLaunches) {
+  FA_SKIP_WITHOUT_SM90();
+  const EnvOverride separate("FLASHATTN_SM90_BWD_PDL", "0");
+  for (const AttnConfig& cfg : launch_cases(GetParam())) expect_sm90_backward_matches(cfg);
+}
+
+// The tile-major launch order forced everywhere (FLASHATTN_SM90_BWD_TILE_MAJOR=1: one-dimensional
+// grid, key tiles slowest; by default only masked grids of at most two waves take it): every block
+// must still find its (key tile, kv head, batch); a deterministic call keeps the default order
+// (and its turns) and still matches.
+TEST_P(CudaSm90BackwardFeatures, TileMajorLaunchOrder) {
+  FA_SKIP_WITHOUT_SM90();
+  const EnvOverride order("FLASHATTN_SM90_BWD_TILE_MAJOR", "1");
+  for (const AttnConfig& cfg : launch_cases(GetParam())) expect_sm90_backward_matches(cfg);
 }
 
 // GQA walks with the heads inner (builds with FLASHATTN_SM90_BWD_HEADS_INNER=1, asked for by
