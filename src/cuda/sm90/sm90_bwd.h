@@ -128,6 +128,18 @@ inline constexpr bool kBwdHeadsInner = false;
 #endif
 bool bwd_heads_inner(int group, bool deterministic);
 
+// Split d (d > 128) without softcap or dropout: Sᵀ and dPᵀ of the step's 64 rows computed whole,
+// Sᵀ by the first consumer warpgroup and dPᵀ by the second (wgmma N = 64: K and V are read once
+// per product instead of once per half), the first handing Pᵀ to the second through the shared
+// tile dV reads it from, the second computing dSᵀ from it (Pᵀ in 16 bits) and storing it; both
+// then take their halves of d in dV, dK and dQ as before. -DFLASHATTN_SM90_BWD_SDP_SPLIT=1 builds
+// it (0, the default, until timed on a GPU).
+#ifdef FLASHATTN_SM90_BWD_SDP_SPLIT
+inline constexpr bool kBwdSdpSplit = FLASHATTN_SM90_BWD_SDP_SPLIT != 0;
+#else
+inline constexpr bool kBwdSdpSplit = false;
+#endif
+
 // Whether the main kernel is launched as the preprocess's programmatic dependent and the
 // postprocess as the main kernel's (src/cuda/dependent_launch.h): each may begin once every block
 // of the kernel before it has begun, so that its launch and prologue (the main kernel's barriers,

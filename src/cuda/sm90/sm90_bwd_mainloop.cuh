@@ -50,6 +50,7 @@ enum class BwdBarrier : int {
   kDqEmptyWg0 = 4,  // + warpgroup: the writer has read its dQ slice out
   kTailZeroed = 6,  // all consumers (varlen): rows past a sequence zeroed in shared memory
   kEpilogue = 7,    // all consumers: K and V read for the last time / dK and dV staged there
+  kPWritten = 8,    // all consumers (kSdpByWarpgroup): the first warpgroup's Pᵀ is in shared memory
 };
 inline constexpr int kDqWriterWarp = 1;  // of the producer warpgroup
 
@@ -349,7 +350,10 @@ struct BwdMainloop {
     typename Traits::TiledMmadK mma_dk;
     typename Traits::TiledMmadV mma_dv;
     typename Traits::TiledMmadQ mma_dq;
-    auto thr_sdp = mma_sdp.get_thread_slice(thread);
+    // kSdpByWarpgroup: Sᵀ and dPᵀ are each one warpgroup's tiled MMA, indexed by its own threads.
+    constexpr bool kSdpByWg = Traits::kSdpByWarpgroup;
+    const int sdp_thread = kSdpByWg ? thread % Traits::kWarpgroupThreads : thread;
+    auto thr_sdp = mma_sdp.get_thread_slice(sdp_thread);
     auto thr_dk = mma_dk.get_thread_slice(thread);
     auto thr_dv = mma_dv.get_thread_slice(thread);
     auto thr_dq = mma_dq.get_thread_slice(thread);
@@ -370,6 +374,12 @@ struct BwdMainloop {
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, MMA_N, MMA_K, stage)
     Tensor tPrV = thr_sdp.partition_fragment_A(sV);
     Tensor tPrdO = thr_sdp.partition_fragment_B(sdO);
+    // kSdpByWarpgroup: K and Qᵀ for the first warpgroup, V and dOᵀ for the second, in one pair of
+    // tensors (the layouts are the same: d = dv there).
+    Tensor tSdpA = thr_sdp.partition_fragment_A(
+        make_tensor(make_smem_ptr(kSdpByWg && wg == 1 ? ss.v.data() : ss.k.data()), typename Traits::SmemLayoutK{}));
+    Tensor tSdpB = thr_sdp.partition_fragment_B(
+        make_tensor(make_smem_ptr(kSdpByWg && wg == 1 ? ss.dout.data() : ss.q.data()), typename Traits::SmemLayoutQ{}));
     Tensor tVrdOt = thr_dv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
     Tensor tKrQt = thr_dk.partition_fragment_B(sQt);
     // dQ's operands: dS (MMA, MMA_M, MMA_K, buffer) and Kᵀ, or (transposed) Kᵀ and dS as B.
@@ -393,12 +403,15 @@ struct BwdMainloop {
 
     constexpr auto kShapeSdP = select<0, 1>(typename Traits::TileShapeSdP{});
     Tensor acc_s = partition_fragment_C(mma_sdp, kShapeSdP);
-    Tensor acc_dp = partition_fragment_C(mma_sdp, kShapeSdP);
+    // kSdpByWarpgroup: one accumulator, Sᵀ in the first warpgroup and dPᵀ in the second.
+    Tensor acc_dp_own = partition_fragment_C(mma_sdp, kShapeSdP);
+    Tensor acc_dp = make_tensor(kSdpByWg ? acc_s.data() : acc_dp_own.data(), acc_s.layout());
     Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));    // (keys, rows)
     Tensor dp_rc = make_tensor(acc_dp.data(), rowcol_layout(acc_dp.layout()));
     Tensor p_frag = make_tensor<Element>(acc_as_a_operand_layout(acc_s.layout()));
     Tensor ds_frag = make_tensor<Element>(acc_as_a_operand_layout(acc_s.layout()));
     Tensor p_flat = make_tensor(p_frag.data(), acc_s.layout());
+    Tensor p16_rc = make_tensor(p_frag.data(), rowcol_layout(acc_s.layout()));  // Pᵀ in 16 bits, (keys, rows)
     Tensor ds_flat = make_tensor(ds_frag.data(), acc_s.layout());
     Tensor acc_dq = partition_fragment_C(mma_dq, select<0, 1>(typename Traits::TileShapedQ{}));
     // One step's dQ = dS·K from row block buffer `buffer` (or its transpose, kDqTransposed).
@@ -410,11 +423,17 @@ struct BwdMainloop {
       }
     };
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-    auto thr_r2s_ds = r2s_ds.get_thread_slice(thread);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(sdp_thread);
     Tensor r2s_ds_src = thr_r2s_ds.retile_S(ds_flat);  // dSᵀ in 16 bits, the accumulator layout
     Tensor r2s_ds_dst = thr_r2s_ds.partition_D(sdS);   // (CPY, CPY_M, CPY_N, buffer)
     Tensor r2s_p_src = thr_r2s_ds.retile_S(p_flat);    // split d: Pᵀ the same way
     Tensor r2s_p_dst = thr_r2s_ds.partition_D(sP);
+    // kSdpByWarpgroup: the second warpgroup reads the first's Pᵀ back by ldmatrix, in the
+    // accumulator's layout (the two warpgroups' fragments cover the same elements).
+    auto s2r_p = make_tiled_copy_C(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_sdp);
+    auto thr_s2r_p = s2r_p.get_thread_slice(sdp_thread);
+    Tensor s2r_p_src = thr_s2r_p.partition_S(sP);     // (CPY, CPY_M, CPY_N, buffer)
+    Tensor s2r_p_dst = thr_s2r_p.retile_D(p_flat);
 
     Tensor c_s = thr_sdp.partition_C(make_identity_tensor(kShapeSdP));
     Tensor c_rc = make_tensor(c_s.data(), rowcol_layout(c_s.layout()));  // (key, row) of each element
@@ -525,9 +544,18 @@ struct BwdMainloop {
           tail_zeroed();
         }
       }
-      wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
-      if constexpr (!Traits::kVarlen) do_pipe.consumer_wait(st);
-      wgmma<true>(mma_sdp, tPrV, tPrdO(_, _, _, st.index), acc_dp);
+      // kSdpByWarpgroup: the first warpgroup computes Sᵀ, the second dPᵀ (each on its own from
+      // here to the barrier over dSᵀ).
+      const bool s_side = !kSdpByWg || wg == 0;
+      const bool dp_side = !kSdpByWg || wg == 1;
+      if constexpr (kSdpByWg) {  // one call site, each warpgroup's own operands (K·Qᵀ or V·dOᵀ)
+        if constexpr (!Traits::kVarlen) do_pipe.consumer_wait(st);
+        wgmma<true>(mma_sdp, tSdpA, tSdpB(_, _, _, st.index), acc_s);
+      } else {
+        wgmma<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index), acc_s);
+        if constexpr (!Traits::kVarlen) do_pipe.consumer_wait(st);
+        wgmma<true>(mma_sdp, tPrV, tPrdO(_, _, _, st.index), acc_dp);
+      }
       // The keep bits depend on positions only: drawn while both products run (kEarlyDraw).
       if constexpr (kEarlyDraw) {
         if (use_dropout) draw_keep(row0, head_in_group);
@@ -535,58 +563,68 @@ struct BwdMainloop {
       // The row statistics are read from shared memory where they are used (registers are short).
       const float* const lse_log2 = ss.lse_log2[st.index];
       const float* const dpsum = ss.dpsum[st.index];
-      cute::warpgroup_wait<1>();  // Sᵀ has landed; dPᵀ still runs
-
-      if constexpr (Traits::kSoftcap) {
-        if (mod.softcap) {
-          CUTE_UNROLL
-          for (int e = 0; e < size(acc_s); e += 2) {
-            acc_s(e) = device::TileScoreMod::tanh(acc_s(e) * mod.k);
-            acc_s(e + 1) = device::TileScoreMod::tanh(acc_s(e + 1) * mod.k);
-            dtanh[e / 2] = __floats2half2_rn(fmaf(-acc_s(e), acc_s(e), 1.0f), fmaf(-acc_s(e + 1), acc_s(e + 1), 1.0f));
-          }
-        }
+      if constexpr (kSdpByWg) {
+        cute::warpgroup_wait<0>();  // this warpgroup's one product has landed
+      } else {
+        cute::warpgroup_wait<1>();  // Sᵀ has landed; dPᵀ still runs
       }
-      if constexpr (Traits::kAlibi) {
-        if (mod.alibi) {  // distance |i + sk − sq − j| of row i and key j
-          const int key_first = key0 + get<0>(c_rc(0, 0));
-          CUTE_UNROLL
-          for (int c = 0; c < kRows; ++c) {
-            const float base = mod.alibi_base(row0 + get<1>(c_rc(0, c)), key_first);
+      if (s_side) {
+
+        if constexpr (Traits::kSoftcap) {
+          if (mod.softcap) {
             CUTE_UNROLL
-            for (int r = 0; r < kKeys; ++r) {
-              s_rc(r, c) = mod.add_alibi(s_rc(r, c), base, get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0)));
+            for (int e = 0; e < size(acc_s); e += 2) {
+              acc_s(e) = device::TileScoreMod::tanh(acc_s(e) * mod.k);
+              acc_s(e + 1) = device::TileScoreMod::tanh(acc_s(e + 1) * mod.k);
+              dtanh[e / 2] =
+                  __floats2half2_rn(fmaf(-acc_s(e), acc_s(e), 1.0f), fmaf(-acc_s(e + 1), acc_s(e + 1), 1.0f));
             }
           }
         }
-      }
-      // Pᵀ, with the keys a row does not see (and keys past the sequence) at 0. Rows past the
-      // sequence have lse = +∞ and Q = 0: their P is 0 too.
-      // The mask in offsets from the diagonal (common::Mask::offset), 32-bit: the block's smallest
-      // and largest offsets decide whether it needs per-element masking, and an element's offset is
-      // the thread's first one plus constants of the fragment's layout.
-      const int row_e = min(row0 + kBlockM, t.seqlen_q);
-      const int diag_shift = t.seqlen_q - t.seqlen_k;
-      const bool masked = wg_key_e > t.seqlen_k ||
-                          (!Traits::kNoMask && (wg_key_b - (row_e - 1) + diag_shift < offset_min ||
-                                                wg_key_e - 1 - row0 + diag_shift > offset_max));
-      if (masked) {
-        const int first = t.mask.offset(row0 + get<1>(c_rc(0, 0)), key0 + get<0>(c_rc(0, 0)));
-        CUTE_UNROLL
-        for (int c = 0; c < kRows; ++c) {
-          CUTE_UNROLL
-          for (int r = 0; r < kKeys; ++r) {
-            const int off = first + (get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0))) - (get<1>(c_rc(0, c)) - get<1>(c_rc(0, 0)));
-            if (!key_in[r] || (!Traits::kNoMask && (off < offset_min || off > offset_max))) s_rc(r, c) = -device::kInf;
+        if constexpr (Traits::kAlibi) {
+          if (mod.alibi) {  // distance |i + sk − sq − j| of row i and key j
+            const int key_first = key0 + get<0>(c_rc(0, 0));
+            CUTE_UNROLL
+            for (int c = 0; c < kRows; ++c) {
+              const float base = mod.alibi_base(row0 + get<1>(c_rc(0, c)), key_first);
+              CUTE_UNROLL
+              for (int r = 0; r < kKeys; ++r) {
+                s_rc(r, c) = mod.add_alibi(s_rc(r, c), base, get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0)));
+              }
+            }
           }
         }
-      }
-      CUTE_UNROLL
-      for (int c = 0; c < kRows; ++c) {
-        const float lse = lse_log2[get<1>(c_rc(0, c))];
+        // Pᵀ, with the keys a row does not see (and keys past the sequence) at 0. Rows past the
+        // sequence have lse = +∞ and Q = 0: their P is 0 too.
+        // The mask in offsets from the diagonal (common::Mask::offset), 32-bit: the block's smallest
+        // and largest offsets decide whether it needs per-element masking, and an element's offset is
+        // the thread's first one plus constants of the fragment's layout.
+        const int row_e = min(row0 + kBlockM, t.seqlen_q);
+        const int diag_shift = t.seqlen_q - t.seqlen_k;
+        const bool masked = wg_key_e > t.seqlen_k ||
+                            (!Traits::kNoMask && (wg_key_b - (row_e - 1) + diag_shift < offset_min ||
+                                                  wg_key_e - 1 - row0 + diag_shift > offset_max));
+        if (masked) {
+          const int first = t.mask.offset(row0 + get<1>(c_rc(0, 0)), key0 + get<0>(c_rc(0, 0)));
+          CUTE_UNROLL
+          for (int c = 0; c < kRows; ++c) {
+            CUTE_UNROLL
+            for (int r = 0; r < kKeys; ++r) {
+              const int off =
+                  first + (get<0>(c_rc(r, 0)) - get<0>(c_rc(0, 0))) - (get<1>(c_rc(0, c)) - get<1>(c_rc(0, 0)));
+              if (!key_in[r] || (!Traits::kNoMask && (off < offset_min || off > offset_max))) {
+                s_rc(r, c) = -device::kInf;
+              }
+            }
+          }
+        }
         CUTE_UNROLL
-        for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
-      }
+        for (int c = 0; c < kRows; ++c) {
+          const float lse = lse_log2[get<1>(c_rc(0, c))];
+          CUTE_UNROLL
+          for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
+        }
+      }  // s_side
       if constexpr (Traits::kDropout && !kEarlyDraw) {
         if (use_dropout) draw_keep(row0, head_in_group);
       }
@@ -616,43 +654,59 @@ struct BwdMainloop {
           wgmma<false>(mma_dv, p_frag, tVrdOt(_, _, _, st.index), acc_dv);
         }
       };
-      cute::warpgroup_wait<0>();  // dPᵀ has landed
-      CUTE_UNROLL
-      for (int c = 0; c < kRows; ++c) {
-        const float d = dpsum[get<1>(c_rc(0, c))];
+      if constexpr (kSdpByWg) {
+        // Pᵀ from the first warpgroup to the second, through its tile for dV.
+        if (wg == 0) {
+          issue_dv();
+          cutlass::arch::fence_view_async_shared();
+          named_barrier_arrive(int(BwdBarrier::kPWritten), Traits::kConsumerThreads);
+        } else {
+          named_barrier_sync(int(BwdBarrier::kPWritten), Traits::kConsumerThreads);
+          copy(s2r_p, s2r_p_src(_, _, _, buffer), s2r_p_dst);
+        }
+      } else {
+        cute::warpgroup_wait<0>();  // dPᵀ has landed
+      }
+      if (dp_side) {
         CUTE_UNROLL
-        for (int r = 0; r < kKeys; ++r) {
-          float dp = dp_rc(r, c);
-          if constexpr (Traits::kDropout) {
-            if (use_dropout) dp = kept(r, c) ? dp * dropout.keep_scale : 0.0f;  // dP of the dropped P
-          }
-          dp_rc(r, c) = Traits::kScaleInDs ? s_rc(r, c) * (dp - d) * p.softmax_scale : s_rc(r, c) * (dp - d);
-        }
-      }
-      if constexpr (Traits::kSoftcap) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)
-        if (mod.softcap) {
+        for (int c = 0; c < kRows; ++c) {
+          const float d = dpsum[get<1>(c_rc(0, c))];
           CUTE_UNROLL
-          for (int e = 0; e < size(acc_dp); e += 2) {
-            const float2 f = __half22float2(dtanh[e / 2]);
-            acc_dp(e) *= f.x;
-            acc_dp(e + 1) *= f.y;
+          for (int r = 0; r < kKeys; ++r) {
+            float dp = dp_rc(r, c);
+            if constexpr (Traits::kDropout) {
+              if (use_dropout) dp = kept(r, c) ? dp * dropout.keep_scale : 0.0f;  // dP of the dropped P
+            }
+            // (kSdpByWarpgroup: Pᵀ as the first warpgroup stored it, in 16 bits.)
+            const float pr = kSdpByWg ? float(p16_rc(r, c)) : s_rc(r, c);
+            dp_rc(r, c) = Traits::kScaleInDs ? pr * (dp - d) * p.softmax_scale : pr * (dp - d);
           }
         }
-      }
-      // dV after dSᵀ (FlashAttention-3's order): Sᵀ's fp32 values die with dSᵀ, so P's 16 bits
-      // never live beside both accumulators. Issued before it, to run under it, the product kept
-      // them live together: 8–12 % slower at d 64 (ptxas serialized every wgmma there for want
-      // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs). kDvLate
-      // issues it once dSᵀ is in shared memory, as FlashAttention-3 does (the 80-row tile
-      // always: issued before the conversion, ptxas serializes every wgmma of it, C7512).
-      if constexpr (!Traits::kDvLate) issue_dv();
-      convert_fragment<Element>(acc_dp, ds_flat);
+        if constexpr (Traits::kSoftcap) {  // d(c · tanh(k · dot)) / d dot = scale · (1 − tanh²)
+          if (mod.softcap) {
+            CUTE_UNROLL
+            for (int e = 0; e < size(acc_dp); e += 2) {
+              const float2 f = __half22float2(dtanh[e / 2]);
+              acc_dp(e) *= f.x;
+              acc_dp(e + 1) *= f.y;
+            }
+          }
+        }
+        // dV after dSᵀ (FlashAttention-3's order): Sᵀ's fp32 values die with dSᵀ, so P's 16 bits
+        // never live beside both accumulators. Issued before it, to run under it, the product kept
+        // them live together: 8–12 % slower at d 64 (ptxas serialized every wgmma there for want
+        // of registers) and no faster at d 128 (src/cuda/README.md, removed knobs). kDvLate
+        // issues it once dSᵀ is in shared memory, as FlashAttention-3 does (the 80-row tile
+        // always: issued before the conversion, ptxas serializes every wgmma of it, C7512).
+        if constexpr (!Traits::kDvLate && !kSdpByWg) issue_dv();
+        convert_fragment<Element>(acc_dp, ds_flat);
 
-      // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
-      // stmatrix, 8 × 8 blocks of 16-bit values per instruction, conflict-free in the swizzle.
-      copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
-      if constexpr (Traits::kDvLate) issue_dv();
-      cutlass::arch::fence_view_async_shared();
+        // dSᵀ into this row block's buffer for the dQ product, which needs both warpgroups' keys:
+        // stmatrix, 8 × 8 blocks of 16-bit values per instruction, conflict-free in the swizzle.
+        copy(r2s_ds, r2s_ds_src, r2s_ds_dst(_, _, _, buffer));
+        if constexpr (Traits::kDvLate) issue_dv();
+        cutlass::arch::fence_view_async_shared();
+      }  // dp_side
 
       // dQ of this row block to the writer warp, through this warpgroup's slice (float4 v of
       // thread l at (v · 128 + l) · 4: conflict-free, and the order the accumulator keeps).

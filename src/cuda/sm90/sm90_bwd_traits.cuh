@@ -105,6 +105,10 @@ struct BwdTraits {
   // postprocess to dQ), but at d 64 in the other order, where the kernels are at the edge of their
   // registers and ptxas, given dS without it, serializes every wgmma for want of registers (C7512).
   static constexpr bool kScaleInDs = kHeadDim <= 64 && !kDvLate;
+  // Split d, Sᵀ by the first warpgroup and dPᵀ by the second, each over all the step's rows
+  // (kBwdSdpSplit, sm90_bwd.h): not with softcap (its derivative comes from Sᵀ) or dropout (its
+  // keep bits from Sᵀ's positions in both).
+  static constexpr bool kSdpByWarpgroup = kSplitD && kBwdSdpSplit && !kSoftcap && !kDropout && kHeadDim == kHeadDimV;
   static constexpr int kConsumerWarpgroups = kSplitD ? 2 : kBlockN / kKeysPerWarpgroup;
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * kWarpgroupThreads;
@@ -154,13 +158,16 @@ struct BwdTraits {
   // the columns of dK and dV.
   using AtomLayoutWgs = std::conditional_t<kSplitD, Layout<Shape<_1, Int<kConsumerWarpgroups>, _1>>,
                                            Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>>;
-  static constexpr int kSdPRowsPerWarpgroup = kSplitD ? kBlockM / kConsumerWarpgroups : kBlockM;
+  static constexpr int kSdPRowsPerWarpgroup = kSplitD && !kSdpByWarpgroup ? kBlockM / kConsumerWarpgroups : kBlockM;
+  // kSdpByWarpgroup: each warpgroup's Sᵀ or dPᵀ product is a tiled MMA of its own (its threads
+  // 0 … 127), all the step's rows.
+  using AtomLayoutSdP = std::conditional_t<kSdpByWarpgroup, Layout<Shape<_1, _1, _1>>, AtomLayoutWgs>;
   static constexpr int kdKColsPerWarpgroup = kSplitD ? kHeadDim / kConsumerWarpgroups : kHeadDim;
   static constexpr int kdVColsPerWarpgroup = kSplitD ? kHeadDimV / kConsumerWarpgroups : kHeadDimV;
   // (The K extent of an op's shape does not enter its choice: Sᵀ and dPᵀ share the tiled MMA.)
   using TiledMmaSdP = decltype(make_tiled_mma(
       bwd_ss_op<Element, Shape<Int<kKeysPerWarpgroup>, Int<kSdPRowsPerWarpgroup>, Int<kHeadDim>>>(),
-      AtomLayoutWgs{}));
+      AtomLayoutSdP{}));
   // dV += Pᵀ·dO: A from registers (split d: Pᵀ from shared memory, both warpgroups' rows); B = dO
   // read as (dv, rows), dv contiguous ("MN-major"). dK += dSᵀ·Q the same way over d.
   template <int kCols>
@@ -231,6 +238,9 @@ struct BwdTraits {
       return make_tma_copy(SM90_TMA_LOAD{}, g, SmemLayout{}, Shape<Int<kRows>, Int<kCols>>{}, _1{});
     }
   };
+  static_assert(!kSdpByWarpgroup ||
+                    (std::is_same_v<SmemLayoutK, SmemLayoutV> && std::is_same_v<SmemLayoutQ, SmemLayoutdO>),
+                "kSdpByWarpgroup reads K or V, Q or dO through one layout");
   using TmaQ = TmaOf<decltype(take<0, 2>(SmemLayoutQ{})), kBlockM, kHeadDim>;
   using TmadO = TmaOf<decltype(take<0, 2>(SmemLayoutdO{})), kBlockM, kHeadDimV>;
   using TmaK = TmaOf<SmemLayoutK, kBlockN, kHeadDim>;
