@@ -53,10 +53,11 @@ struct Mask {
   // The same rule in offsets from the diagonal: key j of row i is visible iff its offset
   // j − diagonal(i) = j − i + seqlen_q − seqlen_k lies in [offset_min(), offset_max()]. For rows and
   // keys below 2^31 − 256 (a tile's padding included) the offset fits an int, and so do both bounds:
-  // a kernel's per-element test is one subtraction and two comparisons in 32 bits.
+  // a kernel's per-element test is one subtraction and two comparisons in 32 bits. (The sum is
+  // taken as (j − i) + (seqlen_q − seqlen_k): left to right, j − i + seqlen_q overflows first.)
   FA_HOST_DEVICE int offset_min() const { return window_left < 0 ? -0x7fffffff - 1 : -window_left; }
   FA_HOST_DEVICE int offset_max() const { return window_right < 0 ? 0x7fffffff : window_right; }
-  FA_HOST_DEVICE int offset(int i, int j) const { return j - i + seqlen_q - seqlen_k; }
+  FA_HOST_DEVICE int offset(int i, int j) const { return (j - i) + (seqlen_q - seqlen_k); }
   // Whether every (i, j) of the block is visible, so per-element masking can be skipped.
   FA_HOST_DEVICE bool block_fully_visible(int row_begin, int row_end, int col_b, int col_e) const {
     return col_begin(row_end - 1) <= col_b && col_end(row_begin) >= col_e;
