@@ -50,8 +50,8 @@ inline constexpr bool kBwdStageUnderDk = true;
 // accumulator are in flight together; the d 64 kernels then fit with softmax_scale left out of dS
 // (BwdTraits::kScaleInDs; sm_90a, bf16, plain dense d 64 spill stores 76 → 24 bytes). Unset: at
 // d 64 only (H100, bf16: d 64 ×1.05–1.11; the d 128 tile of 64 rows ×0.94–1.02, measured together
-// with the preprocess's clearing); 1 every tile but split d; 0 none. The 80-row tile (bwd_wide_rows) always takes it: in the other order ptxas
-// serializes every wgmma of it (C7512).
+// with the preprocess's clearing); 1 every tile but split d; 0 none. The 80-row tile
+// (bwd_wide_rows) always takes it: in the other order ptxas serializes every wgmma of it (C7512).
 #ifdef FLASHATTN_SM90_BWD_DV_LATE
 inline constexpr int kBwdDvLate = FLASHATTN_SM90_BWD_DV_LATE != 0 ? 1 : 0;
 #else
