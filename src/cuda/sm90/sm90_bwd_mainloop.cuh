@@ -569,7 +569,6 @@ struct BwdMainloop {
         cute::warpgroup_wait<1>();  // Sᵀ has landed; dPᵀ still runs
       }
       if (s_side) {
-
         if constexpr (Traits::kSoftcap) {
           if (mod.softcap) {
             CUTE_UNROLL
@@ -600,6 +599,8 @@ struct BwdMainloop {
         // and largest offsets decide whether it needs per-element masking, and an element's offset is
         // the thread's first one plus constants of the fragment's layout.
         const int row_e = min(row0 + kBlockM, t.seqlen_q);
+        // (Mask::offset's sum, with the block's corners: its smallest offset at (row_e − 1, wg_key_b),
+        // its largest at (row0, wg_key_e − 1).)
         const int diag_shift = t.seqlen_q - t.seqlen_k;
         const bool masked = wg_key_e > t.seqlen_k ||
                             (!Traits::kNoMask && (wg_key_b - (row_e - 1) + diag_shift < offset_min ||
