@@ -295,18 +295,28 @@ struct FwdMainloop {
       return wg_row_begin >= wg_row_end || col_e > t.seqlen_k ||
              !t.mask.block_fully_visible(wg_row_begin, wg_row_end, col_b, col_e);
     };
-    auto apply_mask = [&](int n) {
-      const int col_b = n * kBlockN;
+    // Keys are counted from this thread's first one (col0 of the tile), so that each column's
+    // distance from it is a constant of the unrolled loop (an immediate, not a register per
+    // column); without a left window the lower bound is 0 or below and only the upper one is tested.
+    auto mask_rows = [&](int n, auto left) {
+      const int col0 = n * kBlockN + get<1>(c_rc(0, 0));
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         const int row = t.m_block * kBlockM + get<0>(c_rc(r, 0));
-        const int lo = t.mask.col_begin(row) - col_b;
-        const int hi = t.mask.col_end(row) - col_b;
+        const int lo = t.mask.col_begin(row) - col0;
+        const int hi = t.mask.col_end(row) - col0;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) {
-          const int col = get<1>(c_rc(0, c));
-          if (col < lo || col >= hi) s_rc(r, c) = -device::kInf;
+          const int dc = get<1>(c_rc(0, c)) - get<1>(c_rc(0, 0));
+          if (dc >= hi || (decltype(left)::value && dc < lo)) s_rc(r, c) = -device::kInf;
         }
+      }
+    };
+    auto apply_mask = [&](int n) {
+      if (t.mask.window_left >= 0) {
+        mask_rows(n, cute::true_type{});
+      } else {
+        mask_rows(n, cute::false_type{});
       }
     };
     auto to_p = [&] { convert_fragment<Element>(acc_s, p_flat); };
