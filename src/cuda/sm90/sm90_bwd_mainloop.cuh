@@ -323,19 +323,15 @@ struct BwdMainloop {
         }
         __syncwarp();
       }
-      // The warpgroups may stage the next step's slices once these have been read; only then
-      // (deterministic) does the writer wait for the additions to land and pass the turn on, so
-      // that the consumers' next step does not wait for the round trip to global memory.
-      if (s + 1 < steps) {
-        if (lane == 0) cute::tma_store_wait<0>();  // the slices have been read (not yet added)
-        __syncwarp();
-        for (int wg = 0; wg < kWgs; ++wg) named_barrier_arrive(int(BwdBarrier::kDqEmptyWg0) + wg, kThreads);
-      }
       if (semaphore != nullptr && lane == 0) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // landed, not only read
         asm volatile("fence.proxy.async.global;" ::: "memory");
         release_increment(semaphore);
       }
+      if (s + 1 == steps) break;
+      if (lane == 0) cute::tma_store_wait<0>();  // the slices have been read (not yet added)
+      __syncwarp();
+      for (int wg = 0; wg < kWgs; ++wg) named_barrier_arrive(int(BwdBarrier::kDqEmptyWg0) + wg, kThreads);
     }
     // The last additions complete (not only their reads) before the thread exits.
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
