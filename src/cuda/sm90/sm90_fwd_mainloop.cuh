@@ -295,9 +295,12 @@ struct FwdMainloop {
       return wg_row_begin >= wg_row_end || col_e > t.seqlen_k ||
              !t.mask.block_fully_visible(wg_row_begin, wg_row_end, col_b, col_e);
     };
-    // Keys are counted from this thread's first one (col0 of the tile), so that each column's
-    // distance from it is a constant of the unrolled loop (an immediate, not a register per
-    // column); without a left window the lower bound is 0 or below and only the upper one is tested.
+    // Up to d 128, keys are counted from this thread's first one (col0 of the tile), so that each
+    // column's distance from it is a constant of the unrolled loop (an immediate, not a register
+    // per column); without a left window the lower bound is 0 or below and only the upper one is
+    // tested. On an H100 that ran d 64 and 128 causal 1.01–1.03× (d 128 without a mask 1.00–1.02×),
+    // but d 256 0.99× with or without a mask (docs/benchmarks-sm90.md, 2026-12-07): d 256 keeps
+    // the tile's columns and both comparisons.
     auto mask_rows = [&](int n, auto left) {
       const int col0 = n * kBlockN + get<1>(c_rc(0, 0));
       CUTE_UNROLL
@@ -313,7 +316,20 @@ struct FwdMainloop {
       }
     };
     auto apply_mask = [&](int n) {
-      if (t.mask.window_left >= 0) {
+      if constexpr (kHeadDim > 128) {
+        const int col_b = n * kBlockN;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int row = t.m_block * kBlockM + get<0>(c_rc(r, 0));
+          const int lo = t.mask.col_begin(row) - col_b;
+          const int hi = t.mask.col_end(row) - col_b;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s_rc); ++c) {
+            const int col = get<1>(c_rc(0, c));
+            if (col < lo || col >= hi) s_rc(r, c) = -device::kInf;
+          }
+        }
+      } else if (t.mask.window_left >= 0) {
         mask_rows(n, cute::true_type{});
       } else {
         mask_rows(n, cute::false_type{});
