@@ -295,12 +295,12 @@ struct FwdMainloop {
       return wg_row_begin >= wg_row_end || col_e > t.seqlen_k ||
              !t.mask.block_fully_visible(wg_row_begin, wg_row_end, col_b, col_e);
     };
-    // Up to d 128, keys are counted from this thread's first one (col0 of the tile), so that each
-    // column's distance from it is a constant of the unrolled loop (an immediate, not a register
-    // per column); without a left window the lower bound is 0 or below and only the upper one is
-    // tested. On an H100 that ran d 64 and 128 causal 1.01–1.03× (d 128 without a mask 1.00–1.02×),
-    // but d 256 0.99× with or without a mask (docs/benchmarks-sm90.md, 2026-12-07): d 256 keeps
-    // the tile's columns and both comparisons.
+    // At d 64 and 128, keys are counted from this thread's first one (col0 of the tile), so that
+    // each column's distance from it is a constant of the unrolled loop (an immediate, not a
+    // register per column); without a left window the lower bound is 0 or below and only the upper
+    // one is tested. On an H100 that ran d 64 and 128 causal 1.01–1.03× (d 128 without a mask
+    // 1.00–1.02×), but d 256 0.99× with or without a mask (docs/benchmarks-sm90.md, 2026-12-07):
+    // the other head dims keep the tile's columns and both comparisons.
     auto mask_rows = [&](int n, auto left) {
       const int col0 = n * kBlockN + get<1>(c_rc(0, 0));
       CUTE_UNROLL
@@ -316,7 +316,7 @@ struct FwdMainloop {
       }
     };
     auto apply_mask = [&](int n) {
-      if constexpr (kHeadDim > 128) {
+      if constexpr (kHeadDim != 64 && kHeadDim != 128) {  // the head dims it was timed at
         const int col_b = n * kBlockN;
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
