@@ -128,6 +128,22 @@ constexpr bool fwd_room_for_two_q(FwdTileShape t, int head_dim) {
   const int dv = fwd_head_dim_v(head_dim);
   return 2 * (2 * t.block_m * head_dim + t.stages * t.block_n * (head_dim + dv)) + 1024 <= 227 * 1024;
 }
+// The K/V ring of the paged kernels (A/B builds): -DFLASHATTN_SM90_FWD_PAGED_STAGES=N gives them N
+// stages where shared memory holds Q, N stages and no second Q-sized tile (d 64, 96 and 128 at 3;
+// O then staged in Q's bytes), else the contiguous kernels' ring (fwd_tile). Unset or 0: the
+// contiguous kernels' everywhere. A paged step's boxes take longer to land than one box of a
+// contiguous cache (pages of 16: about 3 µs a step against 1.2–1.7 on an H100, at d 64 as at d 128,
+// docs/benchmarks-sm90.md 2026-12-07): a deeper ring lets the producer start more of them early.
+#ifndef FLASHATTN_SM90_FWD_PAGED_STAGES
+#define FLASHATTN_SM90_FWD_PAGED_STAGES 0
+#endif
+constexpr int fwd_paged_stages(int head_dim) {
+  const FwdTileShape t = fwd_tile(head_dim);
+  const int n = FLASHATTN_SM90_FWD_PAGED_STAGES;
+  const int dv = fwd_head_dim_v(head_dim);
+  const bool fits = 2 * (t.block_m * head_dim + n * t.block_n * (head_dim + dv)) + 1024 <= 227 * 1024;
+  return n > 0 && fits ? n : t.stages;
+}
 constexpr bool fwd_o_in_q(int head_dim) {
   return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
 }

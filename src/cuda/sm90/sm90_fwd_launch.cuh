@@ -25,7 +25,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   // The host's view (fwd_unsupported checks out for the TMA store) agrees with the kernel's.
   static_assert(Traits::kTmaStoreO ==
                 (fwd_tma_store(kHeadDim, Traits::kScoreMod) && !Traits::kVarlen && !Traits::kSplit));
-  static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim));
+  static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim) || Traits::kStages != fwd_tile(kHeadDim).stages);
   FwdParams<Traits> params;
   params.p = p;
   if constexpr (Traits::kSplit) params.split = split;
@@ -86,8 +86,9 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
 // kernels too (varlen ones, which serve dense calls as well), plain or paged.
 template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen, bool kPaged = false, bool kSplit = false>
 using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
-                              fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged,
-                              fwd_head_dim_v(kHeadDim), kSplit>;
+                              kPaged ? fwd_paged_stages(kHeadDim) : fwd_tile(kHeadDim).stages,
+                              fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged, fwd_head_dim_v(kHeadDim),
+                              kSplit>;
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
