@@ -25,10 +25,6 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
-// The wgmma shapes whose N is not a multiple of 32 (bwd_ss_op), which the headers above include
-// only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED.
-#include <cute/arch/mma_sm90_gmma_ext.hpp>
-#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/numeric_types.h>
@@ -50,23 +46,6 @@ inline constexpr int kBwdModsAll = kBwdModSoftcap | kBwdModAlibi | kBwdModDropou
 // Not a feature but a promise of the call: no causal mask or window (every row sees every key
 // below seqlen_k), so that the steps compare keys with seqlen_k only (bwd_tile's wide tile).
 inline constexpr int kBwdModNoMask = 8;
-
-// The SS wgmma of a warpgroup's (M, N, K) tile: CuTe's selector, but for N = 80 (the wide tile's
-// rows), which the selector offers only where CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined
-// before its header (else it takes N = 16, five times as many instructions): that atom by name.
-template <class Element, class Shape, GMMA::Major kMajorA = GMMA::Major::K, GMMA::Major kMajorB = GMMA::Major::K>
-constexpr auto bwd_ss_op() {
-  if constexpr (decltype(size<1>(Shape{}))::value == 80) {
-    if constexpr (std::is_same_v<Element, cutlass::half_t>) {
-      return SM90::GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>{};
-    } else {
-      static_assert(std::is_same_v<Element, cutlass::bfloat16_t>, "fp16 or bf16");
-      return SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
-    }
-  } else {
-    return SM90::GMMA::ss_op_selector<Element, Element, float, Shape, kMajorA, kMajorB>();
-  }
-}
 
 // kMods: which of softcap (kBwdModSoftcap), ALiBi (kBwdModAlibi) and dropout (kBwdModDropout) are
 // compiled in (device::TileScoreMod on each Sᵀ tile, softcap's derivative 1 − tanh² in dSᵀ, the
@@ -166,7 +145,7 @@ struct BwdTraits {
   static constexpr int kdVColsPerWarpgroup = kSplitD ? kHeadDimV / kConsumerWarpgroups : kHeadDimV;
   // (The K extent of an op's shape does not enter its choice: Sᵀ and dPᵀ share the tiled MMA.)
   using TiledMmaSdP = decltype(make_tiled_mma(
-      bwd_ss_op<Element, Shape<Int<kKeysPerWarpgroup>, Int<kSdPRowsPerWarpgroup>, Int<kHeadDim>>>(),
+      ss_op<Element, Shape<Int<kKeysPerWarpgroup>, Int<kSdPRowsPerWarpgroup>, Int<kHeadDim>>>(),
       AtomLayoutSdP{}));
   // dV += Pᵀ·dO: A from registers (split d: Pᵀ from shared memory, both warpgroups' rows); B = dO
   // read as (dv, rows), dv contiguous ("MN-major"). dK += dSᵀ·Q the same way over d.
@@ -186,7 +165,7 @@ struct BwdTraits {
   // dQ = dS·K: A = dS stored as dSᵀ (keys, rows) with rows contiguous; B = K read as (d, keys).
   // Transposed, dQᵀ = Kᵀ·dSᵀ: A = Kᵀ (d, keys), d contiguous; B = dS (rows, keys), rows contiguous.
   using TiledMmadQ = decltype(make_tiled_mma(
-      bwd_ss_op<Element, TileShapedQAtom, GMMA::Major::MN, GMMA::Major::MN>(),
+      ss_op<Element, TileShapedQAtom, GMMA::Major::MN, GMMA::Major::MN>(),
       std::conditional_t<kDqTransposed, Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>,
                          Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>>{}));
 

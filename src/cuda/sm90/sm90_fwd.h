@@ -36,7 +36,16 @@ struct FwdTileShape {
 //   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
 //   d 192 (dv 128: fwd_head_dim_v): 128 × 128, 2 stages — 208 KiB (Q 48 + K 96 + V 64), O in Q's
 //          bytes (FlashAttention-3's tile for 192 / 128)
-//   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes
+//   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes;
+//          -DFLASHATTN_SM90_FWD_D256_KEYS=80 (A/B builds; not yet timed): 128 × 80, 224 KiB (Q 64 +
+//          K 80 + V 80), FlashAttention-3's d 256 tile — a fifth more keys per step over the same
+//          per-step work on O (128 fp32 rescaled per thread) and the row statistics. Pages then
+//          always take 16-row boxes (80 keys are no whole 64-row box).
+#ifndef FLASHATTN_SM90_FWD_D256_KEYS
+#define FLASHATTN_SM90_FWD_D256_KEYS 64
+#endif
+static_assert(FLASHATTN_SM90_FWD_D256_KEYS == 64 || FLASHATTN_SM90_FWD_D256_KEYS == 80,
+              "FLASHATTN_SM90_FWD_D256_KEYS is 64 or 80 (shared memory holds no more)");
 #ifndef FLASHATTN_SM90_FWD_D64_ROWS
 #define FLASHATTN_SM90_FWD_D64_ROWS 128
 #endif
@@ -70,7 +79,7 @@ constexpr FwdTileShape fwd_tile(int head_dim) {
                                            : FwdTileShape{128, 128, 2})
                         : head_dim <= 128 ? FwdTileShape{128, 128, 2}
                         : (head_dim <= 192 ? FwdTileShape{128, 128, 2}
-                                           : FwdTileShape{128, 64, 2});
+                                           : FwdTileShape{128, FLASHATTN_SM90_FWD_D256_KEYS, 2});
 }
 
 // The columns of V and O in the instantiation of head dim `head_dim` (Q and K have head_dim): the

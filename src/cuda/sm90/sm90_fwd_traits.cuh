@@ -70,8 +70,7 @@ struct FwdTraits {
   // The warpgroups stack along M: each owns 64 rows of S and O, so a score row never leaves its
   // warpgroup (and never its quad of threads).
   using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
-  using TiledMmaQK = decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(),
-                                             AtomLayout{}));
+  using TiledMmaQK = decltype(make_tiled_mma(ss_op<Element, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), AtomLayout{}));
   // V is stored as K is, (kBlockN, d) with d contiguous: for P·V it is the B operand (N = d,
   // K = keys) with N contiguous, "MN-major", which wgmma reads transposed from shared memory.
   using TiledMmaPV = decltype(make_tiled_mma(

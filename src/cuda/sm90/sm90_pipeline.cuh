@@ -5,7 +5,12 @@
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
+// The wgmma shapes whose N is not a multiple of 32 (ss_op), which the headers above include only
+// under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED.
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include <cstdint>
@@ -14,6 +19,24 @@
 namespace flashattn::cuda::sm90 {
 
 using namespace cute;
+
+// The SS wgmma of a warpgroup's (M, N, K) tile: CuTe's selector, but for N = 80 (the backward's
+// 80-row tile, the forward's 80-key d 256 tile), which the selector offers only where
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined before its header (else it takes N = 16, five
+// times as many instructions): that atom by name.
+template <class Element, class Shape, GMMA::Major kMajorA = GMMA::Major::K, GMMA::Major kMajorB = GMMA::Major::K>
+constexpr auto ss_op() {
+  if constexpr (decltype(size<1>(Shape{}))::value == 80) {
+    if constexpr (std::is_same_v<Element, cutlass::half_t>) {
+      return SM90::GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>{};
+    } else {
+      static_assert(std::is_same_v<Element, cutlass::bfloat16_t>, "fp16 or bf16");
+      return SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+    }
+  } else {
+    return SM90::GMMA::ss_op_selector<Element, Element, float, Shape, kMajorA, kMajorB>();
+  }
+}
 
 // Position in a ring of kStages stages: the stage index and the phase parity of its barriers,
 // which flips each time the index wraps.
