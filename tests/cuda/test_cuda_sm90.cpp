@@ -313,6 +313,50 @@ TEST(CudaSm90Host, TallD64TileForLongUnmaskedDenseCalls) {
   EXPECT_EQ(fc::sm90::fwd_d64_tall(short_call, 1), built);
 }
 
+// The wide d 256 tile (fwd_d256_wide): dense calls without score mods whose keys reach
+// FLASHATTN_SM90_FWD_D256_WIDE_FROM (2048 by default; 0: never), masked or not; never split,
+// varlen, with seqused_k or a KV cache, paged or with softcap, ALiBi or dropout; never where the
+// build leaves it out.
+TEST(CudaSm90Host, WideD256TileForDenseCallsWithManyKeys) {
+  const c::AttentionParams p = host_params(1, 8, 256, 2048);
+  const EnvOverride unset("FLASHATTN_SM90_FWD_D256_WIDE_FROM", "");
+  const bool built = fc::sm90::fwd_d256_wide_built();
+  EXPECT_EQ(fc::sm90::fwd_d256_wide(p, 1), built);
+  EXPECT_FALSE(fc::sm90::fwd_d256_wide(p, 2)) << "split";
+  c::AttentionParams causal = p;
+  causal.causal = true;
+  EXPECT_EQ(fc::sm90::fwd_d256_wide(causal, 1), built) << "causal";
+  c::AttentionParams window = p;
+  window.window_left = 300;
+  EXPECT_EQ(fc::sm90::fwd_d256_wide(window, 1), built) << "window";
+  std::vector<std::pair<const char*, std::function<void(c::AttentionParams&)>>> refusals = {
+      {"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 2047; }},
+      {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
+      {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }},
+  };
+  for (auto& [name, spoil] : refusals) {
+    c::AttentionParams q = p;
+    spoil(q);
+    EXPECT_FALSE(fc::sm90::fwd_d256_wide(q, 1)) << name;
+  }
+  const std::int32_t lengths[2] = {0, 2048};
+  c::AttentionParams kv = p;
+  kv.seqused_k = lengths;
+  EXPECT_FALSE(fc::sm90::fwd_d256_wide(kv, 1)) << "seqused_k";
+  c::AttentionParams varlen = p;
+  varlen.cu_seqlens_q = varlen.cu_seqlens_k = lengths;
+  EXPECT_FALSE(fc::sm90::fwd_d256_wide(varlen, 1)) << "varlen";
+  {
+    const EnvOverride never("FLASHATTN_SM90_FWD_D256_WIDE_FROM", "0");
+    EXPECT_FALSE(fc::sm90::fwd_d256_wide(p, 1));
+  }
+  const EnvOverride early("FLASHATTN_SM90_FWD_D256_WIDE_FROM", "100");
+  c::AttentionParams short_call = p;
+  short_call.max_seqlen_q = 1;
+  short_call.max_seqlen_k = 100;
+  EXPECT_EQ(fc::sm90::fwd_d256_wide(short_call, 1), built);
+}
+
 // The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
 // at most 64 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
 // head's, alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them,
@@ -563,6 +607,36 @@ TEST_P(CudaSm90Forward, TallD64Tile) {
   gqa.heads = 8;
   gqa.heads_k = 1;
   expect_sm90_matches(gqa);
+}
+
+// The wide d 256 tile (128 × 80) taken at every length (FLASHATTN_SM90_FWD_D256_WIDE_FROM=1): odd
+// lengths (a partial last row block and key tile: 80 keys divide none of these), more keys than
+// queries and fewer, causal (bottom-right) and a sliding window, GQA, several tiles per CTA,
+// against the reference.
+TEST_P(CudaSm90Forward, WideD256Tile) {
+  FA_SKIP_WITHOUT_SM90();
+  if (!fc::sm90::fwd_d256_wide_built()) GTEST_SKIP() << "NOT RUN: built with -DFLASHATTN_SM90_FWD_D256_WIDE=0";
+  const EnvOverride always("FLASHATTN_SM90_FWD_D256_WIDE_FROM", "1");
+  for (auto [sq, sk] : {std::pair{1, 1}, std::pair{81, 79}, std::pair{300, 717}, std::pair{717, 300},
+                        std::pair{1000, 1000}}) {
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), 256, sq, sk);
+      cfg.opt.causal = causal;
+      if (sq == 1000) {
+        cfg.heads = 34;  // 8 row blocks × 34 heads × 2 sequences: more tiles than SMs
+        cfg.heads_k = 17;
+      }
+      expect_sm90_matches(cfg);
+    }
+  }
+  AttnConfig gqa = feature_config(GetParam(), 256, 400, 400);
+  gqa.heads = 8;
+  gqa.heads_k = 1;
+  expect_sm90_matches(gqa);
+  AttnConfig window = feature_config(GetParam(), 256, 500, 500);
+  window.opt.window_left = 170;
+  window.opt.window_right = 30;
+  expect_sm90_matches(window);
 }
 
 TEST_P(CudaSm90Forward, Softcap) {

@@ -139,6 +139,14 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
   return num_splits_heuristic(std::int64_t(m_blocks) * p.heads * p.batch, n_blocks, sms, kMaxSplits);
 }
 
+bool fwd_d256_wide_built() { return kFwdD256Wide; }
+
+bool fwd_d256_wide(const common::AttentionParams& p, int num_splits) {
+  if (!kFwdD256Wide || num_splits > 1 || fwd_score_mod(p) || fwd_varlen_kernel(p) || p.is_paged()) return false;
+  const int from = env_int("FLASHATTN_SM90_FWD_D256_WIDE_FROM", 2048);
+  return from > 0 && p.max_seqlen_k >= from;
+}
+
 int fwd_page_box_rows(int page_size) {
   const bool wide = page_size > 0 && page_size % 64 == 0 && env_int("FLASHATTN_SM90_FWD_PAGE_BOX", 64) != 16;
   return wide ? 64 : kFwdPageChunkRows;

@@ -36,16 +36,8 @@ struct FwdTileShape {
 //   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
 //   d 192 (dv 128: fwd_head_dim_v): 128 × 128, 2 stages — 208 KiB (Q 48 + K 96 + V 64), O in Q's
 //          bytes (FlashAttention-3's tile for 192 / 128)
-//   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes;
-//          -DFLASHATTN_SM90_FWD_D256_KEYS=80 (A/B builds; not yet timed): 128 × 80, 224 KiB (Q 64 +
-//          K 80 + V 80), FlashAttention-3's d 256 tile — a fifth more keys per step over the same
-//          per-step work on O (128 fp32 rescaled per thread) and the row statistics. Pages then
-//          always take 16-row boxes (80 keys are no whole 64-row box).
-#ifndef FLASHATTN_SM90_FWD_D256_KEYS
-#define FLASHATTN_SM90_FWD_D256_KEYS 64
-#endif
-static_assert(FLASHATTN_SM90_FWD_D256_KEYS == 64 || FLASHATTN_SM90_FWD_D256_KEYS == 80,
-              "FLASHATTN_SM90_FWD_D256_KEYS is 64 or 80 (shared memory holds no more)");
+//   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes; the plain dense
+//          kernel also 128 × 80 where a call has many keys (kFwdD256WideTile, fwd_d256_wide)
 #ifndef FLASHATTN_SM90_FWD_D64_ROWS
 #define FLASHATTN_SM90_FWD_D64_ROWS 128
 #endif
@@ -74,12 +66,32 @@ inline constexpr FwdTileShape kFwdD64TallTile{192, 128, 2};
 bool fwd_d64_tall(const common::AttentionParams& p, int num_splits);
 bool fwd_d64_tall_built();
 
+// The wide d 256 tile: 128 × 80, FlashAttention-3's, 224 KiB (Q 64 + K 80 + V 80; O in Q's
+// bytes, stored by TMA), compiled beside the 128 × 64 one for the plain dense kernel only
+// (FLASHATTN_SM90_FWD_D256_WIDE=0 leaves it out) and taken per call by fwd_d256_wide: a fifth more
+// keys per step over the same fixed work of a step (O's 128 fp32 per thread rescaled, the row
+// statistics; sm_90a, bf16: 8.8 → 8.0 instructions per key in the steady step, at the price of
+// spills: stores 12 → 56 bytes, 8 spill loads a step). On an H100 (2026-12-07, bf16, L2 cleared,
+// every d 256 kernel built either way, two rounds each; docs/benchmarks-sm90.md) 80 ÷ 64 keys:
+// 2k–16k keys 1.00–1.04 with and without a causal mask, 1k 1.01 (causal 0.97), 512 0.94–0.96.
+#ifndef FLASHATTN_SM90_FWD_D256_WIDE
+#define FLASHATTN_SM90_FWD_D256_WIDE 1
+#endif
+inline constexpr bool kFwdD256Wide = FLASHATTN_SM90_FWD_D256_WIDE != 0;
+inline constexpr FwdTileShape kFwdD256WideTile{128, 80, 2};
+// Whether a call at the d 256 instantiation takes the wide tile: a build with it, a dense call (no
+// varlen, seqused_k or KV cache, not paged, not split) without softcap, ALiBi or dropout (masks
+// and windows allowed), whose keys number at least FLASHATTN_SM90_FWD_D256_WIDE_FROM (read per
+// call; default 2048, 0: never).
+bool fwd_d256_wide(const common::AttentionParams& p, int num_splits);
+bool fwd_d256_wide_built();
+
 constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, kD64Keys, 2}
                                            : FwdTileShape{128, 128, 2})
                         : head_dim <= 128 ? FwdTileShape{128, 128, 2}
                         : (head_dim <= 192 ? FwdTileShape{128, 128, 2}
-                                           : FwdTileShape{128, FLASHATTN_SM90_FWD_D256_KEYS, 2});
+                                           : FwdTileShape{128, 64, 2});
 }
 
 // The columns of V and O in the instantiation of head dim `head_dim` (Q and K have head_dim): the
@@ -136,22 +148,6 @@ constexpr bool fwd_tma_store(int head_dim, bool score_mod) {
 constexpr bool fwd_room_for_two_q(FwdTileShape t, int head_dim) {
   const int dv = fwd_head_dim_v(head_dim);
   return 2 * (2 * t.block_m * head_dim + t.stages * t.block_n * (head_dim + dv)) + 1024 <= 227 * 1024;
-}
-// The K/V ring of the paged kernels (A/B builds): -DFLASHATTN_SM90_FWD_PAGED_STAGES=N gives them N
-// stages where shared memory holds Q, N stages and no second Q-sized tile (d 64, 96 and 128 at 3;
-// O then staged in Q's bytes), else the contiguous kernels' ring (fwd_tile). Unset or 0: the
-// contiguous kernels' everywhere. A paged step's boxes take longer to land than one box of a
-// contiguous cache (pages of 16: about 3 µs a step against 1.2–1.7 on an H100, at d 64 as at d 128,
-// docs/benchmarks-sm90.md 2026-12-07): a deeper ring lets the producer start more of them early.
-#ifndef FLASHATTN_SM90_FWD_PAGED_STAGES
-#define FLASHATTN_SM90_FWD_PAGED_STAGES 0
-#endif
-constexpr int fwd_paged_stages(int head_dim) {
-  const FwdTileShape t = fwd_tile(head_dim);
-  const int n = FLASHATTN_SM90_FWD_PAGED_STAGES;
-  const int dv = fwd_head_dim_v(head_dim);
-  const bool fits = 2 * (t.block_m * head_dim + n * t.block_n * (head_dim + dv)) + 1024 <= 227 * 1024;
-  return n > 0 && fits ? n : t.stages;
 }
 constexpr bool fwd_o_in_q(int head_dim) {
   return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);

@@ -25,7 +25,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   // The host's view (fwd_unsupported checks out for the TMA store) agrees with the kernel's.
   static_assert(Traits::kTmaStoreO ==
                 (fwd_tma_store(kHeadDim, Traits::kScoreMod) && !Traits::kVarlen && !Traits::kSplit));
-  static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim) || Traits::kStages != fwd_tile(kHeadDim).stages);
+  static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim));
   FwdParams<Traits> params;
   params.p = p;
   if constexpr (Traits::kSplit) params.split = split;
@@ -86,9 +86,8 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
 // kernels too (varlen ones, which serve dense calls as well), plain or paged.
 template <class Element, int kHeadDim, bool kScoreMod, bool kVarlen, bool kPaged = false, bool kSplit = false>
 using FwdTraitsOf = FwdTraits<Element, kHeadDim, fwd_tile(kHeadDim).block_m, fwd_tile(kHeadDim).block_n,
-                              kPaged ? fwd_paged_stages(kHeadDim) : fwd_tile(kHeadDim).stages,
-                              fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged, fwd_head_dim_v(kHeadDim),
-                              kSplit>;
+                              fwd_tile(kHeadDim).stages, fwd_pingpong(kHeadDim, kScoreMod), kScoreMod, kVarlen, kPaged,
+                              fwd_head_dim_v(kHeadDim), kSplit>;
 
 template <common::Storage kStorage, int kHeadDim>
 cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& split, const std::uint64_t* rng_state,
@@ -123,6 +122,13 @@ cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& spl
       constexpr FwdTileShape t = kFwdD64TallTile;
       return launch_fwd<FwdTraits<Element, 64, t.block_m, t.block_n, t.stages, false, false, false>>(p, split,
                                                                                                   rng_state, stream);
+    }
+  }
+  if constexpr (kHeadDim == 256 && kFwdD256Wide) {
+    if (fwd_d256_wide(p, split.num_splits)) {
+      constexpr FwdTileShape t = kFwdD256WideTile;
+      return launch_fwd<FwdTraits<Element, 256, t.block_m, t.block_n, t.stages, false, false, false>>(p, split,
+                                                                                                   rng_state, stream);
     }
   }
   if (score_mod) {
