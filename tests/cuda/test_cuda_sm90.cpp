@@ -273,6 +273,25 @@ TEST(CudaSm90Host, SplitsOnlyWhereBuilt) {
   EXPECT_EQ(fc::sm90::fwd_num_splits(full, 128, 132), 1);
 }
 
+// A per-call tile rule (`choice`) refuses every spoiled copy of p, and p's varlen forms
+// (seqused_k, cu_seqlens) too.
+using Spoil = std::pair<const char*, std::function<void(c::AttentionParams&)>>;
+void expect_refusals(const c::AttentionParams& p, const std::function<bool(const c::AttentionParams&)>& choice,
+                     const std::vector<Spoil>& spoils) {
+  for (const auto& [name, spoil] : spoils) {
+    c::AttentionParams q = p;
+    spoil(q);
+    EXPECT_FALSE(choice(q)) << name;
+  }
+  const std::int32_t lengths[2] = {0, p.max_seqlen_k};
+  c::AttentionParams kv = p;
+  kv.seqused_k = lengths;
+  EXPECT_FALSE(choice(kv)) << "seqused_k";
+  c::AttentionParams varlen = p;
+  varlen.cu_seqlens_q = varlen.cu_seqlens_k = lengths;
+  EXPECT_FALSE(choice(varlen)) << "varlen";
+}
+
 // The tall d 64 tile (fwd_d64_tall): dense calls without a mask or score mods whose queries and
 // keys reach FLASHATTN_SM90_FWD_D64_TALL_FROM (8192 by default; 0: never); never split, masked,
 // varlen, with seqused_k or a KV cache, paged or with softcap, ALiBi or dropout; never where the
@@ -283,26 +302,13 @@ TEST(CudaSm90Host, TallD64TileForLongUnmaskedDenseCalls) {
   const bool built = fc::sm90::fwd_d64_tall_built();
   EXPECT_EQ(fc::sm90::fwd_d64_tall(p, 1), built);
   EXPECT_FALSE(fc::sm90::fwd_d64_tall(p, 2)) << "split";
-  std::vector<std::pair<const char*, std::function<void(c::AttentionParams&)>>> refusals = {
-      {"fewer queries", [](c::AttentionParams& q) { q.max_seqlen_q = 8191; }},
-      {"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 4096; }},
-      {"causal", [](c::AttentionParams& q) { q.causal = true; }},
-      {"window", [](c::AttentionParams& q) { q.window_left = 100; }},
-      {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
-      {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }},
-  };
-  for (auto& [name, spoil] : refusals) {
-    c::AttentionParams q = p;
-    spoil(q);
-    EXPECT_FALSE(fc::sm90::fwd_d64_tall(q, 1)) << name;
-  }
-  const std::int32_t lengths[2] = {0, 8192};
-  c::AttentionParams kv = p;
-  kv.seqused_k = lengths;
-  EXPECT_FALSE(fc::sm90::fwd_d64_tall(kv, 1)) << "seqused_k";
-  c::AttentionParams varlen = p;
-  varlen.cu_seqlens_q = varlen.cu_seqlens_k = lengths;
-  EXPECT_FALSE(fc::sm90::fwd_d64_tall(varlen, 1)) << "varlen";
+  expect_refusals(p, [](const c::AttentionParams& q) { return fc::sm90::fwd_d64_tall(q, 1); },
+                  {{"fewer queries", [](c::AttentionParams& q) { q.max_seqlen_q = 8191; }},
+                   {"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 4096; }},
+                   {"causal", [](c::AttentionParams& q) { q.causal = true; }},
+                   {"window", [](c::AttentionParams& q) { q.window_left = 100; }},
+                   {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
+                   {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }}});
   {
     const EnvOverride never("FLASHATTN_SM90_FWD_D64_TALL_FROM", "0");
     EXPECT_FALSE(fc::sm90::fwd_d64_tall(p, 1));
@@ -329,23 +335,10 @@ TEST(CudaSm90Host, WideD256TileForDenseCallsWithManyKeys) {
   c::AttentionParams window = p;
   window.window_left = 300;
   EXPECT_EQ(fc::sm90::fwd_d256_wide(window, 1), built) << "window";
-  std::vector<std::pair<const char*, std::function<void(c::AttentionParams&)>>> refusals = {
-      {"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 2047; }},
-      {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
-      {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }},
-  };
-  for (auto& [name, spoil] : refusals) {
-    c::AttentionParams q = p;
-    spoil(q);
-    EXPECT_FALSE(fc::sm90::fwd_d256_wide(q, 1)) << name;
-  }
-  const std::int32_t lengths[2] = {0, 2048};
-  c::AttentionParams kv = p;
-  kv.seqused_k = lengths;
-  EXPECT_FALSE(fc::sm90::fwd_d256_wide(kv, 1)) << "seqused_k";
-  c::AttentionParams varlen = p;
-  varlen.cu_seqlens_q = varlen.cu_seqlens_k = lengths;
-  EXPECT_FALSE(fc::sm90::fwd_d256_wide(varlen, 1)) << "varlen";
+  expect_refusals(p, [](const c::AttentionParams& q) { return fc::sm90::fwd_d256_wide(q, 1); },
+                  {{"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 2047; }},
+                   {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
+                   {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }}});
   {
     const EnvOverride never("FLASHATTN_SM90_FWD_D256_WIDE_FROM", "0");
     EXPECT_FALSE(fc::sm90::fwd_d256_wide(p, 1));
