@@ -140,6 +140,18 @@ inline constexpr bool kBwdSdpSplit = FLASHATTN_SM90_BWD_SDP_SPLIT != 0;
 inline constexpr bool kBwdSdpSplit = false;
 #endif
 
+// The row statistics of a step (lse·log2 e for Pᵀ, softmax_d for dSᵀ) read from shared memory into
+// registers before the warpgroup waits for the product that needs them (-DFLASHATTN_SM90_BWD_EARLY_STATS=1:
+// lse before Sᵀ lands, softmax_d before dPᵀ does), so that the loads' latency passes under the
+// wait instead of stalling the first multiply-adds (short scoreboard: 2–4 % of a d 64 / d 128
+// step's warp samples on an H100, ncu 2026-12-07); at the cost of a register per row held across
+// the wait. Not split d or kSdpByWarpgroup. 0, the default, until timed on a GPU.
+#ifdef FLASHATTN_SM90_BWD_EARLY_STATS
+inline constexpr bool kBwdEarlyStats = FLASHATTN_SM90_BWD_EARLY_STATS != 0;
+#else
+inline constexpr bool kBwdEarlyStats = false;
+#endif
+
 // Whether the main kernel is launched as the preprocess's programmatic dependent and the
 // postprocess as the main kernel's (src/cuda/dependent_launch.h): each may begin once every block
 // of the kernel before it has begun, so that its launch and prologue (the main kernel's barriers,
