@@ -615,6 +615,14 @@ struct BwdMainloop {
         const bool masked = wg_key_e > t.seqlen_k ||
                             (!Traits::kNoMask && (wg_key_b - (row_e - 1) + diag_shift < offset_min ||
                                                   wg_key_e - 1 - row0 + diag_shift > offset_max));
+        auto exponentials = [&] {
+          CUTE_UNROLL
+          for (int c = 0; c < kRows; ++c) {
+            const float lse = kEarlyStats ? lse_r[c] : lse_log2[get<1>(c_rc(0, c))];
+            CUTE_UNROLL
+            for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
+          }
+        };
         if (masked) {
           const int first = t.mask.offset(row0 + get<1>(c_rc(0, 0)), key0 + get<0>(c_rc(0, 0)));
           CUTE_UNROLL
@@ -628,13 +636,11 @@ struct BwdMainloop {
               }
             }
           }
+          if constexpr (kBwdExpInBranch) exponentials();
+        } else if constexpr (kBwdExpInBranch) {
+          exponentials();
         }
-        CUTE_UNROLL
-        for (int c = 0; c < kRows; ++c) {
-          const float lse = kEarlyStats ? lse_r[c] : lse_log2[get<1>(c_rc(0, c))];
-          CUTE_UNROLL
-          for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
-        }
+        if constexpr (!kBwdExpInBranch) exponentials();
       }  // s_side
       if constexpr (Traits::kDropout && !kEarlyDraw) {
         if (use_dropout) draw_keep(row0, head_in_group);
