@@ -94,13 +94,16 @@ struct BwdTraits {
   static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;  // + the producer warpgroup
   // Per consumer thread: dK and dV (2 · d / 2 fp32), Sᵀ and dPᵀ (2 · block_m / 2), Pᵀ and dSᵀ in
   // 16 bits. The producer keeps the minimum, 24, but at d 64 and 96, where its dQ writer warp
-  // spills at 24: 40 there (consumers 232 at d 64) ran 1–3% faster on an H100 (src/cuda/README.md).
+  // spills at 24: 40 there (consumers 232 at d 64) ran 1–3% faster on an H100 (src/cuda/README.md)
+  // — not with softcap, whose derivative takes registers the 232 do not leave: ptxas then
+  // serialised every wgmma of the d 64 softcap kernels (C7512; their loops waited for each
+  // product as soon as it was issued), which 24 / 240 avoids.
   // FLASHATTN_SM90_BWD_PRODUCER_REGS sets it for every head dim in A/B builds; the consumers take
   // what the CTA's pool leaves, in steps of 8, 240 at most.
 #ifdef FLASHATTN_SM90_BWD_PRODUCER_REGS
   static constexpr int kProducerRegs = FLASHATTN_SM90_BWD_PRODUCER_REGS;
 #else
-  static constexpr int kProducerRegs = kHeadDim <= 96 ? 40 : 24;
+  static constexpr int kProducerRegs = kHeadDim <= 96 && !kSoftcap ? 40 : 24;
 #endif
   static constexpr int kConsumerRegs =
       (setmaxnreg_pool(kThreads) - kWarpgroupThreads * kProducerRegs) / kConsumerThreads / 8 * 8 > 240
