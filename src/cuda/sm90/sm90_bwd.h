@@ -140,29 +140,6 @@ inline constexpr bool kBwdSdpSplit = FLASHATTN_SM90_BWD_SDP_SPLIT != 0;
 inline constexpr bool kBwdSdpSplit = false;
 #endif
 
-// The row statistics of a step (lse·log2 e for Pᵀ, softmax_d for dSᵀ) read from shared memory into
-// registers before the warpgroup waits for the product that needs them (-DFLASHATTN_SM90_BWD_EARLY_STATS=1:
-// lse before Sᵀ lands, softmax_d before dPᵀ does), so that the loads' latency passes under the
-// wait instead of stalling the first multiply-adds (short scoreboard: 2–4 % of a d 64 / d 128
-// step's warp samples on an H100, ncu 2026-12-07); at the cost of a register per row held across
-// the wait. Not split d or kSdpByWarpgroup. 0, the default, until timed on a GPU.
-#ifdef FLASHATTN_SM90_BWD_EARLY_STATS
-inline constexpr bool kBwdEarlyStats = FLASHATTN_SM90_BWD_EARLY_STATS != 0;
-#else
-inline constexpr bool kBwdEarlyStats = false;
-#endif
-
-// The exponentials of Pᵀ computed inside both arms of the step's mask branch rather than after it
-// (-DFLASHATTN_SM90_BWD_EXP_IN_BRANCH=1): ptxas places the wait for dPᵀ at the top of the block
-// that follows the branch, so with the exponentials in that block it waits for dPᵀ before them
-// and they no longer run under that product (sm_90a SASS, d 64 and 128: 0–7 of 32–66 exponentials
-// before the wait); inside the arms they come before it. 0, the default, until timed on a GPU.
-#ifdef FLASHATTN_SM90_BWD_EXP_IN_BRANCH
-inline constexpr bool kBwdExpInBranch = FLASHATTN_SM90_BWD_EXP_IN_BRANCH != 0;
-#else
-inline constexpr bool kBwdExpInBranch = false;
-#endif
-
 // Whether the main kernel is launched as the preprocess's programmatic dependent and the
 // postprocess as the main kernel's (src/cuda/dependent_launch.h): each may begin once every block
 // of the kernel before it has begun, so that its launch and prologue (the main kernel's barriers,

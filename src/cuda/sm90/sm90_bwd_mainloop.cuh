@@ -481,9 +481,6 @@ struct BwdMainloop {
     // The dropout-only kernels draw a step's keep bits right after issuing Sᵀ and dPᵀ, the Philox
     // multiplies under the tensor cores' work instead of between the products (sm90_bwd.h).
     constexpr bool kEarlyDraw = Traits::kMods == kBwdModDropout && kBwdEarlyDropout;
-    // The row statistics in registers before the waits (sm90_bwd.h, kBwdEarlyStats): not split d
-    // (each warpgroup's rows there are half the step's) nor kSdpByWarpgroup.
-    constexpr bool kEarlyStats = kBwdEarlyStats && !Traits::kSplitD && !kSdpByWg;
     [[maybe_unused]] std::uint32_t keep[Traits::kDropout ? (2 * kRows + 31) / 32 : 1];  // bit 2·col + key
     // Softcap's derivative per score (kSoftcap kernels only), as fp16 pairs: it multiplies dSᵀ,
     // which is rounded to 16 bits itself, and 1 − tanh² ∈ [0, 1] keeps 11 bits there (fp32 took
@@ -563,16 +560,9 @@ struct BwdMainloop {
       if constexpr (kEarlyDraw) {
         if (use_dropout) draw_keep(row0, head_in_group);
       }
-      // The row statistics are read from shared memory where they are used (registers are short),
-      // or (kEarlyStats) into registers before the products that need them land.
+      // The row statistics are read from shared memory where they are used (registers are short).
       const float* const lse_log2 = ss.lse_log2[st.index];
       const float* const dpsum = ss.dpsum[st.index];
-      [[maybe_unused]] float lse_r[kEarlyStats ? kRows : 1];
-      [[maybe_unused]] float dpsum_r[kEarlyStats ? kRows : 1];
-      if constexpr (kEarlyStats) {
-        CUTE_UNROLL
-        for (int c = 0; c < kRows; ++c) lse_r[c] = lse_log2[get<1>(c_rc(0, c))];
-      }
       if constexpr (kSdpByWg) {
         cute::warpgroup_wait<0>();  // this warpgroup's one product has landed
       } else {
@@ -615,14 +605,6 @@ struct BwdMainloop {
         const bool masked = wg_key_e > t.seqlen_k ||
                             (!Traits::kNoMask && (wg_key_b - (row_e - 1) + diag_shift < offset_min ||
                                                   wg_key_e - 1 - row0 + diag_shift > offset_max));
-        auto exponentials = [&] {
-          CUTE_UNROLL
-          for (int c = 0; c < kRows; ++c) {
-            const float lse = kEarlyStats ? lse_r[c] : lse_log2[get<1>(c_rc(0, c))];
-            CUTE_UNROLL
-            for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
-          }
-        };
         if (masked) {
           const int first = t.mask.offset(row0 + get<1>(c_rc(0, 0)), key0 + get<0>(c_rc(0, 0)));
           CUTE_UNROLL
@@ -636,11 +618,13 @@ struct BwdMainloop {
               }
             }
           }
-          if constexpr (kBwdExpInBranch) exponentials();
-        } else if constexpr (kBwdExpInBranch) {
-          exponentials();
         }
-        if constexpr (!kBwdExpInBranch) exponentials();
+        CUTE_UNROLL
+        for (int c = 0; c < kRows; ++c) {
+          const float lse = lse_log2[get<1>(c_rc(0, c))];
+          CUTE_UNROLL
+          for (int r = 0; r < kKeys; ++r) s_rc(r, c) = device::exp2_ftz(fmaf(s_rc(r, c), exp_scale, -lse));
+        }
       }  // s_side
       if constexpr (Traits::kDropout && !kEarlyDraw) {
         if (use_dropout) draw_keep(row0, head_in_group);
@@ -682,16 +666,12 @@ struct BwdMainloop {
           copy(s2r_p, s2r_p_src(_, _, _, buffer), s2r_p_dst);
         }
       } else {
-        if constexpr (kEarlyStats) {
-          CUTE_UNROLL
-          for (int c = 0; c < kRows; ++c) dpsum_r[c] = dpsum[get<1>(c_rc(0, c))];
-        }
         cute::warpgroup_wait<0>();  // dPᵀ has landed
       }
       if (dp_side) {
         CUTE_UNROLL
         for (int c = 0; c < kRows; ++c) {
-          const float d = kEarlyStats ? dpsum_r[c] : dpsum[get<1>(c_rc(0, c))];
+          const float d = dpsum[get<1>(c_rc(0, c))];
           CUTE_UNROLL
           for (int r = 0; r < kKeys; ++r) {
             float dp = dp_rc(r, c);
