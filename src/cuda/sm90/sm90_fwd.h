@@ -165,25 +165,9 @@ inline bool fwd_score_mod(const common::AttentionParams& p) {
 // softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds
 // then run under the other warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns
 // measured 0.93–1.03× its speed without them, and that variant was removed.
-// -DFLASHATTN_SM90_FWD_PLAIN_PINGPONG=1 (A/B builds) gives the plain kernels turns too.
-#ifndef FLASHATTN_SM90_FWD_PLAIN_PINGPONG
-#define FLASHATTN_SM90_FWD_PLAIN_PINGPONG 0
-#endif
-inline constexpr bool kFwdPlainPingPong = FLASHATTN_SM90_FWD_PLAIN_PINGPONG != 0;
 constexpr bool fwd_pingpong(int head_dim, bool score_mod) {
-  return (score_mod || kFwdPlainPingPong) && head_dim <= 128 &&
-         fwd_tile(head_dim).block_m == 128;  // turns pair two warpgroups
+  return score_mod && head_dim <= 128 && fwd_tile(head_dim).block_m == 128;  // turns pair two warpgroups
 }
-
-// Where a consumer step rescales O by the softmax's correction (FwdMainloop::compute): 1, just
-// before the P·V product that adds to O is issued; 0, right after the wait for the previous
-// product (the former order, for A/B builds). With the rescale after that wait, ptxas interleaves
-// its multiplies with the softmax's exponentials and hoists the wait above the whole softmax, so
-// that the softmax no longer runs under the product (sm_90a SASS of the plain kernels).
-#ifndef FLASHATTN_SM90_FWD_RESCALE_AT_ISSUE
-#define FLASHATTN_SM90_FWD_RESCALE_AT_ISSUE 0
-#endif
-inline constexpr bool kFwdRescaleAtIssue = FLASHATTN_SM90_FWD_RESCALE_AT_ISSUE != 0;
 
 // Whether the persistent CTAs walk the tiles of a masked call (causal or a window) as a snake (the
 // default) or plainly (FLASHATTN_SM90_FWD_WALK=plain, read at each call):

@@ -3,15 +3,10 @@
 // online softmax over the key tiles, right to left.
 //
 // Consumer step for key tile n, with P(n+1) already in registers (intra-warpgroup overlap):
-//   wait K(n) → issue S = Q·K(n)ᵀ → rescale O by tile n+1's correction → wait V(n+1)
-//   → issue O += P(n+1)·V(n+1) → wait for S → release K(n) → mask, softmax of S (under the P·V
-//   product) → wait for O → release V(n+1) → P(n) = S in 16 bits.
-// The softmax of tile n thus runs while the tensor cores compute the P·V of tile n+1. O is
-// rescaled before the product that adds to it is issued, not after the wait for the previous
-// one: with the rescale after that wait, ptxas interleaves its multiplies with the softmax's
-// exponentials and so hoists the wait above the whole softmax (sm_90a SASS of the plain kernels at
-// every head dim: no exponential left between the wait for S and the wait for O), which leaves the
-// tensor cores idle for this warpgroup through its softmax (FLASHATTN_SM90_FWD_RESCALE_AT_ISSUE).
+//   wait K(n) → issue S = Q·K(n)ᵀ → wait V(n+1) → issue O += P(n+1)·V(n+1)
+//   → wait for S → release K(n) → mask, softmax of S (under the P·V product)
+//   → wait for O → release V(n+1) → rescale O → P(n) = S in 16 bits.
+// The softmax of tile n thus runs while the tensor cores compute the P·V of tile n+1.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -63,7 +58,6 @@ struct FwdMainloop {
   static constexpr int kStages = Traits::kStages;
   using SharedStorage = typename Traits::SharedStorage;
   using Pipeline = TmaPipeline<kStages>;
-  static constexpr bool kRescaleAtIssue = kFwdRescaleAtIssue;
 
   // --- producer: one thread -------------------------------------------------------------------
   // The Q of tile t, the CTA's `count`-th non-empty one, into its buffer once the consumers are
@@ -403,12 +397,7 @@ struct FwdMainloop {
       }
     };
 
-    // The factor by which O shrinks before the next P·V adds to it (kRescaleAtIssue: applied just
-    // before that product is issued; 1 until a second key tile has been seen, O being 0 then).
     float correction[kRows];
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) correction[r] = 1.0f;
-    if constexpr (kRescaleAtIssue) clear(acc_o);
     const int wg = thread / Traits::kWarpgroupThreads;
     cutlass::arch::ClusterBarrier::wait(&ss.q_full[Traits::q_buffer(count)], Traits::q_parity(count));
 
@@ -443,7 +432,6 @@ struct FwdMainloop {
       k_pipe.consumer_wait(k_st);
       turn_begin(wg);
       wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
-      if constexpr (kRescaleAtIssue) Softmax::rescale(acc_o_rc, correction);
       v_pipe.consumer_wait(v_st);
       wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
       turn_end(wg);
@@ -451,22 +439,13 @@ struct FwdMainloop {
       k_pipe.consumer_release(k_st, leader);
       k_st.advance();
       apply_score_mod(n);
-      if constexpr (kRescaleAtIssue) {
-        if (needs_mask(n)) {
-          apply_mask(n);
-          softmax.template step<false>(s_rc, correction);
-        } else {
-          softmax.template step<false>(s_rc, correction);
-        }
-      } else {
-        if (needs_mask(n)) apply_mask(n);
-        softmax.template step<false>(s_rc, correction);
-      }
+      if (needs_mask(n)) apply_mask(n);
+      softmax.template step<false>(s_rc, correction);
       apply_dropout(n);
       cute::warpgroup_wait<0>();
       v_pipe.consumer_release(v_st, leader);
       v_st.advance();
-      if constexpr (!kRescaleAtIssue) Softmax::rescale(acc_o_rc, correction);
+      Softmax::rescale(acc_o_rc, correction);
       to_p();
     }
 
@@ -475,7 +454,6 @@ struct FwdMainloop {
     }
 
     // P of the first key tile times its V.
-    if constexpr (kRescaleAtIssue) Softmax::rescale(acc_o_rc, correction);
     v_pipe.consumer_wait(v_st);
     turn_begin(wg);
     wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
