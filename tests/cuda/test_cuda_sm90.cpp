@@ -351,9 +351,10 @@ TEST(CudaSm90Host, WideD256TileForDenseCallsWithManyKeys) {
 }
 
 // The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
-// at most 64 row blocks, all pairs elsewhere, whole groups of query heads under GQA, at least one kv
-// head's, alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them,
-// switch them off or keep every section highest first.
+// at most 64 row blocks (16 MiB up to 16, where that leaves a section 1.5 rounds of tiles given the
+// SM count), all pairs elsewhere, whole groups of query heads under GQA, at least one kv head's,
+// alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them, switch them off or
+// keep every section highest first.
 // Paged TMA boxes: 64 rows where the page size is a multiple of 64 and 16 otherwise, by default
 // (and with FLASHATTN_SM90_FWD_PAGE_BOX=64); 16 everywhere with the knob at 16.
 TEST(CudaSm90Host, PagedBoxesOf64RowsWherePagesAllow) {
@@ -405,9 +406,18 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   const EnvOverride unset("FLASHATTN_SM90_FWD_L2_SECTION_MB", "");
   const EnvOverride unset_rows("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", "");
   const EnvOverride unset_alt("FLASHATTN_SM90_FWD_L2_SECTION_ALT", "");
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);  // 32 MiB / 256 KiB
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 128);   // 8 row blocks: still sections
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 64);  // 4 row blocks: 16 MiB / 256 KiB
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 64);   // 8 row blocks: still sections
   EXPECT_TRUE(fc::sm90::fwd_l2_sections(p, 128).alternate);
+  // 132 CTAs: 64 pairs of 4 row blocks are 256 tiles, more than 1.5 rounds (198).
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 64);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 170).pairs, 64);   // 256 tiles: 1.506 rounds of 170
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 171).pairs, 128);  // 1.497 rounds: the 32 MiB share
+  p.max_seqlen_q = 16 * 128;  // 16 row blocks: the last length at 16 MiB
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 64);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 64);  // 1024 tiles
+  p.max_seqlen_q += 1;  // 17 row blocks: 32 MiB
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);
   p.max_seqlen_q = 64 * 128;  // 64 row blocks of 128: the last length with sections
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);
   p.max_seqlen_q += 1;  // 65 row blocks: one section of every pair
@@ -415,16 +425,22 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 256).pairs, 128);  // 33 row blocks of 256
   p.max_seqlen_q = 512;
   p.heads_k = 2;                                          // GQA 8: a kv head's K/V serves 8 pairs
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32 * 16);  // 128 kv heads' worth is more than all pairs
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 64 * 8);  // 64 kv heads' worth
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 64 * 8);
   p.batch = 200;
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128 * 8);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 64 * 8);
   p.heads_k = 16;
   p.max_seqlen_k = 1 << 20;  // one kv head's K/V beyond 32 MiB: one head per section
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 1);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 1);  // 4 tiles a section at 16 or 32 MiB
+  p.heads_k = 2;
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 8);  // whole groups of 8
+  p.heads_k = 16;
   p.max_seqlen_k = 512;
   {
-    const EnvOverride mib("FLASHATTN_SM90_FWD_L2_SECTION_MB", "8");
+    const EnvOverride mib("FLASHATTN_SM90_FWD_L2_SECTION_MB", "8");  // as set, whatever the rounds
     EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32);
+    EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 32);
   }
   {
     const EnvOverride off("FLASHATTN_SM90_FWD_L2_SECTION_MB", "0");
@@ -435,7 +451,7 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
     const EnvOverride alt("FLASHATTN_SM90_FWD_L2_SECTION_ALT", "0");
     EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 64).pairs, 200 * 16);  // 8 row blocks
     const fc::sm90::FwdSections s = fc::sm90::fwd_l2_sections(p, 128);
-    EXPECT_EQ(s.pairs, 128);
+    EXPECT_EQ(s.pairs, 64);
     EXPECT_FALSE(s.alternate);
   }
 }

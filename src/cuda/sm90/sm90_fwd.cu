@@ -98,19 +98,30 @@ std::int64_t env_int(const char* name, std::int64_t otherwise) {
 }
 }  // namespace
 
-FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m) {
+FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m, int sms) {
   const int pairs = p.heads * p.batch;
   const bool alternate = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ALT", 1) != 0;
   if (pairs <= 0) return {1, alternate};
+  const std::int64_t m_blocks = (p.max_seqlen_q + block_m - 1) / block_m;
   const std::int64_t row_blocks = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", kFwdL2SectionRowBlocks);
-  if ((p.max_seqlen_q + block_m - 1) / block_m > row_blocks) return {pairs, alternate};
-  const std::int64_t mib = env_int("FLASHATTN_SM90_FWD_L2_SECTION_MB", kFwdL2SectionMiB);
-  if (mib <= 0) return {pairs, alternate};
+  if (m_blocks > row_blocks) return {pairs, alternate};
   const std::int64_t element_bytes = 2;
   const std::int64_t kv_head_bytes = std::max<std::int64_t>(
       1, std::int64_t(p.max_seqlen_k) * (p.head_dim + p.head_dim_v) * element_bytes);
-  const std::int64_t kv_heads = std::max<std::int64_t>(1, (mib << 20) / kv_head_bytes);
-  return {int(std::min<std::int64_t>(pairs, kv_heads * p.group_size())), alternate};
+  // The pairs whose K/V fit in `mib` MiB: whole groups of query heads, at least one kv head's.
+  auto pairs_in = [&](std::int64_t mib) {
+    const std::int64_t kv_heads = std::max<std::int64_t>(1, (mib << 20) / kv_head_bytes);
+    return int(std::min<std::int64_t>(pairs, kv_heads * p.group_size()));
+  };
+  const std::int64_t set_mib = env_int("FLASHATTN_SM90_FWD_L2_SECTION_MB", -1);
+  if (set_mib == 0) return {pairs, alternate};
+  if (set_mib > 0) return {pairs_in(set_mib), alternate};
+  if (m_blocks <= kFwdL2ShortRowBlocks) {
+    const int short_pairs = pairs_in(kFwdL2SectionShortMiB);
+    // At least 1.5 rounds of tiles (sms of them per round) in a section of the smaller share.
+    if (sms <= 0 || 2 * std::int64_t(short_pairs) * m_blocks >= 3 * std::int64_t(sms)) return {short_pairs, alternate};
+  }
+  return {pairs_in(kFwdL2SectionMiB), alternate};
 }
 
 bool fwd_tma_store_built(int head_dim, bool score_mod) { return fwd_tma_store(head_dim, score_mod); }

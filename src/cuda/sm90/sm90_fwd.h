@@ -191,13 +191,25 @@ bool fwd_snake_walk();
 // 4k d 64 400/414, d 128 578/621, d 256 598/639. Timed again with the settings taking turns call
 // by call (run G, sections ÷ none): 512 keys–4k 1.01–1.19×; 8k 1.01–1.04× with the limit raised
 // past them; 16k 1.00×. Hence 64 row blocks: 8k queries at the 128-row tiles.
+// Where a pair has at most kFwdL2ShortRowBlocks row blocks (2k queries at 128 rows) the share is
+// kFwdL2SectionShortMiB instead, provided a section of it holds at least one and a half rounds of
+// tiles (`sms` tiles a round, one per persistent CTA; without `sms`, always): a section of about
+// one round put its longest tiles and the next section's in the same CTAs (the snake turns at the
+// round, the directions at the section) and ran the static walk at 0.64–0.69× (d 128 4k keys at
+// 8 MiB, 4 pairs of 32 row blocks; d 256 2k at 16 MiB, 8 pairs of 16). On an H100 (2026-12-07,
+// bf16, causal, L2 cleared, the settings taking turns call by call) 16 ÷ 32 MiB: 1k keys d 64
+// 1.02, d 128 1.07–1.09; 2k d 64 1.02, d 128 1.03; 4k and beyond level or lower, so only short
+// calls take it. A share set by FLASHATTN_SM90_FWD_L2_SECTION_MB is taken as it is.
 inline constexpr int kFwdL2SectionMiB = 32;
 inline constexpr int kFwdL2SectionRowBlocks = 64;
+inline constexpr int kFwdL2SectionShortMiB = 16;
+inline constexpr int kFwdL2ShortRowBlocks = 16;
 struct FwdSections {
   int pairs;       // pairs per section, ≥ 1
   bool alternate;  // directions alternate
 };
-FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m);
+// sms: the persistent CTAs (0: no least section size).
+FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m, int sms = 0);
 
 // Paged KV caches (block_table) in this family: the producer gathers each key tile of K and V
 // from its pages by TMA, in chunks of kFwdPageChunkRows rows × 64 columns (one box each; a chunk

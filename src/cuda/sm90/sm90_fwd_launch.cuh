@@ -65,7 +65,8 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   params.scale_log2 = p.softmax_scale * device::kLog2e;
   params.rng_state = rng_state;
   params.snake = fwd_snake_walk() && p.has_mask();
-  const FwdSections sections = fwd_l2_sections(p, Traits::kBlockM);
+  const int sms = current_sm_count();
+  const FwdSections sections = fwd_l2_sections(p, Traits::kBlockM, sms);
   params.section = sections.pairs;
   params.section_rising = common::MaskedTileOrder::rising_parity_of(p.heads * p.batch, sections.pairs, sections.alternate);
   params.tile_counter = fwd_tile_counter(p, stream);
@@ -74,7 +75,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   const cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p, current_sm_count(), splits);
+  const dim3 grid = PersistentTileScheduler<Traits::kBlockM, Traits::kBlockN>::grid(p, sms, splits);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
