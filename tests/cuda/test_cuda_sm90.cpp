@@ -397,6 +397,39 @@ TEST(CudaSm90Host, DynamicScheduleCounterPerStreamForMaskedCalls) {
   EXPECT_EQ(fc::sm90::fwd_tile_counter(p, nullptr), nullptr);
 }
 
+// The FastDivmod decode of a tile's index (FLASHATTN_SM90_FWD_FAST_DIVMOD) against the division's
+// on every index of many orders: masked or not, GQA, odd row counts, whole and partial last
+// sections, sections of one pair and of all, alternating or not, split-KV.
+TEST(CudaSm90Host, FastDivmodTileDecodeMatchesDivision) {
+  int orders = 0;
+  for (const auto& [heads, heads_k] : std::vector<std::pair<int, int>>{{16, 16}, {32, 8}, {6, 3}, {5, 1}}) {
+    for (int batch : {1, 3, 7}) {
+      for (int sq : {1, 127, 128, 129, 1000, 4096}) {
+        for (int block_m : {64, 128, 192}) {
+          const int pairs = heads * batch;
+          for (int section : {1, 3, pairs / 2 + 1, pairs}) {
+            for (int splits : {1, 3}) {
+              for (bool causal : {false, true}) {
+                for (bool alternate : {false, true}) {
+                  c::AttentionParams p = host_params(batch, heads, 128, sq);
+                  p.heads_k = heads_k;
+                  p.causal = causal;
+                  ASSERT_EQ(fc::sm90::fwd_fast_divmod_mismatch(p, block_m, section, splits, alternate), -1)
+                      << "h " << heads << "/" << heads_k << " b " << batch << " sq " << sq << " block_m " << block_m
+                      << " section " << section << " splits " << splits << " causal " << causal << " alternate "
+                      << alternate;
+                  ++orders;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(orders, 4 * 3 * 6 * 3 * 4 * 2 * 2 * 2);
+}
+
 TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   c::AttentionParams p;
   p.batch = 32;

@@ -1,5 +1,6 @@
 // src/cuda/sm90/sm90_fwd.cu — which calls the Hopper forward family serves (host code).
 #include "cuda/sm90/sm90_fwd.h"
+#include "cuda/sm90/sm90_tile_scheduler.cuh"
 
 #include "cuda/cuda_backend.h"
 
@@ -122,6 +123,24 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m, int s
     if (sms <= 0 || 2 * std::int64_t(short_pairs) * m_blocks >= 3 * std::int64_t(sms)) return {short_pairs, alternate};
   }
   return {pairs_in(kFwdL2SectionMiB), alternate};
+}
+
+int fwd_fast_divmod_mismatch(const common::AttentionParams& p, int block_m, int section, int splits, bool alternate) {
+  const int m_blocks = (p.max_seqlen_q + block_m - 1) / block_m;
+  const int pairs = p.heads * p.batch;
+  const int rising = common::MaskedTileOrder::rising_parity_of(pairs, section, alternate);
+  const FwdTileDivisors d = FwdTileDivisors::make(p, block_m, section, splits);
+  const bool masked = p.has_mask();
+  for (int i = 0; i < m_blocks * pairs * splits; ++i) {
+    const FwdTileIndex a = splits > 1 ? d.decode<true>(i, masked, rising) : d.decode<false>(i, masked, rising);
+    const FwdTileIndex b = splits > 1 ? decode_tile_index<true>(p, block_m, i, section, rising, splits)
+                                      : decode_tile_index<false>(p, block_m, i, section, rising, splits);
+    if (a.m_block != b.m_block || a.head != b.head || a.batch != b.batch || a.kv_head != b.kv_head ||
+        a.split != b.split) {
+      return i;
+    }
+  }
+  return -1;
 }
 
 bool fwd_tma_store_built(int head_dim, bool score_mod) { return fwd_tma_store(head_dim, score_mod); }

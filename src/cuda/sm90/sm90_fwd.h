@@ -169,6 +169,21 @@ constexpr bool fwd_pingpong(int head_dim, bool score_mod) {
   return score_mod && head_dim <= 128 && fwd_tile(head_dim).block_m == 128;  // turns pair two warpgroups
 }
 
+// A tile's decode (PersistentTileScheduler::tile: its row block, head and batch from its index) by
+// multiply-and-shift constants the host makes once per call (FwdTileDivisors, cutlass::FastDivmod)
+// instead of division by the call's runtime values: -DFLASHATTN_SM90_FWD_FAST_DIVMOD=1. Every warp
+// that walks the tiles decodes each one at the tile's start, and the main d 128 kernel holds ten
+// division sequences (I2F and a MUFU reciprocal each; FlashAttention-3's none). 0, the default,
+// until timed on a GPU.
+#ifndef FLASHATTN_SM90_FWD_FAST_DIVMOD
+#define FLASHATTN_SM90_FWD_FAST_DIVMOD 0
+#endif
+inline constexpr bool kFwdFastDivmod = FLASHATTN_SM90_FWD_FAST_DIVMOD != 0;
+// The first index of p's tile order (block_m rows, `section` pairs per section, `splits` splits,
+// the sections' directions alternating or not) at which that decode differs from the division's,
+// or −1 where they agree on every index: a host check of FwdTileDivisors, in any build.
+int fwd_fast_divmod_mismatch(const common::AttentionParams& p, int block_m, int section, int splits, bool alternate);
+
 // Whether the persistent CTAs walk the tiles of a masked call (causal or a window) as a snake (the
 // default) or plainly (FLASHATTN_SM90_FWD_WALK=plain, read at each call):
 // PersistentTileScheduler::index. On the H200, causal s 4k/16k: 1.03–1.15× the plain walk.

@@ -75,8 +75,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
 
   // Tile `index` of the order.
   auto tile_of = [&](int index) {
+    const FwdTileDivisors* divisors = nullptr;
+    if constexpr (kFwdFastDivmod) divisors = &params.divisors;
     return Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
-                                                                    params.section_rising, splits);
+                                                                    params.section_rising, splits, divisors);
   };
   // The CTA's tile of round `round`, or of a later round where that one has none or an empty one
   // (round then moves past it); false when no tile is left. The producer's and the O storer's walk.

@@ -44,6 +44,8 @@ struct FwdParams {
   int section;                         // (head, batch) pairs per section of a masked order (≥ 1)
   int section_rising;                  // sections that go up (MaskedTileOrder::rising_parity)
   int* tile_counter;                   // the dynamic schedule's counter (kFwdDynamic), or nullptr
+  struct NoDivisors {};
+  std::conditional_t<kFwdFastDivmod, FwdTileDivisors, NoDivisors> divisors;  // kFwdFastDivmod
   struct NoSplit {};
   // kSplit kernels: where the partials go, and how many splits each row block's key tiles take.
   std::conditional_t<Traits::kSplit, SplitKvPartials, NoSplit> split;

@@ -2,6 +2,8 @@
 // and the key tiles each tile walks.
 #pragma once
 
+#include <cutlass/fast_math.h>
+
 #include "common/params.h"
 #include "common/tile_order.h"
 
@@ -31,6 +33,92 @@ struct FwdTile {
 
   __device__ __forceinline__ bool empty() const { return n_block_min >= n_block_max; }
 };
+
+// Where tile `index` of the order lies: its row block, (head, batch) pair and, split-KV, its split.
+struct FwdTileIndex {
+  int m_block;
+  int head;
+  int batch;
+  int kv_head;
+  int split;
+};
+
+// The order's runtime divisors as multiply-and-shift constants (cutlass::FastDivmod), made once by
+// the host (make), for the FLASHATTN_SM90_FWD_FAST_DIVMOD decode: a tile's decode otherwise divides
+// by runtime values five to seven times (each a MUFU reciprocal and a dozen instructions on sm_90),
+// in every warp that walks the tiles, at every tile's start.
+struct FwdTileDivisors {
+  cutlass::FastDivmod splits;         // split-KV shares (1: none)
+  cutlass::FastDivmod m_blocks;       // row blocks per pair
+  cutlass::FastDivmod section_tiles;  // section · m_blocks: the tiles of a whole section (masked order)
+  cutlass::FastDivmod section;        // pairs of a whole section
+  cutlass::FastDivmod last_section;   // pairs of the last section (≤ section)
+  cutlass::FastDivmod heads;          // query heads
+  cutlass::FastDivmod group;          // query heads per kv head
+  int pairs;
+  int section_pairs;
+
+  static FwdTileDivisors make(const common::AttentionParams& p, int block_m, int section, int splits) {
+    const int m_blocks = p.max_seqlen_q > 0 ? (p.max_seqlen_q + block_m - 1) / block_m : 1;
+    const int pairs = p.heads * p.batch > 0 ? p.heads * p.batch : 1;
+    const int sec = section < 1 ? 1 : (section > pairs ? pairs : section);
+    const int last = pairs - (pairs - 1) / sec * sec;
+    FwdTileDivisors d{cutlass::FastDivmod(splits < 1 ? 1 : splits), cutlass::FastDivmod(m_blocks),
+                      cutlass::FastDivmod(sec * m_blocks),  cutlass::FastDivmod(sec),
+                      cutlass::FastDivmod(last),            cutlass::FastDivmod(p.heads > 0 ? p.heads : 1),
+                      cutlass::FastDivmod(p.group_size() > 0 ? p.group_size() : 1),
+                      pairs, sec};
+    return d;
+  }
+
+  // FwdTileIndex of `index` (kSplit: (tile, split) pairs, the split innermost), as decode_tile_index.
+  template <bool kSplit>
+  FA_HOST_DEVICE FwdTileIndex decode(int index, bool masked, int rising_parity) const {
+    FwdTileIndex at{};
+    if constexpr (kSplit) splits.fast_divmod(index, at.split, index);
+    int head_batch = 0;
+    if (masked) {
+      int k = 0, local = 0;
+      section_tiles.fast_divmod(k, local, index);
+      const int first = k * section_pairs;
+      int step = 0, in = 0;
+      (pairs - first < section_pairs ? last_section : section).fast_divmod(step, in, local);
+      at.m_block = (k & 1) == rising_parity ? step : m_blocks.divisor - 1 - step;
+      head_batch = first + in;
+    } else {
+      m_blocks.fast_divmod(head_batch, at.m_block, index);
+    }
+    heads.fast_divmod(at.batch, at.head, head_batch);
+    at.kv_head = group.div(at.head);
+    return at;
+  }
+};
+
+// The same decode by plain division (the default): the tile order's definition, which the
+// FastDivmod decode must match (a host test compares them).
+template <bool kSplit>
+FA_HOST_DEVICE FwdTileIndex decode_tile_index(const common::AttentionParams& p, int block_m, int index, int section,
+                                              int rising_parity, int splits) {
+  FwdTileIndex at{};
+  if constexpr (kSplit) {
+    at.split = index % splits;
+    index /= splits;
+  }
+  const int m_blocks = (p.max_seqlen_q + block_m - 1) / block_m;
+  int head_batch;
+  if (p.has_mask()) {
+    const auto o = common::MaskedTileOrder{m_blocks, p.heads * p.batch, section, rising_parity}.at(index);
+    at.m_block = o.m_block;
+    head_batch = o.pair;
+  } else {
+    at.m_block = index % m_blocks;
+    head_batch = index / m_blocks;
+  }
+  at.head = head_batch % p.heads;
+  at.batch = head_batch / p.heads;
+  at.kv_head = at.head / p.group_size();
+  return at;
+}
 
 // Persistent CTAs: one per SM (at most one per tile), each walking one tile per round — so that
 // while one tile's output is written, the producer already loads the next tile's Q and first K/V
@@ -71,30 +159,20 @@ struct PersistentTileScheduler {
   // (common::MaskedTileOrder). kPaged: the call's K/V are paged (the paged kernels). kSplit: index
   // counts (tile, split) pairs, the split innermost, and the tile keeps split `split` of
   // `splits` equal shares of its key tiles (an empty share is an empty tile).
+  // divisors: the FastDivmod decode's (FLASHATTN_SM90_FWD_FAST_DIVMOD), or nullptr for division.
   template <bool kPaged = false, bool kSplit = false>
   __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section,
-                                                 int rising_parity, int splits = 1) {
-    int split = 0;
-    if constexpr (kSplit) {
-      split = index % splits;
-      index /= splits;
-    }
-    const int m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
-    const bool masked = p.has_mask();
+                                                 int rising_parity, int splits = 1,
+                                                 const FwdTileDivisors* divisors = nullptr) {
+    const FwdTileIndex at =
+        divisors != nullptr ? divisors->template decode<kSplit>(index, p.has_mask(), rising_parity)
+                            : decode_tile_index<kSplit>(p, kBlockM, index, section, rising_parity, splits);
     FwdTile t;
-    t.split = split;
-    int head_batch;
-    if (masked) {
-      const auto at = common::MaskedTileOrder{m_blocks, p.heads * p.batch, section, rising_parity}.at(index);
-      t.m_block = at.m_block;
-      head_batch = at.pair;
-    } else {
-      t.m_block = index % m_blocks;
-      head_batch = index / m_blocks;
-    }
-    t.head = head_batch % p.heads;
-    t.batch = head_batch / p.heads;
-    t.kv_head = t.head / p.group_size();
+    t.split = at.split;
+    t.m_block = at.m_block;
+    t.head = at.head;
+    t.batch = at.batch;
+    t.kv_head = at.kv_head;
     if (p.is_varlen()) {
       t.q_row0 = p.cu_seqlens_q[t.batch];
       t.seqlen_q = p.cu_seqlens_q[t.batch + 1] - t.q_row0;
@@ -125,7 +203,7 @@ struct PersistentTileScheduler {
     t.n_block_max = (t.mask.block_col_end(m_end) + kBlockN - 1) / kBlockN;
     if constexpr (kSplit) {
       const int per = (max(t.n_block_max - t.n_block_min, 0) + splits - 1) / splits;
-      t.n_block_min += split * per;
+      t.n_block_min += t.split * per;
       t.n_block_max = max(t.n_block_min, min(t.n_block_max, t.n_block_min + per));
     }
     return t;
