@@ -51,12 +51,11 @@ struct FwdTileDivisors {
   cutlass::FastDivmod splits;         // split-KV shares (1: none)
   cutlass::FastDivmod m_blocks;       // row blocks per pair
   cutlass::FastDivmod section_tiles;  // section · m_blocks: the tiles of a whole section (masked order)
-  cutlass::FastDivmod section;        // pairs of a whole section
+  cutlass::FastDivmod section;        // pairs of a whole section (its divisor: the section's size)
   cutlass::FastDivmod last_section;   // pairs of the last section (≤ section)
   cutlass::FastDivmod heads;          // query heads
   cutlass::FastDivmod group;          // query heads per kv head
   int pairs;
-  int section_pairs;
 
   static FwdTileDivisors make(const common::AttentionParams& p, int block_m, int section, int splits) {
     const int m_blocks = p.max_seqlen_q > 0 ? (p.max_seqlen_q + block_m - 1) / block_m : 1;
@@ -66,8 +65,7 @@ struct FwdTileDivisors {
     FwdTileDivisors d{cutlass::FastDivmod(splits < 1 ? 1 : splits), cutlass::FastDivmod(m_blocks),
                       cutlass::FastDivmod(sec * m_blocks),  cutlass::FastDivmod(sec),
                       cutlass::FastDivmod(last),            cutlass::FastDivmod(p.heads > 0 ? p.heads : 1),
-                      cutlass::FastDivmod(p.group_size() > 0 ? p.group_size() : 1),
-                      pairs, sec};
+                      cutlass::FastDivmod(p.group_size() > 0 ? p.group_size() : 1), pairs};
     return d;
   }
 
@@ -80,9 +78,9 @@ struct FwdTileDivisors {
     if (masked) {
       int k = 0, local = 0;
       section_tiles.fast_divmod(k, local, index);
-      const int first = k * section_pairs;
+      const int first = k * section.divisor;
       int step = 0, in = 0;
-      (pairs - first < section_pairs ? last_section : section).fast_divmod(step, in, local);
+      (pairs - first < section.divisor ? last_section : section).fast_divmod(step, in, local);
       at.m_block = (k & 1) == rising_parity ? step : m_blocks.divisor - 1 - step;
       head_batch = first + in;
     } else {
