@@ -292,13 +292,15 @@ void expect_refusals(const c::AttentionParams& p, const std::function<bool(const
   EXPECT_FALSE(choice(varlen)) << "varlen";
 }
 
-// The tall d 64 tile (fwd_d64_tall): dense calls without a mask or score mods whose queries and
-// keys reach FLASHATTN_SM90_FWD_D64_TALL_FROM (8192 by default; 0: never); never split, masked,
-// varlen, with seqused_k or a KV cache, paged or with softcap, ALiBi or dropout; never where the
-// build leaves it out.
-TEST(CudaSm90Host, TallD64TileForLongUnmaskedDenseCalls) {
+// The tall d 64 tile (fwd_d64_tall): dense calls without a window or score mods whose queries and
+// keys reach FLASHATTN_SM90_FWD_D64_TALL_FROM (8192 by default; 0: never), causal ones
+// FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM (never by default); never split, with a window, varlen,
+// with seqused_k or a KV cache, paged or with softcap, ALiBi or dropout; never where the build
+// leaves it out.
+TEST(CudaSm90Host, TallD64TileForLongDenseCalls) {
   const c::AttentionParams p = host_params(1, 32, 64, 8192);
   const EnvOverride unset("FLASHATTN_SM90_FWD_D64_TALL_FROM", "");
+  const EnvOverride unset_causal("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", "");
   const bool built = fc::sm90::fwd_d64_tall_built();
   EXPECT_EQ(fc::sm90::fwd_d64_tall(p, 1), built);
   EXPECT_FALSE(fc::sm90::fwd_d64_tall(p, 2)) << "split";
@@ -317,6 +319,20 @@ TEST(CudaSm90Host, TallD64TileForLongUnmaskedDenseCalls) {
   c::AttentionParams short_call = p;
   short_call.max_seqlen_q = short_call.max_seqlen_k = 100;
   EXPECT_EQ(fc::sm90::fwd_d64_tall(short_call, 1), built);
+  // Causal calls: their own threshold, never by default; windows never.
+  c::AttentionParams causal = p;
+  causal.causal = true;
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(causal, 1)) << "causal, FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM unset";
+  const EnvOverride causal_from("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", "4096");
+  EXPECT_EQ(fc::sm90::fwd_d64_tall(causal, 1), built);
+  c::AttentionParams window = causal;
+  window.window_left = 100;
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(window, 1)) << "causal with a window";
+  causal.max_seqlen_k = 4000;
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(causal, 1)) << "causal, fewer keys than the causal threshold";
+  causal.max_seqlen_k = 8192;
+  causal.softcap = 30.0f;
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(causal, 1)) << "causal with softcap";
 }
 
 // The wide d 256 tile (fwd_d256_wide): dense calls without score mods whose keys reach
@@ -397,7 +413,7 @@ TEST(CudaSm90Host, DynamicScheduleCounterPerStreamForMaskedCalls) {
   EXPECT_EQ(fc::sm90::fwd_tile_counter(p, nullptr), nullptr);
 }
 
-// The FastDivmod decode of a tile's index (FLASHATTN_SM90_FWD_FAST_DIVMOD) against the division's
+// The FastDivmod decode of a tile's index (fwd_fast_divmod: the d 64 kernels) against the division's
 // on every index of many orders: masked or not, GQA, odd row counts, whole and partial last
 // sections, sections of one pair and of all, alternating or not, split-KV.
 TEST(CudaSm90Host, FastDivmodTileDecodeMatchesDivision) {
@@ -629,21 +645,27 @@ TEST_P(CudaSm90Forward, LongerSequences) {
 }
 
 // The tall d 64 tile (192 rows, three consumer warpgroups) taken at every length
-// (FLASHATTN_SM90_FWD_D64_TALL_FROM=1): odd lengths (a partial last row block and key tile), more
-// keys than queries and fewer, GQA, several tiles per CTA, against the reference; the default then
-// keeps the 128-row tile on these lengths.
+// (FLASHATTN_SM90_FWD_D64_TALL_FROM=1 and _CAUSAL_FROM=1): odd lengths (a partial last row block
+// and key tile), more keys than queries and fewer, without a mask and causal (bottom-right), GQA,
+// several tiles per CTA, against the reference; the default then keeps the 128-row tile on these
+// lengths.
 TEST_P(CudaSm90Forward, TallD64Tile) {
   FA_SKIP_WITHOUT_SM90();
   if (!fc::sm90::fwd_d64_tall_built()) GTEST_SKIP() << "NOT RUN: built with -DFLASHATTN_SM90_FWD_D64_TALL=0";
   const EnvOverride always("FLASHATTN_SM90_FWD_D64_TALL_FROM", "1");
+  const EnvOverride always_causal("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", "1");
   for (auto [sq, sk] : {std::pair{1, 1}, std::pair{193, 129}, std::pair{300, 717}, std::pair{717, 300},
                         std::pair{1000, 1000}}) {
-    AttnConfig cfg = feature_config(GetParam(), 64, sq, sk);
-    if (sq == 1000) {
-      cfg.heads = 34;  // 6 row blocks × 34 heads × 2 sequences: more tiles than SMs
-      cfg.heads_k = 17;
+    for (bool causal : {false, true}) {
+      AttnConfig cfg = feature_config(GetParam(), 64, sq, sk);
+      cfg.opt.causal = causal;
+      if (sq == 1000) {
+        cfg.heads = 34;  // 6 row blocks × 34 heads × 2 sequences: more tiles than SMs
+        cfg.heads_k = 17;
+      }
+      SCOPED_TRACE(causal ? "causal" : "no mask");
+      expect_sm90_matches(cfg);
     }
-    expect_sm90_matches(cfg);
   }
   AttnConfig gqa = feature_config(GetParam(), 64, 400, 400);
   gqa.heads = 8;

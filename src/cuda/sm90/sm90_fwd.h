@@ -60,9 +60,10 @@ static_assert(kD64Keys == 96 || kD64Keys == 128, "FLASHATTN_SM90_FWD_D64_KEYS is
 inline constexpr bool kFwdD64Tall = FLASHATTN_SM90_FWD_D64_TALL != 0 && kD64Rows == 128;
 inline constexpr FwdTileShape kFwdD64TallTile{192, 128, 2};
 // Whether a call at the d 64 instantiation takes the tall tile: a build with it, a dense call (no
-// varlen, seqused_k or KV cache, not paged, not split) without a mask, softcap, ALiBi or dropout,
-// whose queries and keys both number at least FLASHATTN_SM90_FWD_D64_TALL_FROM (read per call;
-// default 8192, 0: never).
+// varlen, seqused_k or KV cache, not paged, not split) without a sliding window, softcap, ALiBi or
+// dropout, whose queries and keys both number at least FLASHATTN_SM90_FWD_D64_TALL_FROM (read per
+// call; default 8192, 0: never) — under a causal mask FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM
+// (default 0: never).
 bool fwd_d64_tall(const common::AttentionParams& p, int num_splits);
 bool fwd_d64_tall_built();
 
@@ -169,16 +170,15 @@ constexpr bool fwd_pingpong(int head_dim, bool score_mod) {
   return score_mod && head_dim <= 128 && fwd_tile(head_dim).block_m == 128;  // turns pair two warpgroups
 }
 
-// A tile's decode (PersistentTileScheduler::tile: its row block, head and batch from its index) by
-// multiply-and-shift constants the host makes once per call (FwdTileDivisors, cutlass::FastDivmod)
-// instead of division by the call's runtime values: -DFLASHATTN_SM90_FWD_FAST_DIVMOD=1. Every warp
-// that walks the tiles decodes each one at the tile's start, and the main d 128 kernel holds ten
-// division sequences (I2F and a MUFU reciprocal each; FlashAttention-3's none). 0, the default,
-// until timed on a GPU.
-#ifndef FLASHATTN_SM90_FWD_FAST_DIVMOD
-#define FLASHATTN_SM90_FWD_FAST_DIVMOD 0
-#endif
-inline constexpr bool kFwdFastDivmod = FLASHATTN_SM90_FWD_FAST_DIVMOD != 0;
+// Whether the kernels of a head dim decode each tile (PersistentTileScheduler::tile: its row
+// block, head and batch from its index) by multiply-and-shift constants the host makes once per
+// call (FwdTileDivisors, cutlass::FastDivmod) rather than by division by the call's runtime values
+// (ten division sequences in the d 128 plain kernel, each an I2F and a MUFU reciprocal; every
+// warp that walks the tiles decodes each one at the tile's start). On an H100 (2026-12-07, bf16,
+// L2 cleared, three rounds, the two builds alternating; docs/benchmarks-sm90.md) the constants ran
+// d 64 at 1.00-1.05x (causal 1k keys 1.05, 2k 1.03) but d 128 at 0.98-1.00x with its step loop
+// unchanged in length: taken where a tile is short enough for its start to count, d <= 64.
+constexpr bool fwd_fast_divmod(int head_dim) { return head_dim <= 64; }
 // The first index of p's tile order (block_m rows, `section` pairs per section, `splits` splits,
 // the sections' directions alternating or not) at which that decode differs from the division's,
 // or −1 where they agree on every index: a host check of FwdTileDivisors, in any build.

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
   // Tile `index` of the order.
   auto tile_of = [&](int index) {
     const FwdTileDivisors* divisors = nullptr;
-    if constexpr (kFwdFastDivmod) divisors = &params.divisors;
+    if constexpr (Traits::kFastDivmod) divisors = &params.divisors;
     return Scheduler::template tile<Traits::kPaged, Traits::kSplit>(params.p, index, params.section,
                                                                     params.section_rising, splits, divisors);
   };

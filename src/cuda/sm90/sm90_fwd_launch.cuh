@@ -70,7 +70,7 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   params.section = sections.pairs;
   params.section_rising = common::MaskedTileOrder::rising_parity_of(p.heads * p.batch, sections.pairs, sections.alternate);
   params.tile_counter = fwd_tile_counter(p, stream);
-  if constexpr (kFwdFastDivmod) params.divisors = FwdTileDivisors::make(p, Traits::kBlockM, sections.pairs, splits);
+  if constexpr (Traits::kFastDivmod) params.divisors = FwdTileDivisors::make(p, Traits::kBlockM, sections.pairs, splits);
 
   auto* kernel = &fwd_kernel<Traits>;
   const cudaError_t err =

@@ -45,7 +45,7 @@ struct FwdParams {
   int section_rising;                  // sections that go up (MaskedTileOrder::rising_parity)
   int* tile_counter;                   // the dynamic schedule's counter (kFwdDynamic), or nullptr
   struct NoDivisors {};
-  std::conditional_t<kFwdFastDivmod, FwdTileDivisors, NoDivisors> divisors;  // kFwdFastDivmod
+  std::conditional_t<Traits::kFastDivmod, FwdTileDivisors, NoDivisors> divisors;  // Traits::kFastDivmod
   struct NoSplit {};
   // kSplit kernels: where the partials go, and how many splits each row block's key tiles take.
   std::conditional_t<Traits::kSplit, SplitKvPartials, NoSplit> split;

@@ -97,6 +97,8 @@ struct FwdTraits {
   // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp from
   // Q's bytes or from O's own tile.
   static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen && !kSplit;
+  // Tiles decoded by the host's FastDivmod constants (FwdParams::divisors) or by division.
+  static constexpr bool kFastDivmod = fwd_fast_divmod(kHeadDim);
 
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
   // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDimV / 2) per thread. The sums

@@ -44,7 +44,7 @@ struct FwdTileIndex {
 };
 
 // The order's runtime divisors as multiply-and-shift constants (cutlass::FastDivmod), made once by
-// the host (make), for the FLASHATTN_SM90_FWD_FAST_DIVMOD decode: a tile's decode otherwise divides
+// the host (make), for the decode of the kernels that take it (fwd_fast_divmod): a tile's decode otherwise divides
 // by runtime values five to seven times (each a MUFU reciprocal and a dozen instructions on sm_90),
 // in every warp that walks the tiles, at every tile's start.
 struct FwdTileDivisors {
@@ -157,7 +157,7 @@ struct PersistentTileScheduler {
   // (common::MaskedTileOrder). kPaged: the call's K/V are paged (the paged kernels). kSplit: index
   // counts (tile, split) pairs, the split innermost, and the tile keeps split `split` of
   // `splits` equal shares of its key tiles (an empty share is an empty tile).
-  // divisors: the FastDivmod decode's (FLASHATTN_SM90_FWD_FAST_DIVMOD), or nullptr for division.
+  // divisors: the FastDivmod decode's (fwd_fast_divmod), or nullptr for division.
   template <bool kPaged = false, bool kSplit = false>
   __device__ __forceinline__ static FwdTile tile(const common::AttentionParams& p, int index, int section,
                                                  int rising_parity, int splits = 1,
