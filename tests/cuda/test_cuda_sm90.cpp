@@ -294,7 +294,7 @@ void expect_refusals(const c::AttentionParams& p, const std::function<bool(const
 
 // The tall d 64 tile (fwd_d64_tall): dense calls without a window or score mods whose queries and
 // keys reach FLASHATTN_SM90_FWD_D64_TALL_FROM (8192 by default; 0: never), causal ones
-// FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM (never by default); never split, with a window, varlen,
+// FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM (likewise); never split, with a window, varlen,
 // with seqused_k or a KV cache, paged or with softcap, ALiBi or dropout; never where the build
 // leaves it out.
 TEST(CudaSm90Host, TallD64TileForLongDenseCalls) {
@@ -307,7 +307,6 @@ TEST(CudaSm90Host, TallD64TileForLongDenseCalls) {
   expect_refusals(p, [](const c::AttentionParams& q) { return fc::sm90::fwd_d64_tall(q, 1); },
                   {{"fewer queries", [](c::AttentionParams& q) { q.max_seqlen_q = 8191; }},
                    {"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 4096; }},
-                   {"causal", [](c::AttentionParams& q) { q.causal = true; }},
                    {"window", [](c::AttentionParams& q) { q.window_left = 100; }},
                    {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
                    {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }}});
@@ -319,12 +318,19 @@ TEST(CudaSm90Host, TallD64TileForLongDenseCalls) {
   c::AttentionParams short_call = p;
   short_call.max_seqlen_q = short_call.max_seqlen_k = 100;
   EXPECT_EQ(fc::sm90::fwd_d64_tall(short_call, 1), built);
-  // Causal calls: their own threshold, never by default; windows never.
+  // Causal calls: their own threshold (8192 by default, as the unmasked one); windows never.
   c::AttentionParams causal = p;
   causal.causal = true;
-  EXPECT_FALSE(fc::sm90::fwd_d64_tall(causal, 1)) << "causal, FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM unset";
+  EXPECT_EQ(fc::sm90::fwd_d64_tall(causal, 1), built) << "causal, FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM unset";
+  c::AttentionParams causal_4k = causal;
+  causal_4k.max_seqlen_q = causal_4k.max_seqlen_k = 4096;
+  EXPECT_FALSE(fc::sm90::fwd_d64_tall(causal_4k, 1)) << "causal 4096, FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM unset";
+  {
+    const EnvOverride never("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", "0");
+    EXPECT_FALSE(fc::sm90::fwd_d64_tall(causal, 1)) << "causal, FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM=0";
+  }
   const EnvOverride causal_from("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", "4096");
-  EXPECT_EQ(fc::sm90::fwd_d64_tall(causal, 1), built);
+  EXPECT_EQ(fc::sm90::fwd_d64_tall(causal_4k, 1), built);
   c::AttentionParams window = causal;
   window.window_left = 100;
   EXPECT_FALSE(fc::sm90::fwd_d64_tall(window, 1)) << "causal with a window";

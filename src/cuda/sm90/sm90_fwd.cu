@@ -152,7 +152,7 @@ bool fwd_d64_tall_built() { return kFwdD64Tall; }
 bool fwd_d64_tall(const common::AttentionParams& p, int num_splits) {
   if (!kFwdD64Tall || num_splits > 1 || fwd_score_mod(p) || fwd_varlen_kernel(p) || p.is_paged()) return false;
   if (p.window_left >= 0 || p.window_right >= 0) return false;  // a sliding window: the 128-row tile
-  const int from = p.causal ? env_int("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", 0)
+  const int from = p.causal ? env_int("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", 8192)
                             : env_int("FLASHATTN_SM90_FWD_D64_TALL_FROM", 8192);
   return from > 0 && p.max_seqlen_q >= from && p.max_seqlen_k >= from;
 }

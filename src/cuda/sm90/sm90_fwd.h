@@ -63,7 +63,10 @@ inline constexpr FwdTileShape kFwdD64TallTile{192, 128, 2};
 // varlen, seqused_k or KV cache, not paged, not split) without a sliding window, softcap, ALiBi or
 // dropout, whose queries and keys both number at least FLASHATTN_SM90_FWD_D64_TALL_FROM (read per
 // call; default 8192, 0: never) — under a causal mask FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM
-// (default 0: never).
+// (default 8192). Causal, on an H100 (2026-12-07, bf16, L2 cleared, 16k tokens, 32 heads, the two
+// taking turns call by call, two rounds), 192 ÷ 128 rows: 1k keys 0.86, 2k and 4k 1.00, 8k 1.06,
+// 16k 1.05 (492 TFLOP/s at 8k; FlashAttention-3 in the same call 553, whose causal d 64 tile is
+// 192 × 128 at every length).
 bool fwd_d64_tall(const common::AttentionParams& p, int num_splits);
 bool fwd_d64_tall_built();
 
