@@ -169,6 +169,14 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
   return num_splits_heuristic(std::int64_t(m_blocks) * p.heads * p.batch, n_blocks, sms, kMaxSplits);
 }
 
+bool fwd_d128_wide_built() { return kFwdD128Wide; }
+
+bool fwd_d128_wide(const common::AttentionParams& p, int num_splits) {
+  if (!kFwdD128Wide || num_splits > 1 || fwd_score_mod(p) || fwd_varlen_kernel(p) || p.is_paged()) return false;
+  const int from = env_int("FLASHATTN_SM90_FWD_D128_WIDE_FROM", 0);
+  return from > 0 && p.max_seqlen_k >= from;
+}
+
 bool fwd_d256_wide_built() { return kFwdD256Wide; }
 
 bool fwd_d256_wide(const common::AttentionParams& p, int num_splits) {

@@ -90,6 +90,25 @@ inline constexpr FwdTileShape kFwdD256WideTile{128, 80, 2};
 bool fwd_d256_wide(const common::AttentionParams& p, int num_splits);
 bool fwd_d256_wide_built();
 
+// The wide d 128 tile: 128 × 176, FlashAttention-3's without a mask (K and V 88 KiB each over two
+// stages, O in Q's bytes: 208 KiB), compiled beside the 128 × 128 one for the plain dense kernel
+// with -DFLASHATTN_SM90_FWD_D128_WIDE=1 (an A/B build: off by default until timed) and taken per
+// call by fwd_d128_wide. Its S accumulator (88 fp32 per thread) fits the consumers' registers only
+// with the descriptors in uniform registers (FLASHATTN_SM90_FWD_UNIFORM_DESC; sm_90a, bf16: 0
+// bytes of spills, 40 without them): the step then runs 3.5 instructions per key against 3.8 at
+// 128 keys (FlashAttention-3's: 3.4).
+#ifndef FLASHATTN_SM90_FWD_D128_WIDE
+#define FLASHATTN_SM90_FWD_D128_WIDE 0
+#endif
+inline constexpr bool kFwdD128Wide = FLASHATTN_SM90_FWD_D128_WIDE != 0;
+inline constexpr FwdTileShape kFwdD128WideTile{128, 176, 2};
+// Whether a call at the d 128 instantiation takes the wide tile: a build with it, a dense call (no
+// varlen, seqused_k or KV cache, not paged, not split) without softcap, ALiBi or dropout (masks
+// allowed), whose keys number at least FLASHATTN_SM90_FWD_D128_WIDE_FROM (read per call; default
+// 0: never).
+bool fwd_d128_wide(const common::AttentionParams& p, int num_splits);
+bool fwd_d128_wide_built();
+
 constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, kD64Keys, 2}
                                            : FwdTileShape{128, 128, 2})
@@ -153,8 +172,8 @@ constexpr bool fwd_room_for_two_q(FwdTileShape t, int head_dim) {
   const int dv = fwd_head_dim_v(head_dim);
   return 2 * (2 * t.block_m * head_dim + t.stages * t.block_n * (head_dim + dv)) + 1024 <= 227 * 1024;
 }
-constexpr bool fwd_o_in_q(int head_dim) {
-  return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(fwd_tile(head_dim), head_dim);
+constexpr bool fwd_o_in_q(int head_dim, FwdTileShape t) {
+  return fwd_q_stages(head_dim) == 2 || !fwd_room_for_two_q(t, head_dim);
 }
 // fwd_tma_store(head_dim, score_mod) as the library was compiled (the knobs reach nvcc's
 // translation units only).
@@ -182,6 +201,13 @@ constexpr bool fwd_pingpong(int head_dim, bool score_mod) {
 // d 64 at 1.00-1.05x (causal 1k keys 1.05, 2k 1.03) but d 128 at 0.98-1.00x with its step loop
 // unchanged in length: taken where a tile is short enough for its start to count, d <= 64.
 constexpr bool fwd_fast_divmod(int head_dim) { return head_dim <= 64; }
+
+// The consumers' shared-memory operand descriptors (Q, K, V) sliced for their warpgroup's first
+// thread, made warp-uniform by a shuffle, rather than for each thread: ptxas may then keep them in
+// uniform registers (FlashAttention-3's way). -DFLASHATTN_SM90_FWD_UNIFORM_DESC=1, an A/B build.
+#ifndef FLASHATTN_SM90_FWD_UNIFORM_DESC
+#define FLASHATTN_SM90_FWD_UNIFORM_DESC 0
+#endif
 // The first index of p's tile order (block_m rows, `section` pairs per section, `splits` splits,
 // the sections' directions alternating or not) at which that decode differs from the division's,
 // or −1 where they agree on every index: a host check of FwdTileDivisors, in any build.

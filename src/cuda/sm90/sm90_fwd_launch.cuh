@@ -25,7 +25,8 @@ cudaError_t launch_fwd(const common::AttentionParams& p, const SplitKvPartials& 
   // The host's view (fwd_unsupported checks out for the TMA store) agrees with the kernel's.
   static_assert(Traits::kTmaStoreO ==
                 (fwd_tma_store(kHeadDim, Traits::kScoreMod) && !Traits::kVarlen && !Traits::kSplit));
-  static_assert(Traits::kSeparateO == !fwd_o_in_q(kHeadDim));
+  static_assert(Traits::kSeparateO ==
+                !fwd_o_in_q(kHeadDim, FwdTileShape{Traits::kBlockM, Traits::kBlockN, Traits::kStages}));
   FwdParams<Traits> params;
   params.p = p;
   if constexpr (Traits::kSplit) params.split = split;
@@ -124,6 +125,13 @@ cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& spl
       constexpr FwdTileShape t = kFwdD64TallTile;
       return launch_fwd<FwdTraits<Element, 64, t.block_m, t.block_n, t.stages, false, false, false>>(p, split,
                                                                                                   rng_state, stream);
+    }
+  }
+  if constexpr (kHeadDim == 128 && kFwdD128Wide) {
+    if (fwd_d128_wide(p, split.num_splits)) {
+      constexpr FwdTileShape t = kFwdD128WideTile;
+      return launch_fwd<FwdTraits<Element, 128, t.block_m, t.block_n, t.stages, false, false, false>>(p, split,
+                                                                                                   rng_state, stream);
     }
   }
   if constexpr (kHeadDim == 256 && kFwdD256Wide) {
