@@ -204,7 +204,8 @@ constexpr bool fwd_fast_divmod(int head_dim) { return head_dim <= 64; }
 
 // The consumers' shared-memory operand descriptors (Q, K, V) sliced for their warpgroup's first
 // thread, made warp-uniform by a shuffle, rather than for each thread: ptxas may then keep them in
-// uniform registers (FlashAttention-3's way). -DFLASHATTN_SM90_FWD_UNIFORM_DESC=1, an A/B build.
+// uniform registers (FlashAttention-3's way). -DFLASHATTN_SM90_FWD_UNIFORM_DESC=1, an A/B build;
+// the kernels without softcap, ALiBi or dropout (FwdTraits::kUniformDesc).
 #ifndef FLASHATTN_SM90_FWD_UNIFORM_DESC
 #define FLASHATTN_SM90_FWD_UNIFORM_DESC 0
 #endif
