@@ -29,11 +29,14 @@ struct FwdTileShape {
 //          192/174, 270/241, 340/346, 398/400, 402/425, 435/430 — 128 rows win by up to 27% up to
 //          4k keys, 192 rows by 3–6% at 8k–16k. The 192-row tile's key tile: 96
 //          (-DFLASHATTN_SM90_FWD_D64_KEYS=128 for 128 keys, FlashAttention-3's under a causal
-//          mask; not yet timed).
+//          mask; not yet timed). The plain dense kernel also 192 × 128 from 8k queries and keys,
+//          with or without a causal mask (kFwdD64TallTile, fwd_d64_tall).
 //   d 96:  128 × 128, 2 stages — 120 KiB (Q 24 + K 48 + V 48) + O 24, rows of three 32-column
 //          swizzle atoms of 64 bytes (FwdTraits::kAtomCols; built where FLASHATTN_CUDA_HEAD_DIMS
 //          lists 96, else d 96 runs the d 128 kernel)
-//   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
+//   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32; with
+//          -DFLASHATTN_SM90_FWD_D128_WIDE=1 the plain dense kernel also 128 × 176 where asked
+//          (kFwdD128WideTile, fwd_d128_wide; an A/B build)
 //   d 192 (dv 128: fwd_head_dim_v): 128 × 128, 2 stages — 208 KiB (Q 48 + K 96 + V 64), O in Q's
 //          bytes (FlashAttention-3's tile for 192 / 128)
 //   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes; the plain dense
