@@ -147,10 +147,25 @@ bool fwd_tma_store_built(int head_dim, bool score_mod) { return fwd_tma_store(he
 
 bool fwd_paged_built() { return kFwdPaged; }
 
+namespace {
+// Whether a call may take a second tile compiled for the plain dense kernel only (the tall d 64,
+// wide d 128 and wide d 256 tiles): a dense call (no varlen, seqused_k or KV cache, not paged),
+// not split, without softcap, ALiBi or dropout.
+bool plain_dense_call(const common::AttentionParams& p, int num_splits) {
+  return num_splits <= 1 && !fwd_score_mod(p) && !fwd_varlen_kernel(p) && !p.is_paged();
+}
+// A wide key tile's choice: built, a plain dense call, and at least `env` keys (default `from`).
+bool wide_tile(bool built, const common::AttentionParams& p, int num_splits, const char* env, int from) {
+  if (!built || !plain_dense_call(p, num_splits)) return false;
+  const std::int64_t keys = env_int(env, from);
+  return keys > 0 && p.max_seqlen_k >= keys;
+}
+}  // namespace
+
 bool fwd_d64_tall_built() { return kFwdD64Tall; }
 
 bool fwd_d64_tall(const common::AttentionParams& p, int num_splits) {
-  if (!kFwdD64Tall || num_splits > 1 || fwd_score_mod(p) || fwd_varlen_kernel(p) || p.is_paged()) return false;
+  if (!kFwdD64Tall || !plain_dense_call(p, num_splits)) return false;
   if (p.window_left >= 0 || p.window_right >= 0) return false;  // a sliding window: the 128-row tile
   const int from = p.causal ? env_int("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", 8192)
                             : env_int("FLASHATTN_SM90_FWD_D64_TALL_FROM", 8192);
@@ -172,17 +187,13 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
 bool fwd_d128_wide_built() { return kFwdD128Wide; }
 
 bool fwd_d128_wide(const common::AttentionParams& p, int num_splits) {
-  if (!kFwdD128Wide || num_splits > 1 || fwd_score_mod(p) || fwd_varlen_kernel(p) || p.is_paged()) return false;
-  const int from = env_int("FLASHATTN_SM90_FWD_D128_WIDE_FROM", 0);
-  return from > 0 && p.max_seqlen_k >= from;
+  return wide_tile(kFwdD128Wide, p, num_splits, "FLASHATTN_SM90_FWD_D128_WIDE_FROM", 0);
 }
 
 bool fwd_d256_wide_built() { return kFwdD256Wide; }
 
 bool fwd_d256_wide(const common::AttentionParams& p, int num_splits) {
-  if (!kFwdD256Wide || num_splits > 1 || fwd_score_mod(p) || fwd_varlen_kernel(p) || p.is_paged()) return false;
-  const int from = env_int("FLASHATTN_SM90_FWD_D256_WIDE_FROM", 2048);
-  return from > 0 && p.max_seqlen_k >= from;
+  return wide_tile(kFwdD256Wide, p, num_splits, "FLASHATTN_SM90_FWD_D256_WIDE_FROM", 2048);
 }
 
 int fwd_page_box_rows(int page_size) {
