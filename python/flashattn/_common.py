@@ -45,7 +45,7 @@ def int_arg(name: str, value, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     v = operator.index(value)
     if not lo <= v <= hi:
-        raise ValueError(f"{name}: must be an int in [{lo}, {hi}]; got {v}")
+        raise _C.Error(f"{name}: must be an int in [{lo}, {hi}]; got {v}")
     return v
 
 
@@ -61,15 +61,16 @@ def float_arg(name: str, value) -> float:
 
 
 def check_rank(name: str, shape, rank: int, layout: str) -> None:
-    """A ValueError naming the tensor when its rank is not `rank` (layout: the expected axes)."""
+    """flashattn.Error (a ValueError and a RuntimeError) naming the tensor when its rank is not
+    `rank` (layout: the expected axes)."""
     if len(shape) != rank:
-        raise ValueError(f"{name}: must be {layout} (rank {rank}); got shape {tuple(shape)}")
+        raise _C.Error(f"{name}: must be {layout} (rank {rank}); got shape {tuple(shape)}")
 
 
 def check_head_dim(name: str, head_dim: int) -> None:
     """The caller's head dim, before padding to a multiple of 8: 1 to 256."""
     if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(
+        raise _C.Error(
             f"{name}: head dimension (last axis) must be in [1, {MAX_HEAD_DIM}] (padded to a multiple "
             f"of {HEAD_DIM_MULTIPLE}); got {head_dim}"
         )
@@ -83,7 +84,7 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     scale = float_arg("softmax_scale", softmax_scale)
     if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(
+        raise _C.Error(
             f"softmax_scale: must be a finite number > 0 (None: 1/sqrt(headdim)); got {softmax_scale!r}"
         )
     return scale

@@ -111,12 +111,12 @@ def _segments(length, world, rank, layout):
 
 def _check_layout(layout):
     if layout not in LAYOUTS:
-        raise ValueError(f"layout: must be one of {LAYOUTS}; got {layout!r}")
+        raise _C.Error(f"layout: must be one of {LAYOUTS}; got {layout!r}")
 
 
 def _group_info(group):
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("group: torch.distributed is not initialised (call torch.distributed.init_process_group)")
+        raise _C.Error("group: torch.distributed is not initialised (call torch.distributed.init_process_group)")
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -163,8 +163,8 @@ def unshard(x, group=None, *, layout="zigzag", dim=1, cu_seqlens=None):
         runs = [_token_runs(world, p, layout, seqlen=sum(lengths)) for p in range(world)]
     sizes = [sum(n for _, n in r) for r in runs]
     if x.shape[dim] != sizes[rank]:
-        raise ValueError(f"x: rank {rank} holds {x.shape[dim]} tokens along dim {dim}; layout {layout!r} gives it "
-                         f"{sizes[rank]}")
+        raise _C.Error(f"x: rank {rank} holds {x.shape[dim]} tokens along dim {dim}; layout {layout!r} gives it "
+                       f"{sizes[rank]}")
     pieces = _all_gather_uneven(x, sizes, dim, group)
     placed = []
     for p in range(world):
@@ -521,8 +521,8 @@ def _shard_lengths(local, seqlen, layout, rank, world, group, device):
         return _gather_lengths(local, group, device)
     lengths = [sum(s.length for s in _segments(int(seqlen), world, p, layout)) for p in range(world)]
     if lengths[rank] != local:
-        raise ValueError(f"seqlen: layout {layout!r} of a {seqlen}-token sequence gives rank {rank} {lengths[rank]} "
-                         f"tokens; q holds {local}")
+        raise _C.Error(f"seqlen: layout {layout!r} of a {seqlen}-token sequence gives rank {rank} {lengths[rank]} "
+                       f"tokens; q holds {local}")
     return lengths
 
 
@@ -565,9 +565,9 @@ class _BatchLayout:
         self.seqlen = sum(lengths)
         expected = [sum(s.length for s in _segments(self.seqlen, world, p, layout)) for p in range(world)]
         if lengths != expected:
-            raise ValueError(f"q: the ranks hold {lengths} tokens; layout {layout!r} of a {self.seqlen}-token sequence "
-                             f"gives {expected} (shard the batch with flashattn.distributed.shard(..., "
-                             f"layout={layout!r}))")
+            raise _C.Error(f"q: the ranks hold {lengths} tokens; layout {layout!r} of a {self.seqlen}-token sequence "
+                           f"gives {expected} (shard the batch with flashattn.distributed.shard(..., "
+                           f"layout={layout!r}))")
         if dropout:
             _check_dropout_shards(self.seqlen, world, layout, "the sequence")
         self.layout, self.rank, self.world, self.lengths = layout, rank, world, lengths
@@ -940,8 +940,8 @@ def _ring_arguments(q, k, v, softmax_scale, causal, window_size, softcap, alibi_
     if causal:
         right = 0
     if k.shape[-3] != q.shape[-3] or v.shape[-3] != q.shape[-3]:
-        raise ValueError(f"k: ring attention is self-attention over one sharded sequence: q, k and v must hold the "
-                         f"same tokens; got {q.shape[-3]}, {k.shape[-3]} and {v.shape[-3]}")
+        raise _C.Error(f"k: ring attention is self-attention over one sharded sequence: q, k and v must hold the "
+                       f"same tokens; got {q.shape[-3]}, {k.shape[-3]} and {v.shape[-3]}")
     return resolve_softmax_scale(softmax_scale, q.shape[-1]), left, right, float(softcap)
 
 
@@ -999,19 +999,19 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     _check_inputs((("q", q), ("k", k), ("v", v)), 3, VARLEN_LAYOUT, (("alibi_slopes", alibi_slopes),))
     cu_q, cu_k = _as_list(cu_seqlens_q), _as_list(cu_seqlens_k)
     if cu_q != cu_k:
-        raise ValueError("cu_seqlens_k: ring attention is self-attention: cu_seqlens_k must equal cu_seqlens_q")
+        raise _C.Error("cu_seqlens_k: ring attention is self-attention: cu_seqlens_k must equal cu_seqlens_q")
     longest = max((cu_q[i + 1] - cu_q[i] for i in range(len(cu_q) - 1)), default=0)
     if max(int(max_seqlen_q), int(max_seqlen_k)) < longest:
-        raise ValueError(f"max_seqlen_q: must be at least the longest sequence of cu_seqlens_q ({longest}); got "
-                         f"{max_seqlen_q} and max_seqlen_k {max_seqlen_k}")
+        raise _C.Error(f"max_seqlen_q: must be at least the longest sequence of cu_seqlens_q ({longest}); got "
+                       f"{max_seqlen_q} and max_seqlen_k {max_seqlen_k}")
     dropout_p = check_dropout_p(dropout_p)
     scale, left, right, softcap = _ring_arguments(q, k, v, softmax_scale, causal, window_size, softcap,
                                                   alibi_slopes, layout, len(cu_q) - 1)
     rank, world = _group_info(group)
     plan = _VarlenLayout(cu_q, layout, rank, world, dropout_p > 0.0)
     if q.shape[0] != plan.lengths[rank]:
-        raise ValueError(f"q: rank {rank} holds {q.shape[0]} tokens; layout {layout!r} of cu_seqlens gives it "
-                         f"{plan.lengths[rank]} (shard with flashattn.distributed.shard(..., cu_seqlens=...))")
+        raise _C.Error(f"q: rank {rank} holds {q.shape[0]} tokens; layout {layout!r} of cu_seqlens gives it "
+                       f"{plan.lengths[rank]} (shard with flashattn.distributed.shard(..., cu_seqlens=...))")
     rng_state = _shared_rng_state(dropout_p, group, q.device)
     out, lse = _RingAttention.apply(q[None], k[None], v[None], plan, scale, left, right, softcap, alibi_slopes,
                                     bool(deterministic), group, dropout_p, rng_state)
@@ -1163,16 +1163,16 @@ def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=F
     rank, world = _group_info(group)
     heads, heads_k = q.shape[2], k.shape[2]
     if heads % world:
-        raise ValueError(f"q: Ulysses spreads the {heads} query heads over the {world} ranks: nheads must be a "
-                         f"multiple of the world size (use ring_flash_attn_func)")
+        raise _C.Error(f"q: Ulysses spreads the {heads} query heads over the {world} ranks: nheads must be a "
+                       f"multiple of the world size (use ring_flash_attn_func)")
     if heads_k % world and world % heads_k:
-        raise ValueError(f"k: {heads_k} key/value heads cannot be spread over {world} ranks: nheads_k % world == 0 "
-                         f"or world % nheads_k == 0 is needed (use ring_flash_attn_func)")
+        raise _C.Error(f"k: {heads_k} key/value heads cannot be spread over {world} ranks: nheads_k % world == 0 "
+                       f"or world % nheads_k == 0 is needed (use ring_flash_attn_func)")
     if heads_k == 0 or heads % heads_k:
-        raise ValueError(f"k: nheads ({heads}) must be a multiple of nheads_k ({heads_k})")
+        raise _C.Error(f"k: nheads ({heads}) must be a multiple of nheads_k ({heads_k})")
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        raise ValueError(f"k: Ulysses attention is self-attention over one sharded sequence: q, k and v must hold "
-                         f"the same tokens; got {q.shape[1]}, {k.shape[1]} and {v.shape[1]}")
+        raise _C.Error(f"k: Ulysses attention is self-attention over one sharded sequence: q, k and v must hold "
+                       f"the same tokens; got {q.shape[1]}, {k.shape[1]} and {v.shape[1]}")
     if softcap < 0:
         raise _C.Error(f"softcap: must be ≥ 0; got {softcap}")
     left, right = window_pair(window_size)

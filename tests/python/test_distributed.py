@@ -168,11 +168,14 @@ def test_ring_varlen_refuses_block_table():
 
 
 def test_bad_layout_and_no_group():
+    """Both are flashattn.Error: caught as ValueError and as RuntimeError alike."""
     q, k, v = inputs()
-    with pytest.raises(ValueError, match="layout: must be one of"):
+    with pytest.raises(RuntimeError, match="layout: must be one of") as caught:
         fd.ring_flash_attn_func(q, k, v, layout="striped")
-    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+    assert isinstance(caught.value, ValueError)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised") as caught:
         fd.ring_flash_attn_func(q, k, v)
+    assert isinstance(caught.value, RuntimeError)
 
 
 def test_cross_attention_refused():

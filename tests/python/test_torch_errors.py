@@ -1,7 +1,10 @@
-"""Invalid calls raise ValueError (flashattn.Error) naming the argument, and write nothing."""
+"""Invalid calls raise flashattn.Error naming the argument, and write nothing: an error that is both a
+ValueError and a RuntimeError (flash_attn's checks raise RuntimeError), whether the C++ core or the
+Python layer (ranks, head dims, softmax_scale, integer ranges) makes the check."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests need it")
@@ -53,14 +56,42 @@ CASES = {
     "rotary_dim": (lambda: flashattn.flash_attn_with_kvcache(
         t(1, 1, 2, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), t(1, 1, 2, 16), t(1, 1, 2, 16), t(9, 4), t(9, 4),
         cache_seqlens=1), "rotary_cos"),
+    # Checks of the Python layer, made before anything is padded or passed to the core.
+    "rank": (lambda: flashattn.flash_attn_func(t(4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16)),
+             r"q: must be .* \(rank 4\)"),
+    "varlen_rank": (lambda: flashattn.flash_attn_varlen_func(
+        t(1, 8, 2, 16), t(8, 2, 16), t(8, 2, 16), torch.tensor([0, 8], dtype=torch.int32),
+        torch.tensor([0, 8], dtype=torch.int32), 8, 8), r"q: must be .* \(rank 3\)"),
+    "head_dim_zero": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 0), t(1, 4, 2, 0), t(1, 4, 2, 0)),
+                      r"q: head dimension .* in \[1, 256\]"),
+    "softmax_scale_zero": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16),
+                                                             softmax_scale=0.0), "softmax_scale: must be a finite"),
+    "softmax_scale_nan": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16),
+                                                            softmax_scale=float("nan")), "softmax_scale"),
+    "window_int32": (lambda: flashattn.flash_attn_func(t(1, 4, 2, 16), t(1, 4, 2, 16), t(1, 4, 2, 16),
+                                                       window_size=(2**31, 0)),
+                     r"window_size\[0\]: must be an int in"),
+    "max_seqlen_int32": (lambda: flashattn.flash_attn_varlen_func(
+        t(8, 2, 16), t(8, 2, 16), t(8, 2, 16), torch.tensor([0, 8], dtype=torch.int32),
+        torch.tensor([0, 8], dtype=torch.int32), 8, -2**40), "max_seqlen_k: must be an int in"),
+    "kvcache_k_rank": (lambda: flashattn.flash_attn_with_kvcache(
+        t(1, 1, 2, 16), t(1, 8, 2, 16), t(1, 8, 2, 16), t(1, 2, 16), t(1, 1, 2, 16), cache_seqlens=1),
+        r"k: must be .* \(rank 4\)"),
+    "numpy_rank": (lambda: flashattn.flash_attn_func(np.ones((4, 2, 16), np.float16),
+                                                     *(np.ones((1, 4, 2, 16), np.float16),) * 2),
+                   r"q: must be .* \(rank 4\)"),
+    "numpy_softmax_scale": (lambda: flashattn.flash_attn_func(
+        *(np.ones((1, 4, 2, 16), np.float16),) * 3, softmax_scale=-1.0), "softmax_scale: must be a finite"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_error_names_the_argument(case):
+    """Caught as RuntimeError (flash_attn's callers) and as ValueError alike."""
     call, fragment = CASES[case]
-    with pytest.raises(ValueError, match=fragment):
+    with pytest.raises(RuntimeError, match=fragment) as caught:
         call()
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, flashattn.Error)
 
 
 def test_nothing_written_on_error():
