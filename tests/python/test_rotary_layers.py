@@ -4,6 +4,7 @@ RotaryEmbedding's tables."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -214,3 +215,37 @@ def test_errors():
         apply_rotary_emb(x, cos, sin)
     with pytest.raises(flashattn.Error, match="num_heads_q"):
         apply_rotary_emb_qkv_(torch.zeros((1, 4, 6, 16)), cos[:, :4], sin[:, :4])
+
+
+def test_rotary_embedding_signature():
+    """flash_attn's RotaryEmbedding(dim, base=10000.0, interleaved=False, scale_base=None,
+    pos_idx_in_fp32=True, device=None), as inspect.getfullargspec reads it."""
+    spec = inspect.getfullargspec(RotaryEmbedding.__init__)
+    names = ["self", "dim", "base", "interleaved", "scale_base", "pos_idx_in_fp32", "device"]
+    assert spec.args == names
+    assert spec.defaults == (10000.0, False, None, True, None)
+    assert spec.varargs is None and spec.varkw is None and not spec.kwonlyargs
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_rotary_embedding_positions_dtype(device):
+    """A module converted to bfloat16: with pos_idx_in_fp32 (the default) its tables are the float32
+    ones rounded once; without, positions and angles are bfloat16 (position 601 is 600 there), so
+    the tables at long positions differ."""
+    dim, n = 16, 700
+    x = randn((1, n, 3, 2, dim), torch.bfloat16, device, torch.Generator().manual_seed(9))
+    tables_of = {}
+    for in_fp32 in (True, False):
+        module = RotaryEmbedding(dim, pos_idx_in_fp32=in_fp32, device=device).to(torch.bfloat16)
+        assert module.inv_freq.dtype == torch.bfloat16
+        module(x.clone())
+        tables_of[in_fp32] = module._cos_cached, module._sin_cached
+    inv_freq32 = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    angles32 = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inv_freq32)
+    assert torch.equal(tables_of[True][0], torch.cos(angles32).to(torch.bfloat16))
+    assert torch.equal(tables_of[True][1], torch.sin(angles32).to(torch.bfloat16))
+    inv_freq16 = inv_freq32.to(torch.bfloat16)
+    angles16 = torch.outer(torch.arange(n, dtype=torch.bfloat16, device=device), inv_freq16)
+    assert torch.equal(tables_of[False][0], torch.cos(angles16))
+    assert torch.equal(tables_of[False][1], torch.sin(angles16))
+    assert not torch.equal(tables_of[False][0], tables_of[True][0])

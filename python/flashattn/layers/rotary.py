@@ -6,7 +6,8 @@ package: rotary position embedding (RoPE) of queries and keys, with autograd, on
     apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False,
                           seqlen_offsets=0, num_heads_q=None)        # in place
     apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0)   # in place
-    RotaryEmbedding(dim, base=10000.0, interleaved=False, scale_base=None, device=None)
+    RotaryEmbedding(dim, base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True,
+                    device=None)
 
 cos, sin: (seqlen_ro, rotary_dim / 2); the first rotary_dim entries of each head are rotated,
 the rest pass through. The token at position p (its index in its sequence plus seqlen_offsets,
@@ -237,15 +238,23 @@ class RotaryEmbedding(torch.nn.Module):
     """Rotary position embedding (RoFormer) over the first `dim` entries of each head, applied in
     place. Frequencies base^(-2i/dim); with scale_base, XPos: q's tables are multiplied and k's
     divided by a per-position decay ((2i + 0.4·dim) / (1.4·dim))^((p - seqlen/2) / scale_base).
-    The cos/sin tables are built in float32 and cached, in the inputs' dtype, for the longest
-    sequence seen so far."""
+    The cos/sin tables are cached, in the inputs' dtype, for the longest sequence seen so far.
 
-    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, device=None):
+    pos_idx_in_fp32 (True, the default): the positions, their products with the frequencies and
+    cos/sin are float32, with the frequencies recomputed in float32 when the module has been
+    converted to another dtype (``.to(torch.bfloat16)`` converts the inv_freq buffer too): in
+    bfloat16 the position 257 would already be 256. False: the positions and those products are
+    in inv_freq's dtype, as the buffer is (float32 unless the module was converted), and cos/sin
+    are taken in that dtype; the XPos decay stays float32 either way."""
+
+    def __init__(self, dim: int, base=10000.0, interleaved=False, scale_base=None, pos_idx_in_fp32=True,
+                 device=None):
         super().__init__()
         self.dim = dim
         self.base = float(base)
         self.interleaved = interleaved
         self.scale_base = scale_base
+        self.pos_idx_in_fp32 = pos_idx_in_fp32
         self.register_buffer("inv_freq", self._inv_freq(device), persistent=False)
         self.register_buffer("scale", self._xpos_scale(device) if scale_base is not None else None,
                              persistent=False)
@@ -265,17 +274,21 @@ class RotaryEmbedding(torch.nn.Module):
         if not stale:
             return
         self._seq_len_cached = seqlen
-        # float32 throughout: positions and their products with the frequencies are large, and a
-        # module converted to bf16 would otherwise build its tables in bf16.
-        inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else self._inv_freq(device)
-        t = torch.arange(seqlen, dtype=torch.float32, device=device)
-        freqs = torch.outer(t, inv_freq.to(device))
+        # With pos_idx_in_fp32, float32 throughout: positions and their products with the
+        # frequencies are large, and a module converted to bf16 would otherwise build its tables in
+        # bf16. Without it, in the buffer's dtype, whatever it is.
+        if self.pos_idx_in_fp32:
+            inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else self._inv_freq(device)
+        else:
+            inv_freq = self.inv_freq
+        positions = torch.arange(seqlen, dtype=inv_freq.dtype, device=device)
+        freqs = torch.outer(positions, inv_freq.to(device))
         cos, sin = torch.cos(freqs), torch.sin(freqs)
         if self.scale is None:
             self._cos_cached, self._sin_cached = cos.to(dtype), sin.to(dtype)
             return
         scale = self.scale if self.scale.dtype == torch.float32 else self._xpos_scale(device)
-        power = (t - seqlen // 2) / self.scale_base
+        power = (torch.arange(seqlen, dtype=torch.float32, device=device) - seqlen // 2) / self.scale_base
         decay = scale.to(device) ** power.unsqueeze(1)
         self._cos_cached, self._sin_cached = (cos * decay).to(dtype), (sin * decay).to(dtype)
         self._cos_k_cached, self._sin_k_cached = (cos / decay).to(dtype), (sin / decay).to(dtype)
