@@ -29,8 +29,18 @@ Argument conventions are those of flash_attn (flashattn.flash_attn_interface): n
 sizes and softcap <= 0 mean off, softmax_scale=0.0 is a zero scale. num_splits, pack_gqa,
 sm_margin and scheduler_metadata are performance hints of FlashAttention-3's kernels: accepted
 and not needed here (the CUDA backend picks its split-KV itself). What the library does not
-have raises NotImplementedError naming the argument: qv, attention_chunk != 0, seqused_q,
-cache_leftpad and rotary_seqlens.
+have raises NotImplementedError naming the argument: qv, attention_chunk != 0, cache_leftpad
+with FP8 inputs.
+
+seqused_q (flash_attn_varlen_func): the used rows are gathered into a packed batch of their own,
+attended, and scattered back (differentiable); the others get out 0, lse +inf and dq 0, where
+FlashAttention-3 leaves them unwritten. The gather reads the counts back to the host.
+cache_leftpad (flash_attn_with_kvcache, contiguous caches; page_table refuses it, as in
+FlashAttention-3): the keys of sequence i are the cache rows from cache_leftpad[i] on, masks
+counted from there; in the varlen path the cache is read as pages of one row. rotary_seqlens: the
+rotary position of each sequence's first new key and of its queries, in place of cache_seqlens
+(FlashAttention-3 reads it only when new keys are appended, and so here); such a call takes the
+varlen path (rotation and append in PyTorch).
 
 FP8 (docs/fp8.md): flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func and
 flash_attn_with_kvcache (varlen queries and new keys too; no rotary) take float8_e4m3fn q, k and v (caches
@@ -60,9 +70,6 @@ __all__ = [
 _WHAT = {
     "qv": "a separate query part for the value head dim",
     "attention_chunk": "chunked attention, attention_chunk != 0",
-    "seqused_q": "used queries per sequence; give them in cu_seqlens_q",
-    "cache_leftpad": "left-padded KV caches; shift each sequence to the start of its cache row",
-    "rotary_seqlens": "rotary positions other than cache_seqlens",
 }
 
 
@@ -146,9 +153,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            return_attn_probs=False, learnable_sink=None, s_aux=None):
     """q (total_q, nheads, d), k (total_k, nheads_k, d), v (..., dv); cu_seqlens_q/k (batch + 1,)
     int32; seqused_k (batch,) int32: only the first seqused_k[i] keys of sequence i are used ->
-    out (total_q, nheads, dv), or (out, softmax_lse (nheads, total_q)). learnable_sink / s_aux:
-    (nheads,) attention sinks. FP8: as flash_attn_func."""
-    _refuse(qv=qv, attention_chunk=attention_chunk, seqused_q=seqused_q)
+    out (total_q, nheads, dv), or (out, softmax_lse (nheads, total_q)). seqused_q (batch,) int32:
+    only the first seqused_q[i] queries of sequence i are attended (its length for the causal and
+    window alignment too); the other rows get out 0, lse +inf and dq 0 (see _with_used_queries).
+    learnable_sink / s_aux: (nheads,) attention sinks. FP8: as flash_attn_func."""
+    _refuse(qv=qv, attention_chunk=attention_chunk)
+    if seqused_q is not None:
+        return _with_used_queries(
+            q, cu_seqlens_q, seqused_q, return_attn_probs,
+            lambda q_used, cu_used: flash_attn_varlen_func(
+                q_used, k, v, cu_used, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, seqused_k, softmax_scale,
+                causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap, num_splits,
+                pack_gqa, deterministic, sm_margin, True, learnable_sink, s_aux))
     fp8 = _fp8_call(q, k, v, (q_descale, k_descale, v_descale), softmax_scale, causal, window_size, softcap,
                     _sinks(learnable_sink, s_aux),
                     varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k))
@@ -163,6 +179,52 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _scale_or_default(softmax_scale), causal, _window_size(window_size), _softcap(softcap), None,
         deterministic, seqused_k, _torch_api._sinks_fp32(sinks))
     return (out, lse) if return_attn_probs else out
+
+
+def _used_query_rows(cu_seqlens_q, seqused_q, total_q):
+    """The rows of packed queries (total_q, ...) that seqused_q keeps — the first seqused_q[i] of
+    sequence i — and their own prefix sums -> (rows (n,) int64, cu_used (batch + 1,) int32). Reads
+    the counts back to the host: their sum sizes the gather (one wait for a device)."""
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("seqused_q", seqused_q)):
+        _torch_api._check_tensor(name, x)
+        if x.dtype != torch.int32 or x.dim() != 1:
+            raise _C.Error(f"{name}: must be a 1-D int32 tensor; got {x.dtype} of shape {tuple(x.shape)}")
+    batch = cu_seqlens_q.numel() - 1
+    if seqused_q.shape[0] != batch or seqused_q.device != cu_seqlens_q.device:
+        raise _C.Error(f"seqused_q: must be ({batch},), one count per sequence of cu_seqlens_q, on its device; got "
+                       f"{tuple(seqused_q.shape)} on {seqused_q.device}")
+    # (cu_seqlens_q reaches the core only through these rows: its own rules are checked here.)
+    starts, used = cu_seqlens_q.long(), seqused_q.long()
+    lengths = starts[1:] - starts[:-1]
+    bad = torch.cat([starts[:1] < 0, starts[-1:] > total_q, lengths < 0, (used < 0) | (used > lengths)])
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0])
+        if first < 2:
+            raise _C.Error(f"cu_seqlens_q: must start at ≥ 0 and end at most at total_q ({total_q}); got "
+                           f"{cu_seqlens_q.tolist()}")
+        if first < 2 + batch:
+            raise _C.Error(f"cu_seqlens_q: must be non-decreasing; got {cu_seqlens_q.tolist()}")
+        b = first - 2 - batch
+        raise _C.Error(f"seqused_q: entry {b} must lie in [0, {int(lengths[b])}] (sequence {b}'s length in "
+                       f"cu_seqlens_q); got {int(used[b])}")
+    cu_used = torch.cat([used.new_zeros(1), used.cumsum(0)])
+    seq, index = _rows_of(cu_used, int(cu_used[-1]))
+    return starts[seq] + index, cu_used.to(torch.int32)
+
+
+def _with_used_queries(q, cu_seqlens_q, seqused_q, return_attn_probs, attend_used):
+    """flash_attn_varlen_func with seqused_q: the used rows are gathered into a packed batch of
+    their own (cu_seqlens from seqused_q), attended by attend_used(q_used, cu_used) -> (out, lse),
+    and scattered back. The rows past seqused_q[i] get out 0 and lse +inf — as the rows that no
+    sequence covers and the rows without keys do here (FlashAttention-3 leaves them unwritten) —
+    and dq 0; autograd runs through the gather and the scatter."""
+    rows, cu_used = _used_query_rows(cu_seqlens_q, seqused_q, q.shape[0])
+    out_used, lse_used = attend_used(q.index_select(0, rows), cu_used)
+    out = out_used.new_zeros((q.shape[0],) + tuple(out_used.shape[1:])).index_copy(0, rows, out_used)
+    if not return_attn_probs:
+        return out
+    lse = lse_used.new_full((lse_used.shape[0], q.shape[0]), float("inf")).index_copy(1, rows, lse_used)
+    return out, lse
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -194,15 +256,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     k_cache/v_cache (batch_cache, seqlen_cache, nheads_k, d/dv), or paged (num_blocks, page_size,
     nheads_k, d/dv) with page_table (batch, max_blocks) int32. k/v (batch, seqlen_new, nheads_k,
     d/dv), or (total_new, nheads_k, d/dv) with cu_seqlens_k_new: appended IN PLACE at
-    cache_seqlens[i] (rotated when rotary_cos/sin are given), then attended to. learnable_sink /
-    s_aux: (nheads,) attention sinks. Not differentiable. FP8: float8_e4m3fn q, caches and k/v
-    with (batch, nheads_k) descales, no rotary -> bfloat16 out."""
-    _refuse(qv=qv, attention_chunk=attention_chunk, cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens)
+    cache_seqlens[i] (rotated when rotary_cos/sin are given), then attended to. cache_leftpad
+    (batch,) int32: the keys of sequence i start at row cache_leftpad[i] of its cache row (the
+    core's rule, flashattn.flash_attn_with_kvcache; not with page_table or FP8). rotary_seqlens
+    (batch,) int32: with new keys and rotary_cos/sin, the rotary position of sequence i's first new
+    key (and of its queries) instead of cache_seqlens[i]; ignored without new keys, as in
+    FlashAttention-3. learnable_sink / s_aux: (nheads,) attention sinks. Not differentiable. FP8:
+    float8_e4m3fn q, caches and k/v with (batch, nheads_k) descales, no rotary -> bfloat16 out."""
+    _refuse(qv=qv, attention_chunk=attention_chunk)
+    if cache_leftpad is not None and page_table is not None:
+        raise _C.Error("cache_leftpad: cannot be combined with a paged cache (page_table), as in FlashAttention-3")
+    if rotary_seqlens is not None and (rotary_cos is None or k is None):
+        rotary_seqlens = None  # (FlashAttention-3 reads it only where new keys are rotated)
     window = _window_size(window_size)
     scale = _scale_or_default(softmax_scale)
     sinks = _sinks(learnable_sink, s_aux)
     descales = (q_descale, k_descale, v_descale)
     if _fp8.is_fp8(q, k_cache, v_cache, k, v) or any(d is not None for d in descales):
+        if cache_leftpad is not None:
+            raise NotImplementedError("cache_leftpad: not supported with FP8 inputs by flashattn (the op "
+                                      "flashattn::fwd_kvcache_fp8 takes no left padding)")
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             _torch_api._check_tensor(name, x)
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
@@ -235,14 +308,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
             out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, None, None, cache_seqlens, cache_batch_idx,
                                        page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale, causal, window,
                                        _softcap(softcap), rotary_interleaved, sinks, attend=attend_fp8_varlen)
-    elif cu_seqlens_q is None and cu_seqlens_k_new is None:
+    elif cu_seqlens_q is None and cu_seqlens_k_new is None and rotary_seqlens is None:
         out, lse = flashattn.flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, None, page_table,
-            scale, causal, window, _softcap(softcap), rotary_interleaved, None, num_splits, True, sinks=sinks)
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            page_table, scale, causal, window, _softcap(softcap), rotary_interleaved, None, num_splits, True,
+            sinks=sinks)
     else:
         out, lse = _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    cache_batch_idx, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, scale,
-                                   causal, window, _softcap(softcap), rotary_interleaved, sinks)
+                                   causal, window, _softcap(softcap), rotary_interleaved, sinks,
+                                   cache_leftpad=cache_leftpad, rotary_seqlens=rotary_seqlens)
     if not return_softmax_lse:
         return out
     no_partials = torch.empty((0,), dtype=torch.float32, device=out.device)
@@ -290,8 +365,9 @@ def _append(k_cache, v_cache, k, v, seq, positions, cache_batch_idx, page_table)
 
 
 def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx, page_table):
-    """Appends k, v (batch, seqlen_new, hk, d), or varlen (total_new, hk, d), rotated, at
-    cache_seqlens (old) of each sequence -> the lengths after the append."""
+    """Appends k, v (batch, seqlen_new, hk, d), or varlen (total_new, hk, d), at cache_seqlens (old)
+    of each sequence, rotated at the positions from the rotary tuple's first position of each
+    sequence -> the lengths after the append."""
     device = k_cache.device
     if cu_seqlens_k_new is not None:
         k_seq, k_idx = _rows_of(cu_seqlens_k_new.long(), k.shape[0])
@@ -302,33 +378,57 @@ def _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotar
         k_rows, v_rows = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     positions = old[k_seq] + k_idx
     if rotary is not None:
-        cos, sin, interleaved, _ = rotary
-        k_rows = _rotate_at(k_rows, cos, sin, interleaved, positions)
+        cos, sin, interleaved, _, first = rotary
+        k_rows = _rotate_at(k_rows, cos, sin, interleaved, first[k_seq] + k_idx)
     _append(k_cache, v_cache, k_rows, v_rows, k_seq, positions, cache_batch_idx, page_table)
     return old + torch.bincount(k_seq, minlength=batch)
 
 
+def _per_sequence(name, x, batch, device):
+    """An optional (batch,) int32 argument on the cache's device, as int64 (None stays None)."""
+    if x is None:
+        return None
+    _torch_api._check_tensor(name, x)
+    if x.dtype != torch.int32 or tuple(x.shape) != (batch,) or x.device != device:
+        raise _C.Error(f"{name}: must be int32 of shape ({batch},) on the cache's device; got {x.dtype} of shape "
+                       f"{tuple(x.shape)} on {x.device}")
+    return x.long()
+
+
 def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                     page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, softmax_scale, causal, window,
-                    softcap, rotary_interleaved, sinks=None, attend=None):
-    """flash_attn_with_kvcache with varlen queries or new keys: _varlen_queries_over_cache, queries
-    (batch, seqlen_q, h, d) given without cu_seqlens_q taken as varlen rows of seqlen_q each (out
-    and lse then shaped back). attend: as _varlen_queries_over_cache's (FP8 calls: the FP8 op)."""
+                    softcap, rotary_interleaved, sinks=None, attend=None, cache_leftpad=None, rotary_seqlens=None):
+    """flash_attn_with_kvcache with varlen queries or new keys (or rotary_seqlens):
+    _varlen_queries_over_cache, queries (batch, seqlen_q, h, d) given without cu_seqlens_q taken as
+    varlen rows of seqlen_q each (out and lse then shaped back). attend: as
+    _varlen_queries_over_cache's (FP8 calls: the FP8 op)."""
     if page_table is not None and cache_batch_idx is not None:
         raise _C.Error("cache_batch_idx: cannot be combined with a paged cache (page_table)")
     if cache_seqlens is None:
-        raise _C.Error("cache_seqlens: is required with cu_seqlens_q or cu_seqlens_k_new")
-    batch = (cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k_new).numel() - 1
+        raise _C.Error("cache_seqlens: is required with cu_seqlens_q, cu_seqlens_k_new, cache_leftpad or "
+                       "rotary_seqlens")
+    if cu_seqlens_q is not None or cu_seqlens_k_new is not None:
+        batch = (cu_seqlens_q if cu_seqlens_q is not None else cu_seqlens_k_new).numel() - 1
+    else:
+        batch = q.shape[0]
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
     old = cache_seqlens.long()
-    # Queries rotate at their own positions when causal or windowed (FlashAttention's rule).
+    leftpad = _per_sequence("cache_leftpad", cache_leftpad, batch, k_cache.device)
+    if leftpad is not None and bool(((leftpad < 0) | (leftpad > old)).any()):
+        # (Checked before anything is appended; the core's rule for cache_leftpad.)
+        b = int(torch.nonzero((leftpad < 0) | (leftpad > old))[0])
+        raise _C.Error(f"cache_leftpad: entry {b} must lie in [0, cache_seqlens[{b}]] = [0, {int(old[b])}]; got "
+                       f"{int(leftpad[b])}")
+    rotary_first = _per_sequence("rotary_seqlens", rotary_seqlens, batch, k_cache.device)
+    # Queries rotate at their own positions when causal or windowed (FlashAttention's rule), from
+    # rotary_seqlens where given, else from cache_seqlens.
     rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved,
-                                              causal or window != (-1, -1))
+                                              causal or window != (-1, -1), old if rotary_first is None else rotary_first)
     if cu_seqlens_q is not None:
         return _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
                                           batch, old, rotary, cache_batch_idx, page_table, softmax_scale, causal,
-                                          window, softcap, sinks, attend)
+                                          window, softcap, sinks, attend, leftpad)
     if q.dim() != 4 or q.shape[0] != batch:
         raise _C.Error(f"q: must be (batch, seqlen_q, nheads, headdim) with the batch of cu_seqlens_k_new ({batch}) "
                        f"when cu_seqlens_q is not given; got {tuple(q.shape)}")
@@ -336,25 +436,26 @@ def _varlen_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32, device=q.device)
     out, lse = _varlen_queries_over_cache(q.reshape(batch * sq, h, q.shape[3]), k_cache, v_cache, k, v, cu_q,
                                           cu_seqlens_k_new, sq, batch, old, rotary, cache_batch_idx, page_table,
-                                          softmax_scale, causal, window, softcap, sinks, attend)
+                                          softmax_scale, causal, window, softcap, sinks, attend, leftpad)
     return out.reshape(batch, sq, h, out.shape[-1]), lse.reshape(h, batch, sq).transpose(0, 1)
 
 
 def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, batch, old,
                                rotary, cache_batch_idx, page_table, softmax_scale, causal, window, softcap, sinks,
-                               attend=None):
+                               attend=None, leftpad=None):
     """Varlen queries (total_q, h, d) over a KV cache, as serving engines call it: the queries
     rotated and the new keys appended here, then one varlen attention over the cache as pages
     (block_table; a contiguous cache is pages of its whole length, one per sequence, through
     cache_batch_idx where given) with seqused_k the lengths after the append — the bottom-right
     alignment of causal and window masks is the same — without padding the queries into a batch.
     attend(q, cu_seqlens_q, block_table, seqused_k, max_seqlen_q, max_seqlen_k) -> (out, lse): that
-    attention instead of the library's varlen function (FP8: the FP8 op)."""
+    attention instead of the library's varlen function (FP8: the FP8 op). leftpad (batch,) int64: a
+    contiguous cache's keys of sequence i start at that row (_left_padded_pages)."""
     if rotary is not None:
-        cos, sin, interleaved, by_row = rotary
+        cos, sin, interleaved, by_row, first = rotary
         q_seq, q_idx = _rows_of(cu_seqlens_q.long(), q.shape[0])
         # Rotated before anything is appended, so that a short table leaves the caches as they were.
-        q = _rotate_at(q, cos, sin, interleaved, old[q_seq] + (q_idx if by_row else 0))
+        q = _rotate_at(q, cos, sin, interleaved, first[q_seq] + (q_idx if by_row else 0))
     new = old
     if k is not None:
         new = _append_new_keys(k_cache, v_cache, k, v, cu_seqlens_k_new, batch, old, rotary, cache_batch_idx,
@@ -372,8 +473,26 @@ def _varlen_queries_over_cache(q, k_cache, v_cache, k, v, cu_seqlens_q, cu_seqle
         raise _C.Error(f"cache_seqlens: must leave every sequence's keys within the cache's capacity of {capacity}; "
                        f"got {int(new.max())} keys")
     max_seqlen_q = int_arg("max_seqlen_q", max_seqlen_q)
+    if leftpad is not None:
+        k_cache, v_cache, block_table, new = _left_padded_pages(k_cache, v_cache, block_table[:, 0], leftpad, new)
     if attend is not None:
         return attend(q, cu_seqlens_q, block_table, new.to(torch.int32), max_seqlen_q, capacity)
     return flashattn.flash_attn_varlen_func(
         q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q, capacity, 0.0, softmax_scale, causal, window, softcap,
         None, False, False, block_table, seqused_k=new.to(torch.int32), return_softmax_lse=True, sinks=sinks)
+
+
+def _left_padded_pages(k_cache, v_cache, rows, leftpad, new):
+    """cache_leftpad over a contiguous cache (b_cache, seqlen_cache, hk, d) in the varlen path:
+    the cache as pages of one row each (a view where its first two axes merge, else a copy made
+    after the append) and a block table (batch, seqlen_cache) that lists for sequence i the rows
+    of its cache row `rows[i]` from leftpad[i] on, so that the attention's key j is cache row
+    leftpad[i] + j — masks then count from there, as in the core's cache_leftpad. -> (k_pages,
+    v_pages, block_table, the key counts new - leftpad)."""
+    b_cache, seqlen_cache = k_cache.shape[:2]
+    first = rows.long() * seqlen_cache + leftpad
+    table = first.unsqueeze(1) + torch.arange(seqlen_cache, device=first.device)
+    # Entries past a sequence's keys are never read; clamped, they still name a page that exists.
+    table = table.clamp_max(b_cache * seqlen_cache - 1).to(torch.int32)
+    pages = [c.reshape(b_cache * seqlen_cache, 1, *c.shape[2:]) for c in (k_cache, v_cache)]
+    return pages[0], pages[1], table, new - leftpad

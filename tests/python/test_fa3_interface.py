@@ -100,17 +100,18 @@ def test_qkvpacked(device):
                                                               packed[:, :, 5:6]), rtol=0, atol=0)
 
 
+def varlen_inputs(lq, lk, h, d, device, seed):
+    """Packed bf16 q, k, v and dout of sequences of lq queries and lk keys."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(randn((sum(n), h, d), torch.bfloat16, device, g) for n in (lq, lk, lk, lq))
+
+
 @pytest.mark.parametrize("device", torch_devices())
 def test_varlen_seqused_k(device):
     """seqused_k: only the first seqused_k[i] keys of sequence i count, forward and backward;
     the unused keys get no gradient."""
     lq, lk, used = [7, 0, 12], [10, 5, 20], [4, 5, 13]
-    h, d = 2, 48
-    g = torch.Generator().manual_seed(3)
-    q = randn((sum(lq), h, d), torch.bfloat16, device, g)
-    k = randn((sum(lk), h, d), torch.bfloat16, device, g)
-    v = randn((sum(lk), h, d), torch.bfloat16, device, g)
-    dout = randn((sum(lq), h, d), torch.bfloat16, device, g)
+    q, k, v, dout = varlen_inputs(lq, lk, 2, 48, device, 3)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     seqused = torch.tensor(used, dtype=torch.int32, device=device)
     out, lse = fa3.flash_attn_varlen_func(qg, kg, vg, cu(lq, device), cu(lk, device), max(lq), max(lk),
@@ -123,6 +124,62 @@ def test_varlen_seqused_k(device):
     check_varlen(q, k[keep], v[keep], cu(lq, "cpu").tolist(), cu(used, "cpu").tolist(), out, lse,
                  max_seqlen_k=max(used), grads=(qg.grad, kg.grad[keep], vg.grad[keep]), dout=dout, causal=True)
     assert torch.all(kg.grad[dropped] == 0) and torch.all(vg.grad[dropped] == 0)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_seqused_q(causal, device):
+    """seqused_q: only the first seqused_q[i] queries of sequence i are attended (the causal mask
+    aligned to that length), as the same call on those rows alone gives them, out and lse and dq
+    bit-equal; the other rows get out 0, lse +inf and dq 0; against the float64 oracle too."""
+    lq, used_q, lk, used_k = [7, 0, 12, 5], [4, 0, 12, 0], [10, 5, 20, 3], [9, 5, 13, 3]
+    q, k, v, dout = varlen_inputs(lq, lk, 2, 40, device, 21)
+    seqused_k = torch.tensor(used_k, dtype=torch.int32, device=device)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out, lse = fa3.flash_attn_varlen_func(qg, kg, vg, cu(lq, device), cu(lk, device), max(lq), max(lk),
+                                          seqused_q=torch.tensor(used_q, dtype=torch.int32, device=device),
+                                          seqused_k=seqused_k, causal=causal, return_attn_probs=True)
+    out.backward(dout)
+    starts = cu(lq, "cpu").tolist()
+    used = torch.cat([torch.arange(starts[i], starts[i] + used_q[i]) for i in range(len(lq))]).to(device)
+    unused = torch.ones(sum(lq), dtype=torch.bool, device=device)
+    unused[used] = False
+    assert torch.all(out[unused] == 0) and torch.all(lse[:, unused] == float("inf"))
+    assert torch.all(qg.grad[unused] == 0)
+    q_alone = q[used].clone().requires_grad_()
+    k_alone, v_alone = (x.clone().requires_grad_() for x in (k, v))
+    out_alone, lse_alone = fa3.flash_attn_varlen_func(q_alone, k_alone, v_alone, cu(used_q, device), cu(lk, device),
+                                                      max(lq), max(lk), seqused_k=seqused_k, causal=causal,
+                                                      return_attn_probs=True)
+    out_alone.backward(dout[used])
+    torch.testing.assert_close(out[used], out_alone, rtol=0, atol=0)
+    torch.testing.assert_close(lse[:, used], lse_alone, rtol=0, atol=0)
+    for name, a, b in (("dq", qg.grad[used], q_alone.grad), ("dk", kg.grad, k_alone.grad),
+                       ("dv", vg.grad, v_alone.grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    k_starts = cu(lk, "cpu").tolist()
+    keep = torch.cat([torch.arange(k_starts[i], k_starts[i] + used_k[i]) for i in range(len(lk))]).to(device)
+    check_varlen(q[used], k[keep], v[keep], cu(used_q, "cpu").tolist(), cu(used_k, "cpu").tolist(), out[used],
+                 lse[:, used], max_seqlen_k=max(used_k), grads=(qg.grad[used], kg.grad[keep], vg.grad[keep]),
+                 dout=dout[used], causal=causal)
+    assert isinstance(fa3.flash_attn_varlen_func(q, k, v, cu(lq, device), cu(lk, device), max(lq), max(lk),
+                                                 seqused_q=torch.tensor(used_q, dtype=torch.int32, device=device)),
+                      torch.Tensor)
+
+
+def test_varlen_seqused_q_errors():
+    """seqused_q past its sequence's length, of the wrong dtype or batch: flashattn.Error naming it."""
+    q = torch.zeros((9, 2, 16), dtype=torch.bfloat16)
+    cq = cu([4, 5], "cpu")
+    for used, fragment in (([5, 0], r"seqused_q: entry 0 must lie in \[0, 4\]"), ([0, -1], "seqused_q: entry 1"),
+                           ([1, 1, 1], r"seqused_q: must be \(2,\)")):
+        with pytest.raises(flashattn.Error, match=fragment):
+            fa3.flash_attn_varlen_func(q, q, q, cq, cq, 5, 5, seqused_q=torch.tensor(used, dtype=torch.int32))
+    with pytest.raises(flashattn.Error, match="seqused_q: must be a 1-D int32"):
+        fa3.flash_attn_varlen_func(q, q, q, cq, cq, 5, 5, seqused_q=torch.tensor([1, 1]))
+    with pytest.raises(flashattn.Error, match="cu_seqlens_q: must start at"):
+        fa3.flash_attn_varlen_func(q, q, q, cu([4, 6], "cpu"), cq, 6, 5,
+                                   seqused_q=torch.tensor([1, 1], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device", torch_devices())
@@ -295,6 +352,98 @@ def test_kvcache_varlen_queries_without_new_keys(mask, layout, device):
         torch.testing.assert_close(lse[:, cq[i]:cq[i + 1]], lse_ref[0])
 
 
+def kvcache_inputs(b, cap, hk, d, q_shape, new_shape, device, seed):
+    """bf16 caches (b, cap, hk, d), queries of q_shape and new keys/values of new_shape."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(randn(shape, torch.bfloat16, device, g) for shape in ((b, cap, hk, d),) * 2 + (q_shape,)
+                 + (new_shape,) * 2)
+
+
+def rotary_tables(n, d, device):
+    angles = np.outer(np.arange(n), 10000.0 ** (-np.arange(0, d, 2) / d))
+    return tuple(torch.from_numpy(f(angles)).to(device=device, dtype=torch.bfloat16) for f in (np.cos, np.sin))
+
+
+@pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_kvcache_leftpad(varlen, device):
+    """cache_leftpad over a contiguous cache, with new keys appended (rotated) and a causal mask:
+    each sequence equals the library's KV-cache call with the same left padding — in the batch
+    path the same call; with varlen queries and new keys (the cache read as pages of one row) the
+    same attention; the caches receive the same rows."""
+    b, hq, hk, d, cap = 3, 4, 2, 32, 24
+    old, leftpad, n_q, n_new = [9, 5, 12], [3, 0, 12], [2, 3, 1], [2, 3, 1]
+    if not varlen:
+        n_q, n_new = [2] * b, [2] * b
+    cache_k, cache_v, q, k_new, v_new = kvcache_inputs(b, cap, hk, d, (sum(n_q), hq, d), (sum(n_new), hk, d), device,
+                                                       23)
+    cos, sin = rotary_tables(cap, d, device)
+    seqlens, pads = (torch.tensor(x, dtype=torch.int32, device=device) for x in (old, leftpad))
+    k_arg, v_arg = cache_k.clone(), cache_v.clone()
+    if varlen:
+        args = (q, k_arg, v_arg, k_new, v_new)
+        kwargs = dict(cu_seqlens_q=cu(n_q, device), cu_seqlens_k_new=cu(n_new, device), max_seqlen_q=max(n_q))
+    else:
+        args = (q.view(b, 2, hq, d), k_arg, v_arg, k_new.view(b, 2, hk, d), v_new.view(b, 2, hk, d))
+        kwargs = {}
+    out, lse, *_ = fa3.flash_attn_with_kvcache(*args, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                               cache_leftpad=pads, causal=True, return_softmax_lse=True, **kwargs)
+    if varlen:
+        assert out.shape == q.shape and lse.shape == (hq, sum(n_q))
+    else:
+        k_ref, v_ref = cache_k.clone(), cache_v.clone()
+        out_ref, lse_ref = flashattn.flash_attn_with_kvcache(
+            args[0], k_ref, v_ref, args[3], args[4], cos, sin, cache_seqlens=seqlens, cache_leftpad=pads, causal=True,
+            return_softmax_lse=True)
+        torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+        torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0)
+        out, lse = out.flatten(0, 1), lse.transpose(0, 1).flatten(1, 2)
+    cq, ck = cu(n_q, "cpu").tolist(), cu(n_new, "cpu").tolist()
+    for i in range(b):
+        k_ref, v_ref = cache_k[i:i + 1].clone(), cache_v[i:i + 1].clone()
+        out_ref, lse_ref = flashattn.flash_attn_with_kvcache(
+            q[cq[i]:cq[i + 1]].unsqueeze(0), k_ref, v_ref, k_new[ck[i]:ck[i + 1]].unsqueeze(0),
+            v_new[ck[i]:ck[i + 1]].unsqueeze(0), cos, sin, cache_seqlens=seqlens[i:i + 1],
+            cache_leftpad=pads[i:i + 1], causal=True, return_softmax_lse=True)
+        torch.testing.assert_close(out[cq[i]:cq[i + 1]], out_ref[0])
+        torch.testing.assert_close(lse[:, cq[i]:cq[i + 1]], lse_ref[0])
+        assert torch.equal(k_arg[i], k_ref[0]) and torch.equal(v_arg[i], v_ref[0])
+    before = k_arg.clone()
+    with pytest.raises(flashattn.Error, match=r"cache_leftpad: entry 1 must lie in \[0, cache_seqlens\[1\]\]"):
+        fa3.flash_attn_with_kvcache(*args, cache_seqlens=seqlens, causal=True,
+                                    cache_leftpad=torch.tensor([0, 9, 0], dtype=torch.int32, device=device), **kwargs)
+    assert torch.equal(k_arg, before)
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_kvcache_rotary_seqlens(device):
+    """rotary_seqlens: the new keys and the queries rotate from rotary_seqlens[i] instead of
+    cache_seqlens[i] — the library's call whose tables start rotary_seqlens[i] - cache_seqlens[i]
+    rows later — while the keys are written at cache_seqlens[i]; without new keys it is ignored."""
+    b, sq, hq, hk, d, cap = 3, 2, 4, 2, 32, 24
+    old, first = [5, 0, 9], [7, 3, 9]
+    cache_k, cache_v, q, k_new, v_new = kvcache_inputs(b, cap, hk, d, (b, sq, hq, d), (b, sq, hk, d), device, 29)
+    cos, sin = rotary_tables(cap + 8, d, device)
+    seqlens, rotary_seqlens = (torch.tensor(x, dtype=torch.int32, device=device) for x in (old, first))
+    k_arg, v_arg = cache_k.clone(), cache_v.clone()
+    out = fa3.flash_attn_with_kvcache(q, k_arg, v_arg, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                      cache_seqlens=seqlens, rotary_seqlens=rotary_seqlens, causal=True,
+                                      rotary_interleaved=False)
+    for i in range(b):
+        shift = first[i] - old[i]
+        k_ref, v_ref = cache_k[i:i + 1].clone(), cache_v[i:i + 1].clone()
+        out_ref = flashattn.flash_attn_with_kvcache(
+            q[i:i + 1], k_ref, v_ref, k_new[i:i + 1], v_new[i:i + 1], cos[shift:], sin[shift:],
+            cache_seqlens=seqlens[i:i + 1], causal=True, rotary_interleaved=False)
+        torch.testing.assert_close(out[i:i + 1], out_ref)
+        assert torch.equal(k_arg[i], k_ref[0]) and torch.equal(v_arg[i], v_ref[0])
+    plain = fa3.flash_attn_with_kvcache(q, cache_k, cache_v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                        causal=True)
+    ignored = fa3.flash_attn_with_kvcache(q, cache_k, cache_v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                          rotary_seqlens=rotary_seqlens, causal=True)
+    torch.testing.assert_close(ignored, plain, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", torch_devices())
 def test_kvcache_batch(device):
     """Without varlen arguments: the library's KV-cache function under FA3's names (page_table)."""
@@ -343,11 +492,14 @@ def test_refusals():
     cases = {
         "qv": lambda: fa3.flash_attn_func(q, q, q, qv=q),
         "attention_chunk": lambda: fa3.flash_attn_func(q, q, q, attention_chunk=2),
-        "seqused_q": lambda: fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu([4], "cpu"), cu([4], "cpu"), 4, 4,
-                                                        seqused_q=cu([4], "cpu")[1:]),
-        "cache_leftpad": lambda: fa3.flash_attn_with_kvcache(q, q, q, cache_leftpad=cu([1], "cpu")[1:]),
-        "rotary_seqlens": lambda: fa3.flash_attn_with_kvcache(q, q, q, rotary_seqlens=cu([1], "cpu")[1:]),
+        "cache_leftpad": lambda: fa3.flash_attn_with_kvcache(q.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn),
+                                                             q.to(torch.float8_e4m3fn), cache_seqlens=4,
+                                                             cache_leftpad=cu([1], "cpu")[1:]),
     }
     for name, call in cases.items():
         with pytest.raises(NotImplementedError, match=name):
             call()
+    # A paged cache with left padding is an error of the call, as in FlashAttention-3.
+    with pytest.raises(flashattn.Error, match=r"cache_leftpad: cannot be combined with a paged cache \(page_table\)"):
+        fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, cache_leftpad=cu([1], "cpu")[1:],
+                                    page_table=torch.zeros((1, 1), dtype=torch.int32))
