@@ -28,9 +28,11 @@ and reject these values):
   dropout; here the dropout pattern is instead a pure function of rng_state, recomputable as
   docs/dropout.md describes.
 
-Not supported (raises NotImplementedError naming the argument): leftpad_k of the varlen forward
-(left-padded keys in varlen mode; cache_leftpad of the KV-cache function works). block_table
-(paged K/V) works in the varlen forward, as in flash_attn forward only. Every public function also
+leftpad_k of the varlen forward (keys of sequence i from row cu_seqlens_k[i] + leftpad_k[i] on,
+seqused_k[i] - leftpad_k[i] of them, or its cu_seqlens_k length minus leftpad_k[i]; masks count
+from there) is served as a paged K/V of one-row pages, without copying the keys; not with
+block_table (flash_attn refuses that too). block_table (paged K/V) works in the varlen forward,
+as in flash_attn forward only. Every public function also
 takes out= (keyword), and flash_attn_varlen_func seqused_k and return_softmax_lse, as vLLM's
 version of this module does. Invalid arguments raise flashattn.Error, which is both a ValueError and a RuntimeError
 (flash_attn raises RuntimeError from its C++ checks).
@@ -193,11 +195,6 @@ def _plain(x):
     return None if x is None else _pad_head_dim(x.detach())
 
 
-def _refuse(name, value, what):
-    if value is not None:
-        raise NotImplementedError(f"{name}: not supported by flashattn ({what})")
-
-
 def _store(dst, src):
     """Writes a gradient into the caller's buffer (flash_attn's dq/dk/dv are outputs)."""
     if dst is not None:
@@ -234,9 +231,12 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     """q (total_q, nheads, d), k (total_k, nheads_k, d), v (..., dv), cu_seqlens_q/k
     (batch + 1,) int32; seqused_k (batch,) int32: the keys of each sequence that are used ->
     (out (total_q, nheads, dv), softmax_lse (nheads, total_q) float32, S_dmask (empty),
-    rng_state). zero_tensors: rows past cu_seqlens_q[-1] get out 0 and softmax_lse -inf (else
-    they are unspecified)."""
-    _refuse("leftpad_k", leftpad_k, "left-padded keys")
+    rng_state). leftpad_k (batch,) int32: the keys of sequence i start leftpad_k[i] rows into it
+    (_left_padded_keys). zero_tensors: rows past cu_seqlens_q[-1] get out 0 and softmax_lse -inf
+    (else they are unspecified)."""
+    if leftpad_k is not None:
+        k, v, cu_seqlens_k, seqused_k, block_table = _left_padded_keys(k, v, cu_seqlens_k, seqused_k, leftpad_k,
+                                                                        max_seqlen_k, block_table)
     dropout_p = check_dropout_p(dropout_p)
     left, right = _window(window_size_left, window_size_right)
     rng_state = draw_rng_state(q.device) if dropout_p > 0.0 else None
@@ -250,6 +250,37 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         out = _zero_rows_after(out, end)
         lse = torch.where(torch.arange(lse.shape[1], device=lse.device) < end, lse, float("-inf"))
     return out, lse, _empty_s_dmask(q), rng_state
+
+
+def _left_padded_keys(k, v, cu_seqlens_k, seqused_k, leftpad_k, max_seqlen_k, block_table):
+    """flash_attn's leftpad_k: sequence i's keys are rows cu_seqlens_k[i] + leftpad_k[i] ... of k,
+    v (total_k, nheads_k, d), seqused_k[i] - leftpad_k[i] of them (without seqused_k, its
+    cu_seqlens_k length less leftpad_k[i]); masks and ALiBi count from that row. Served as a paged
+    K/V of one-row pages (views of k and v, nothing copied) whose block table (batch,
+    max_seqlen_k) lists those rows in order. Checks 0 ≤ leftpad_k[i] ≤ the sequence's key count on
+    the host. -> (k pages, v pages, cu_seqlens_k None, seqused_k, block_table)."""
+    if block_table is not None:
+        raise flashattn.Error("leftpad_k: cannot be combined with a paged K/V (block_table), as in flash_attn")
+    for name, x in (("leftpad_k", leftpad_k), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1:
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise flashattn.Error(f"{name}: must be a 1-D int32 tensor; got {got}")
+    batch = cu_seqlens_k.shape[0] - 1
+    if leftpad_k.shape[0] != batch or leftpad_k.device != k.device:
+        raise flashattn.Error(f"leftpad_k: must be ({batch},) on k's device; got {tuple(leftpad_k.shape)} on "
+                              f"{leftpad_k.device}")
+    starts, pad = cu_seqlens_k.long(), leftpad_k.long()
+    counts = seqused_k.long() if seqused_k is not None else starts[1:] - starts[:-1]
+    bad = (pad < 0) | (pad > counts)
+    if bool(bad.any()):
+        b = int(torch.nonzero(bad)[0])
+        raise flashattn.Error(f"leftpad_k: entry {b} must lie in [0, {int(counts[b])}] (the keys of sequence {b}); "
+                              f"got {int(pad[b])}")
+    total_k = k.shape[0]
+    table = (starts[:-1] + pad).unsqueeze(1) + torch.arange(int(max_seqlen_k), device=k.device)
+    # Entries past a sequence's keys are never read; clamped, they still name a page that exists.
+    table = table.clamp(0, max(total_k - 1, 0)).to(torch.int32)
+    return k.unsqueeze(1), v.unsqueeze(1), None, (counts - pad).to(torch.int32), table
 
 
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,

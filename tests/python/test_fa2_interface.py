@@ -191,6 +191,53 @@ def test_private_varlen_seqused_k_and_zero_tensors(device):
     assert torch.all(out[sum(lq):] == 0) and torch.all(lse[:, sum(lq):] == float("-inf"))
 
 
+@pytest.mark.parametrize("device", torch_devices())
+@pytest.mark.parametrize("with_seqused", [False, True], ids=["cu_seqlens_k", "seqused_k"])
+def test_private_varlen_leftpad_k(with_seqused, device):
+    """leftpad_k: sequence i's keys start leftpad_k[i] rows into it and end at seqused_k[i] (or its
+    cu_seqlens_k length), masks counted from there — the same as the packed call on those keys
+    alone, against the float64 oracle; causal, ALiBi and GQA, an empty sequence, a padding of 0."""
+    lq, lk, pad, used = [6, 3, 13, 4], [20, 5, 17, 9], [3, 5, 0, 9], [15, 5, 17, 9]
+    counts = used if with_seqused else lk
+    h, hk, d = 4, 2, 32
+    g = torch.Generator().manual_seed(12)
+    q = randn((sum(lq), h, d), torch.bfloat16, device, g)
+    k = randn((sum(lk), hk, d), torch.bfloat16, device, g)
+    v = randn((sum(lk), hk, d), torch.bfloat16, device, g)
+    alibi = torch.rand((h,), generator=g).to(device)
+    cq, ck = cu(lq, device), cu(lk, device)
+    seqused = torch.tensor(used, dtype=torch.int32, device=device) if with_seqused else None
+    out, lse, _, _ = fai._flash_attn_varlen_forward(
+        q, k, v, cq, ck, max(lq), max(lk), 0.0, None, True, alibi_slopes=alibi, seqused_k=seqused,
+        leftpad_k=torch.tensor(pad, dtype=torch.int32, device=device))
+    starts = ck.tolist()
+    keep = torch.cat([torch.arange(starts[i] + pad[i], starts[i] + counts[i]) for i in range(len(lq))]).to(device)
+    kept = [c - p for c, p in zip(counts, pad)]
+    ref_out, ref_lse, _, _ = fai._flash_attn_varlen_forward(q, k[keep], v[keep], cq, cu(kept, device), max(lq),
+                                                            max(kept), 0.0, None, True, alibi_slopes=alibi)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    check_varlen(q, k[keep], v[keep], cq.tolist(), cu(kept, "cpu").tolist(), out, lse, max_seqlen_k=max(kept),
+                 causal=True, alibi=alibi)
+
+
+def test_private_varlen_leftpad_k_errors():
+    """A padding past the sequence's keys, or with a paged K/V: flashattn.Error naming leftpad_k."""
+    x = torch.zeros((9, 2, 16), dtype=torch.bfloat16)
+    cq = cu([4, 5], "cpu")
+    for pad, fragment in (([5, 0], r"leftpad_k: entry 0 must lie in \[0, 4\]"), ([0, -1], "leftpad_k: entry 1"),
+                          ([0], r"leftpad_k: must be \(2,\)")):
+        with pytest.raises(flashattn.Error, match=fragment):
+            fai._flash_attn_varlen_forward(x, x, x, cq, cq, 5, 5, 0.0, None, False,
+                                           leftpad_k=torch.tensor(pad, dtype=torch.int32))
+    with pytest.raises(flashattn.Error, match="leftpad_k: must be a 1-D int32"):
+        fai._flash_attn_varlen_forward(x, x, x, cq, cq, 5, 5, 0.0, None, False, leftpad_k=torch.tensor([0, 0]))
+    with pytest.raises(flashattn.Error, match=r"leftpad_k: cannot be combined with a paged K/V"):
+        fai._flash_attn_varlen_forward(x, x.view(9, 1, 2, 16), x.view(9, 1, 2, 16), cq, cq, 5, 5, 0.0, None, False,
+                                       block_table=torch.zeros((2, 5), dtype=torch.int32),
+                                       leftpad_k=torch.tensor([0, 0], dtype=torch.int32))
+
+
 def call_by_argspec(fn, **given):
     """fn called as ring-attention code calls it: every argument by name, from
     inspect.getfullargspec (None where there is no default, softcap 0.0), updated with `given`."""
@@ -318,7 +365,7 @@ def test_softmax_scale_zero(causal, device):
 @pytest.mark.parametrize("device", torch_devices())
 def test_errors(device):
     """Invalid calls raise flashattn.Error, which code written for flash_attn catches as
-    RuntimeError; what is not supported raises NotImplementedError naming the argument."""
+    RuntimeError."""
     assert issubclass(flashattn.Error, ValueError) and issubclass(flashattn.Error, RuntimeError)
     q, k, v, _ = batch_inputs((1, 4, 4, 2, 2, 16, 16), torch.float16, device, seed=10)
     with pytest.raises(RuntimeError, match="k"):
@@ -329,8 +376,8 @@ def test_errors(device):
         fai.flash_attn_func(q, k, v, window_size=3)
     flat = q.reshape(-1, 2, 16)
     cq = cu([4], device)
-    with pytest.raises(NotImplementedError, match="leftpad_k"):
-        fai._flash_attn_varlen_forward(flat, flat, flat, cq, cq, 4, 4, 0.0, None, False, leftpad_k=cq[:1])
+    with pytest.raises(RuntimeError, match="leftpad_k: entry 0 must lie in"):
+        fai._flash_attn_varlen_forward(flat, flat, flat, cq, cq, 4, 4, 0.0, None, False, leftpad_k=cq[1:] + 1)
     # A paged K/V (block_table) and cache_leftpad are served (tests/python/test_paged_prefill.py);
     # here their shape errors name them.
     paged = flat.reshape(1, 4, 2, 16)
