@@ -31,7 +31,9 @@ Differences from flash_attn:
   global generator); see flashattn._torch_ops.draw_rng_state.
 - Window sizes below -1 and a negative softcap are errors here; flashattn.flash_attn_interface
   (flash_attn's module, private functions included) reads them as "off", takes softmax_scale=0.0
-  as a zero scale and returns S_dmask as an empty tensor, as flash_attn does.
+  as a zero scale and returns S_dmask as an empty tensor, as flash_attn does. Code written for
+  flash_attn therefore changes ``from flash_attn import ...`` to
+  ``from flashattn.flash_attn_interface import ...`` (python/README.md, "Drop-in modules").
 
 Invalid arguments raise flashattn.Error, a ValueError and a RuntimeError, whose message names the
 argument.
