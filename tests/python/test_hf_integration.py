@@ -169,7 +169,10 @@ def test_continuous_batching(device):
     if "page_size" not in inspect.signature(transformers.ContinuousBatchingConfig).parameters:
         pytest.skip(f"transformers {transformers.__version__}: ContinuousBatchingConfig takes no page_size "
                     f"(this test follows the pinned version, scripts/test-python)")
-    paging = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16)
+    # A CPU model on a machine with a GPU: transformers would turn on CUDA graphs and asynchronous
+    # batching (chosen by the GPU's presence, not the model's device), which a CPU model cannot take.
+    cpu_only = {} if device == "cuda" else dict(use_cuda_graph=False, use_async_batching=False)
+    paging = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16, **cpu_only)
     with torch.no_grad():
         batch = ours.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=paging,
                                     warmup=False)
