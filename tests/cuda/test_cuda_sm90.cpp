@@ -341,26 +341,6 @@ TEST(CudaSm90Host, TallD64TileForLongDenseCalls) {
   EXPECT_FALSE(fc::sm90::fwd_d64_tall(causal, 1)) << "causal with softcap";
 }
 
-// The wide d 128 tile (fwd_d128_wide): only in a build with it, dense calls without score mods
-// whose keys reach FLASHATTN_SM90_FWD_D128_WIDE_FROM (never by default), masked or not; never
-// split, varlen, paged or with softcap, ALiBi or dropout.
-TEST(CudaSm90Host, WideD128TileOnlyWhenAsked) {
-  const c::AttentionParams p = host_params(1, 16, 128, 4096);
-  const EnvOverride unset("FLASHATTN_SM90_FWD_D128_WIDE_FROM", "");
-  EXPECT_FALSE(fc::sm90::fwd_d128_wide(p, 1)) << "FLASHATTN_SM90_FWD_D128_WIDE_FROM unset";
-  const EnvOverride from("FLASHATTN_SM90_FWD_D128_WIDE_FROM", "2048");
-  const bool built = fc::sm90::fwd_d128_wide_built();
-  EXPECT_EQ(fc::sm90::fwd_d128_wide(p, 1), built);
-  EXPECT_FALSE(fc::sm90::fwd_d128_wide(p, 2)) << "split";
-  c::AttentionParams causal = p;
-  causal.causal = true;
-  EXPECT_EQ(fc::sm90::fwd_d128_wide(causal, 1), built) << "causal";
-  expect_refusals(p, [](const c::AttentionParams& q) { return fc::sm90::fwd_d128_wide(q, 1); },
-                  {{"fewer keys", [](c::AttentionParams& q) { q.max_seqlen_k = 2000; }},
-                   {"softcap", [](c::AttentionParams& q) { q.softcap = 30.0f; }},
-                   {"dropout", [](c::AttentionParams& q) { q.dropout_p = 0.1f; }}});
-}
-
 // The wide d 256 tile (fwd_d256_wide): dense calls without score mods whose keys reach
 // FLASHATTN_SM90_FWD_D256_WIDE_FROM (2048 by default; 0: never), masked or not; never split,
 // varlen, with seqused_k or a KV cache, paged or with softcap, ALiBi or dropout; never where the
@@ -732,14 +712,6 @@ TEST_P(CudaSm90Forward, WideD256Tile) {
   if (!fc::sm90::fwd_d256_wide_built()) GTEST_SKIP() << "NOT RUN: built with -DFLASHATTN_SM90_FWD_D256_WIDE=0";
   const EnvOverride always("FLASHATTN_SM90_FWD_D256_WIDE_FROM", "1");
   expect_wide_tile_matches(GetParam(), 256, 81);  // 80 keys divide none of the lengths
-}
-
-// The wide d 128 tile (128 × 176) taken at every length (FLASHATTN_SM90_FWD_D128_WIDE_FROM=1).
-TEST_P(CudaSm90Forward, WideD128Tile) {
-  FA_SKIP_WITHOUT_SM90();
-  if (!fc::sm90::fwd_d128_wide_built()) GTEST_SKIP() << "NOT RUN: built without -DFLASHATTN_SM90_FWD_D128_WIDE=1";
-  const EnvOverride always("FLASHATTN_SM90_FWD_D128_WIDE_FROM", "1");
-  expect_wide_tile_matches(GetParam(), 128, 177);  // 176 keys divide none of the lengths
 }
 
 TEST_P(CudaSm90Forward, Softcap) {

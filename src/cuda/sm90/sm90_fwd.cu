@@ -184,12 +184,6 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
   return num_splits_heuristic(std::int64_t(m_blocks) * p.heads * p.batch, n_blocks, sms, kMaxSplits);
 }
 
-bool fwd_d128_wide_built() { return kFwdD128Wide; }
-
-bool fwd_d128_wide(const common::AttentionParams& p, int num_splits) {
-  return wide_tile(kFwdD128Wide, p, num_splits, "FLASHATTN_SM90_FWD_D128_WIDE_FROM", 0);
-}
-
 bool fwd_d256_wide_built() { return kFwdD256Wide; }
 
 bool fwd_d256_wide(const common::AttentionParams& p, int num_splits) {

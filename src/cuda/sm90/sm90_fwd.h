@@ -34,9 +34,7 @@ struct FwdTileShape {
 //   d 96:  128 × 128, 2 stages — 120 KiB (Q 24 + K 48 + V 48) + O 24, rows of three 32-column
 //          swizzle atoms of 64 bytes (FwdTraits::kAtomCols; built where FLASHATTN_CUDA_HEAD_DIMS
 //          lists 96, else d 96 runs the d 128 kernel)
-//   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32; with
-//          -DFLASHATTN_SM90_FWD_D128_WIDE=1 the plain dense kernel also 128 × 176 where asked
-//          (kFwdD128WideTile, fwd_d128_wide; an A/B build)
+//   d 128: 128 × 128, 2 stages — 160 KiB (Q 32 + K 64 + V 64) + O 32
 //   d 192 (dv 128: fwd_head_dim_v): 128 × 128, 2 stages — 208 KiB (Q 48 + K 96 + V 64), O in Q's
 //          bytes (FlashAttention-3's tile for 192 / 128)
 //   d 256: 128 × 64,  2 stages — 192 KiB (Q 64 + K 64 + V 64), O in Q's bytes; the plain dense
@@ -92,25 +90,6 @@ inline constexpr FwdTileShape kFwdD256WideTile{128, 80, 2};
 // call; default 2048, 0: never).
 bool fwd_d256_wide(const common::AttentionParams& p, int num_splits);
 bool fwd_d256_wide_built();
-
-// The wide d 128 tile: 128 × 176, FlashAttention-3's without a mask (K and V 88 KiB each over two
-// stages, O in Q's bytes: 208 KiB), compiled beside the 128 × 128 one for the plain dense kernel
-// with -DFLASHATTN_SM90_FWD_D128_WIDE=1 (an A/B build: off by default until timed) and taken per
-// call by fwd_d128_wide. Its S accumulator (88 fp32 per thread) fits the consumers' registers only
-// with the descriptors in uniform registers (FLASHATTN_SM90_FWD_UNIFORM_DESC; sm_90a, bf16: 0
-// bytes of spills, 40 without them): the step then runs 3.5 instructions per key against 3.8 at
-// 128 keys (FlashAttention-3's: 3.4).
-#ifndef FLASHATTN_SM90_FWD_D128_WIDE
-#define FLASHATTN_SM90_FWD_D128_WIDE 0
-#endif
-inline constexpr bool kFwdD128Wide = FLASHATTN_SM90_FWD_D128_WIDE != 0;
-inline constexpr FwdTileShape kFwdD128WideTile{128, 176, 2};
-// Whether a call at the d 128 instantiation takes the wide tile: a build with it, a dense call (no
-// varlen, seqused_k or KV cache, not paged, not split) without softcap, ALiBi or dropout (masks
-// allowed), whose keys number at least FLASHATTN_SM90_FWD_D128_WIDE_FROM (read per call; default
-// 0: never).
-bool fwd_d128_wide(const common::AttentionParams& p, int num_splits);
-bool fwd_d128_wide_built();
 
 constexpr FwdTileShape fwd_tile(int head_dim) {
   return head_dim <= 64 ? (kD64Rows == 192 ? FwdTileShape{192, kD64Keys, 2}
@@ -205,13 +184,6 @@ constexpr bool fwd_pingpong(int head_dim, bool score_mod) {
 // unchanged in length: taken where a tile is short enough for its start to count, d <= 64.
 constexpr bool fwd_fast_divmod(int head_dim) { return head_dim <= 64; }
 
-// The consumers' shared-memory operand descriptors (Q, K, V) sliced for their warpgroup's first
-// thread, made warp-uniform by a shuffle, rather than for each thread: ptxas may then keep them in
-// uniform registers (FlashAttention-3's way). -DFLASHATTN_SM90_FWD_UNIFORM_DESC=1, an A/B build;
-// the kernels without softcap, ALiBi or dropout (FwdTraits::kUniformDesc).
-#ifndef FLASHATTN_SM90_FWD_UNIFORM_DESC
-#define FLASHATTN_SM90_FWD_UNIFORM_DESC 0
-#endif
 // The first index of p's tile order (block_m rows, `section` pairs per section, `splits` splits,
 // the sections' directions alternating or not) at which that decode differs from the division's,
 // or −1 where they agree on every index: a host check of FwdTileDivisors, in any build.

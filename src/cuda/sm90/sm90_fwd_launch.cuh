@@ -127,13 +127,6 @@ cudaError_t run_fwd(const common::AttentionParams& p, const SplitKvPartials& spl
                                                                                                   rng_state, stream);
     }
   }
-  if constexpr (kHeadDim == 128 && kFwdD128Wide) {
-    if (fwd_d128_wide(p, split.num_splits)) {
-      constexpr FwdTileShape t = kFwdD128WideTile;
-      return launch_fwd<FwdTraits<Element, 128, t.block_m, t.block_n, t.stages, false, false, false>>(p, split,
-                                                                                                   rng_state, stream);
-    }
-  }
   if constexpr (kHeadDim == 256 && kFwdD256Wide) {
     if (fwd_d256_wide(p, split.num_splits)) {
       constexpr FwdTileShape t = kFwdD256WideTile;

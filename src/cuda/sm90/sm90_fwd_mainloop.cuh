@@ -272,18 +272,9 @@ struct FwdMainloop {
     Tensor sQ = make_tensor(make_smem_ptr(Traits::q_smem(ss, count)), typename Traits::SmemLayoutQ{});  // (M, d)
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});    // (N, d, stage)
     Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});  // (dv, N, stage)
-    // Traits::kUniformDesc: the shared-memory operands' descriptors depend on the warpgroup alone,
-    // so they are sliced for its first thread, whose index a shuffle makes warp-uniform, and ptxas
-    // may keep them in uniform registers.
-    const int desc_thread =
-        Traits::kUniformDesc
-            ? __shfl_sync(0xffffffffu, thread / Traits::kWarpgroupThreads, 0) * Traits::kWarpgroupThreads
-            : thread;
-    auto desc_qk = mma_qk.get_thread_slice(desc_thread);
-    auto desc_pv = mma_pv.get_thread_slice(desc_thread);
-    Tensor tSrQ = desc_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
-    Tensor tSrK = desc_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-    Tensor tOrV = desc_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
 
     Tensor acc_s = partition_fragment_C(mma_qk, select<0, 1>(typename Traits::TileShapeQK{}));  // ((2,2,N/8), 1, 1)
     Tensor s_rc = make_tensor(acc_s.data(), rowcol_layout(acc_s.layout()));                     // (rows, cols)

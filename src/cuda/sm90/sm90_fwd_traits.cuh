@@ -99,10 +99,6 @@ struct FwdTraits {
   static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen && !kSplit;
   // Tiles decoded by the host's FastDivmod constants (FwdParams::divisors) or by division.
   static constexpr bool kFastDivmod = fwd_fast_divmod(kHeadDim);
-  // Descriptors sliced for the warpgroup's first thread (FLASHATTN_SM90_FWD_UNIFORM_DESC): not in
-  // the softcap/ALiBi/dropout kernels, which spill more with them (sm_90a, bf16, d 128 dense /
-  // varlen: 64 / 56 bytes → 84 / 144).
-  static constexpr bool kUniformDesc = FLASHATTN_SM90_FWD_UNIFORM_DESC != 0 && !kScoreMod;
 
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers,
   // which hold S (kBlockN / 2 fp32), P (kBlockN / 4) and O (kHeadDimV / 2) per thread. The sums

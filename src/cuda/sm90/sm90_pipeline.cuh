@@ -21,9 +21,9 @@ namespace flashattn::cuda::sm90 {
 using namespace cute;
 
 // The SS wgmma of a warpgroup's (M, N, K) tile: CuTe's selector, but for N = 80 (the backward's
-// 80-row tile, the forward's 80-key d 256 tile) and N = 176 (the wide d 128 forward tile), which
-// the selector offers only where CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined before its
-// header (else it takes N = 16: five or eleven times as many instructions): that atom by name.
+// 80-row tile, the forward's 80-key d 256 tile), which the selector offers only where
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined before its header (else it takes N = 16: five
+// times as many instructions): that atom by name.
 template <class Element, class Shape, GMMA::Major kMajorA = GMMA::Major::K, GMMA::Major kMajorB = GMMA::Major::K>
 constexpr auto ss_op() {
   if constexpr (decltype(size<1>(Shape{}))::value == 80) {
@@ -32,13 +32,6 @@ constexpr auto ss_op() {
     } else {
       static_assert(std::is_same_v<Element, cutlass::bfloat16_t>, "fp16 or bf16");
       return SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
-    }
-  } else if constexpr (decltype(size<1>(Shape{}))::value == 176) {
-    if constexpr (std::is_same_v<Element, cutlass::half_t>) {
-      return SM90::GMMA::MMA_64x176x16_F32F16F16_SS<kMajorA, kMajorB>{};
-    } else {
-      static_assert(std::is_same_v<Element, cutlass::bfloat16_t>, "fp16 or bf16");
-      return SM90::GMMA::MMA_64x176x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
     }
   } else {
     return SM90::GMMA::ss_op_selector<Element, Element, float, Shape, kMajorA, kMajorB>();
