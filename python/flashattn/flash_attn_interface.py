@@ -141,15 +141,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_k=None,
-                           return_softmax_lse=False, out=None):
+                           return_softmax_lse=False, out=None, s_aux=None):
     """flashattn.flash_attn_varlen_func with flash_attn's argument conventions (paged K/V through
     block_table with cu_seqlens_k or, as vLLM calls it, seqused_k and cu_seqlens_k=None; see
-    flashattn's docstring)."""
+    flashattn's docstring). s_aux: per-head attention sinks, vLLM's name (flashattn's sinks=,
+    docs/sinks.md)."""
     return _with_s_dmask(flashattn.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         _scale_or_default(softmax_scale), causal, _window_size(window_size), _softcap(softcap),
         alibi_slopes, deterministic, return_attn_probs, block_table, seqused_k=seqused_k,
-        return_softmax_lse=return_softmax_lse, out=out), q)
+        return_softmax_lse=return_softmax_lse, out=out, sinks=s_aux), q)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -178,13 +179,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None):
-    """flashattn.flash_attn_with_kvcache with flash_attn's argument conventions."""
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, out=None,
+                            s_aux=None):
+    """flashattn.flash_attn_with_kvcache with flash_attn's argument conventions; s_aux: per-head
+    attention sinks, vLLM's name (flashattn's sinks=, docs/sinks.md)."""
     return flashattn.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, _scale_or_default(softmax_scale), causal,
         _window_size(window_size), _softcap(softcap), rotary_interleaved, alibi_slopes, num_splits,
-        return_softmax_lse, out=out)
+        return_softmax_lse, out=out, sinks=s_aux)
 
 
 # --- the private building blocks -----------------------------------------------------------------

@@ -34,7 +34,8 @@ _VARLEN = ["cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
 KEYWORD_ONLY = {name: ["out"] for name in (
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache")}
-KEYWORD_ONLY["flash_attn_varlen_func"] = ["seqused_k", "return_softmax_lse", "out"]
+KEYWORD_ONLY["flash_attn_varlen_func"] = ["seqused_k", "return_softmax_lse", "out", "s_aux"]
+KEYWORD_ONLY["flash_attn_with_kvcache"] = ["out", "s_aux"]
 
 
 def _required(names):
@@ -76,7 +77,8 @@ def test_argspec(name):
     assert got == SIGNATURES[name]
     assert spec.varargs is None and spec.varkw is None
     # Beyond flash_attn's arguments, only the documented keyword-only extras: out= on every public
-    # function, and vLLM's seqused_k and return_softmax_lse on the varlen one.
+    # function, vLLM's seqused_k and return_softmax_lse on the varlen one, and vLLM's s_aux (the
+    # sinks) on the varlen and KV-cache ones.
     assert spec.kwonlyargs == KEYWORD_ONLY.get(name, [])
     assert all(spec.kwonlydefaults[n] in (None, False) for n in spec.kwonlyargs)
 
@@ -385,3 +387,38 @@ def test_errors(device):
         fai._flash_attn_varlen_forward(flat, paged, paged, cq, cq, 4, 4, 0.0, None, False, block_table=cq)
     with pytest.raises(RuntimeError, match="cache_leftpad"):
         fai.flash_attn_with_kvcache(q, k, v, cache_seqlens=cq[:1].expand(1), cache_leftpad=cq[:2])
+
+
+@pytest.mark.parametrize("device", torch_devices())
+def test_s_aux_is_vllms_sinks(device):
+    """s_aux (vLLM's keyword, which transformers' continuous batching passes where a kernel's
+    signature has it) is flashattn's sinks= on the varlen function over a paged cache and on the
+    KV-cache function: the same result bit for bit, and not the result without sinks."""
+    g = torch.Generator().manual_seed(31)
+    h, hk, d, page = 4, 2, 32, 16
+    lq, lk = [3, 5], [20, 37]
+    sinks = torch.randn(h, generator=g).mul(2).to(device)
+    q = randn((sum(lq), h, d), torch.bfloat16, device, g)
+    k_cache, v_cache = (randn((6, page, hk, d), torch.bfloat16, device, g) for _ in range(2))
+    table = torch.randperm(6, generator=g)[:6].view(2, 3).to(torch.int32).to(device)
+    cu_q = torch.tensor([0, lq[0], sum(lq)], dtype=torch.int32, device=device)
+    used = torch.tensor(lk, dtype=torch.int32, device=device)
+    common = dict(causal=True, block_table=table, seqused_k=used)
+    got = fai.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max(lq), max(lk), s_aux=sinks, **common)
+    want = flashattn.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max(lq), max(lk), sinks=sinks,
+                                            **common)
+    plain = fai.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max(lq), max(lk), **common)
+    assert torch.equal(got, want) and not torch.equal(got, plain)
+
+    qb = randn((2, 1, h, d), torch.bfloat16, device, g)
+    new = [randn((2, 1, hk, d), torch.bfloat16, device, g) for _ in range(2)]
+    caches = [randn((2, 24, hk, d), torch.bfloat16, device, g) for _ in range(2)]
+    seqlens = torch.tensor([7, 19], dtype=torch.int32, device=device)
+
+    def call(fn, **sink):
+        kc, vc = (c.clone() for c in caches)
+        return fn(qb, kc, vc, *new, cache_seqlens=seqlens, causal=True, **sink)
+
+    got = call(fai.flash_attn_with_kvcache, s_aux=sinks)
+    assert torch.equal(got, call(flashattn.flash_attn_with_kvcache, sinks=sinks))
+    assert not torch.equal(got, call(fai.flash_attn_with_kvcache))

@@ -207,3 +207,17 @@ def test_sinks_match_gpt_oss_eager_attention():
     for name, a, w in zip(("query", "key", "value", "sinks"), grads_got, grads_want):
         torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-5, msg=name)
     assert grads_got[3].abs().max() > 1e-3
+
+
+def test_continuous_batching_hands_the_sinks_on():
+    """Continuous batching's paged path is transformers' own FlashAttention path: it passes a
+    model's sinks on as s_aux to the served varlen and KV-cache functions only where their
+    signatures take that keyword — which flashattn's do."""
+    from transformers.modeling_flash_attention_utils import _lazy_define_process_function
+
+    from flashattn import flash_attn_interface as fai
+
+    sinks = torch.zeros(4)
+    for fn in (fai.flash_attn_varlen_func, fai.flash_attn_with_kvcache):
+        kwargs = _lazy_define_process_function(fn)(query_length=1, key_length=8, is_causal=True, s_aux=sinks)
+        assert kwargs.get("s_aux") is sinks, fn.__name__

@@ -25,8 +25,8 @@ dtype) and returned in float32. Continuous batching (generate_batch, whose calls
 paged cache) goes through transformers' own FlashAttention path, which the loader hook makes run
 on flashattn's flash_attn_varlen_func / flash_attn_with_kvcache. Attention sinks (s_aux, gpt-oss:
 one logit per head in each row's softmax denominator, docs/sinks.md) go to flashattn's own
-functions as sinks=, with their gradient; with the paged cache of continuous batching they raise
-NotImplementedError. (transformers 5.23 sends models that list their own FlashAttention kernels,
+functions as sinks=, with their gradient; in continuous batching transformers passes them as s_aux
+to the served varlen and KV-cache functions, which take that keyword (vLLM's). (transformers 5.23 sends models that list their own FlashAttention kernels,
 gpt-oss among them, to the first of those instead of a backend it does not list: such a model
 reaches this function only when that list is bypassed.) Attention weights are never returned
 (None).
@@ -83,11 +83,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """transformers' attention-function contract: query (batch, heads, q_len, d), key/value
     (batch, kv_heads, kv_len, d/dv) -> (out (batch, q_len, heads, dv), None)."""
     if kwargs.get("cache") is not None:  # continuous batching: transformers' paged path, on flashattn's functions
-        if s_aux is not None:
-            raise NotImplementedError("s_aux: attention sinks with transformers' paged cache (continuous batching) "
-                                      "are not supported by flashattn")
+        # (which take the sinks as s_aux, the keyword transformers passes where a kernel's signature has it)
         return _hf_flash_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                 sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
+                                 sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, s_aux=s_aux,
+                                 **kwargs)
     batch, q_len = query.shape[0], query.shape[2]
     dtype = _compute_dtype(query)
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))  # (batch, len, heads, d)
