@@ -56,7 +56,7 @@ import torch
 import flashattn
 from flashattn import _C, _fp8, _torch_api, _torch_ops
 from flashattn._common import int_arg
-from flashattn.flash_attn_interface import _scale, _scale_or_default, _softcap, _window_size
+from flashattn.flash_attn_interface import _one_row_pages, _scale, _scale_or_default, _softcap, _window_size
 from flashattn.layers.rotary import apply_rotary_emb
 
 __all__ = [
@@ -490,9 +490,6 @@ def _left_padded_pages(k_cache, v_cache, rows, leftpad, new):
     leftpad[i] + j — masks then count from there, as in the core's cache_leftpad. -> (k_pages,
     v_pages, block_table, the key counts new - leftpad)."""
     b_cache, seqlen_cache = k_cache.shape[:2]
-    first = rows.long() * seqlen_cache + leftpad
-    table = first.unsqueeze(1) + torch.arange(seqlen_cache, device=first.device)
-    # Entries past a sequence's keys are never read; clamped, they still name a page that exists.
-    table = table.clamp_max(b_cache * seqlen_cache - 1).to(torch.int32)
+    table = _one_row_pages(rows.long() * seqlen_cache + leftpad, seqlen_cache, b_cache * seqlen_cache)
     pages = [c.reshape(b_cache * seqlen_cache, 1, *c.shape[2:]) for c in (k_cache, v_cache)]
     return pages[0], pages[1], table, new - leftpad

@@ -279,11 +279,16 @@ def _left_padded_keys(k, v, cu_seqlens_k, seqused_k, leftpad_k, max_seqlen_k, bl
         b = int(torch.nonzero(bad)[0])
         raise flashattn.Error(f"leftpad_k: entry {b} must lie in [0, {int(counts[b])}] (the keys of sequence {b}); "
                               f"got {int(pad[b])}")
-    total_k = k.shape[0]
-    table = (starts[:-1] + pad).unsqueeze(1) + torch.arange(int(max_seqlen_k), device=k.device)
-    # Entries past a sequence's keys are never read; clamped, they still name a page that exists.
-    table = table.clamp(0, max(total_k - 1, 0)).to(torch.int32)
+    table = _one_row_pages(starts[:-1] + pad, int(max_seqlen_k), k.shape[0])
     return k.unsqueeze(1), v.unsqueeze(1), None, (counts - pad).to(torch.int32), table
+
+
+def _one_row_pages(first, length, rows):
+    """The block table (batch, length) int32 over `rows` pages of one row each whose sequence i
+    reads rows first[i], first[i] + 1, ...: left-padded keys served as a paged K/V. Entries past a
+    sequence's keys are never read; clamped, they still name a page that exists."""
+    table = first.unsqueeze(1) + torch.arange(length, device=first.device)
+    return table.clamp(0, max(rows - 1, 0)).to(torch.int32)
 
 
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,

@@ -148,17 +148,11 @@ bool fwd_tma_store_built(int head_dim, bool score_mod) { return fwd_tma_store(he
 bool fwd_paged_built() { return kFwdPaged; }
 
 namespace {
-// Whether a call may take a second tile compiled for the plain dense kernel only (the tall d 64,
-// wide d 128 and wide d 256 tiles): a dense call (no varlen, seqused_k or KV cache, not paged),
-// not split, without softcap, ALiBi or dropout.
+// Whether a call may take a second tile compiled for the plain dense kernel only (the tall d 64
+// and wide d 256 tiles): a dense call (no varlen, seqused_k or KV cache, not paged), not split,
+// without softcap, ALiBi or dropout.
 bool plain_dense_call(const common::AttentionParams& p, int num_splits) {
   return num_splits <= 1 && !fwd_score_mod(p) && !fwd_varlen_kernel(p) && !p.is_paged();
-}
-// A wide key tile's choice: built, a plain dense call, and at least `env` keys (default `from`).
-bool wide_tile(bool built, const common::AttentionParams& p, int num_splits, const char* env, int from) {
-  if (!built || !plain_dense_call(p, num_splits)) return false;
-  const std::int64_t keys = env_int(env, from);
-  return keys > 0 && p.max_seqlen_k >= keys;
 }
 }  // namespace
 
@@ -187,7 +181,9 @@ int fwd_num_splits(const common::AttentionParams& p, int head_dim, int sms) {
 bool fwd_d256_wide_built() { return kFwdD256Wide; }
 
 bool fwd_d256_wide(const common::AttentionParams& p, int num_splits) {
-  return wide_tile(kFwdD256Wide, p, num_splits, "FLASHATTN_SM90_FWD_D256_WIDE_FROM", 2048);
+  if (!kFwdD256Wide || !plain_dense_call(p, num_splits)) return false;
+  const int from = env_int("FLASHATTN_SM90_FWD_D256_WIDE_FROM", 2048);
+  return from > 0 && p.max_seqlen_k >= from;
 }
 
 int fwd_page_box_rows(int page_size) {
