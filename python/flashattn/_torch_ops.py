@@ -269,10 +269,21 @@ def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, 
               alibi_slopes, rng_state, sinks=None, dropout_row_offset=0, dropout_col_offset=0, *, need_lse=True):
     """_fwd writing into `out` (the caller's (b, sq, h, dv) tensor; None: a new one). need_lse
     False: no softmax_lse is allocated or written (None in its place)."""
-    b, sq, h, d = q.shape
+    b, sq, h, _ = q.shape
+    return _forward_call(out, (b, h, sq), q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                         window_size_right, softcap, alibi_slopes, rng_state, sinks, dropout_row_offset,
+                         dropout_col_offset, need_lse)
+
+
+def _forward_call(out, lse_shape, q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                  softcap, alibi_slopes, rng_state, sinks, dropout_row_offset, dropout_col_offset, need_lse,
+                  **varlen):
+    """The forward of _fwd_into and _varlen_fwd_into: `out` (None: a new one) and a softmax_lse of
+    lse_shape (None where need_lse is False) written; varlen: the varlen/paged keywords of
+    _C.forward. Returns (out, lse, rng_state)."""
     if out is None:
-        out = _new_out(q, d, v.shape[-1])
-    lse = _row_stats((b, h, sq), q.device) if need_lse else None
+        out = _new_out(q, q.shape[-1], v.shape[-1])
+    lse = _row_stats(lse_shape, q.device) if need_lse else None
     state = _rng_state_for(rng_state, dropout_p, q.device)
     num_threads, alloc, stream = _launch(q.device)
     opt = _options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
@@ -286,6 +297,7 @@ def _fwd_into(out, q, k, v, dropout_p, softmax_scale, causal, window_size_left, 
         workspace_alloc=alloc,
         stream=stream,
         sinks=sinks,
+        **varlen,
     )
     return out, lse, state
 
@@ -401,28 +413,12 @@ def _varlen_fwd_into(out, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_se
                      need_lse=True):
     """_varlen_fwd writing into `out` (the caller's (total_q, h, dv) tensor; None: a new one);
     need_lse as for _fwd_into."""
-    total_q, h, d = q.shape
-    if out is None:
-        out = _new_out(q, d, v.shape[-1])
-    lse = _row_stats((h, total_q), q.device) if need_lse else None
-    state = _rng_state_for(rng_state, dropout_p, q.device)
-    num_threads, alloc, stream = _launch(q.device)
-    opt = _options(num_threads, softmax_scale, causal, window_size_left, window_size_right, softcap, dropout_p,
-                   dropout_row_offset=dropout_row_offset, dropout_col_offset=dropout_col_offset)
-    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
-    _call(
-        _C.forward,
-        q, k, v, out, lse,
-        options=opt,
-        alibi_slopes=alibi_slopes,
-        rng_state=state if dropout_p > 0.0 else None,
-        workspace_alloc=alloc,
-        stream=stream,
-        sinks=sinks,
-        **varlen,
-    )
-    return out, lse, state
+    total_q, h, _ = q.shape
+    return _forward_call(out, (h, total_q), q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                         window_size_right, softcap, alibi_slopes, rng_state, sinks, dropout_row_offset,
+                         dropout_col_offset, need_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         seqused_k=seqused_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         block_table=block_table)
 
 
 varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())(_varlen_fwd)
