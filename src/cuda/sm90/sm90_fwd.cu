@@ -182,7 +182,7 @@ bool fwd_d256_wide_built() { return kFwdD256Wide; }
 
 bool fwd_d256_wide(const common::AttentionParams& p, int num_splits) {
   if (!kFwdD256Wide || !plain_dense_call(p, num_splits)) return false;
-  const int from = env_int("FLASHATTN_SM90_FWD_D256_WIDE_FROM", 2048);
+  const std::int64_t from = env_int("FLASHATTN_SM90_FWD_D256_WIDE_FROM", 2048);
   return from > 0 && p.max_seqlen_k >= from;
 }
 
