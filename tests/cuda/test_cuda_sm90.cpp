@@ -372,11 +372,11 @@ TEST(CudaSm90Host, WideD256TileForDenseCallsWithManyKeys) {
   EXPECT_EQ(fc::sm90::fwd_d256_wide(short_call, 1), built);
 }
 
-// The masked order's sections (fwd_l2_sections): the pairs whose K/V fit in 32 MiB where a pair has
-// at most 64 row blocks (16 MiB up to 16, where that leaves a section 1.5 rounds of tiles given the
-// SM count), all pairs elsewhere, whole groups of query heads under GQA, at least one kv head's,
-// alternating directions, and FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them, switch them off or
-// keep every section highest first.
+// The masked order's sections (fwd_l2_sections): at every length the pairs whose K/V fit in 16 MiB
+// where that leaves a section 1.5 rounds of tiles given the SM count, else in 32 MiB; whole groups
+// of query heads under GQA, at least one kv head's, alternating directions, and
+// FLASHATTN_SM90_FWD_L2_SECTION_MB / _ROWS / _ALT to size them, switch them off (by size or past a
+// row-block limit) or keep every section highest first.
 // Paged TMA boxes: 64 rows where the page size is a multiple of 64 and 16 otherwise, by default
 // (and with FLASHATTN_SM90_FWD_PAGE_BOX=64); 16 everywhere with the knob at 16.
 TEST(CudaSm90Host, PagedBoxesOf64RowsWherePagesAllow) {
@@ -452,7 +452,7 @@ TEST(CudaSm90Host, FastDivmodTileDecodeMatchesDivision) {
   EXPECT_EQ(orders, 4 * 3 * 6 * 3 * 4 * 2 * 2 * 2);
 }
 
-TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
+TEST(CudaSm90Host, MaskedOrderSectionsFitL2AtEveryLength) {
   c::AttentionParams p;
   p.batch = 32;
   p.heads = p.heads_k = 16;
@@ -468,17 +468,24 @@ TEST(CudaSm90Host, MaskedOrderSectionsFitL2WhereRowBlocksAreFew) {
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 64);
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 170).pairs, 64);   // 256 tiles: 1.506 rounds of 170
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 171).pairs, 128);  // 1.497 rounds: the 32 MiB share
-  p.max_seqlen_q = 16 * 128;  // 16 row blocks: the last length at 16 MiB
+  p.max_seqlen_q = 16 * 128;  // 16 row blocks
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 64);
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 64);  // 1024 tiles
-  p.max_seqlen_q += 1;  // 17 row blocks: 32 MiB
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);
-  p.max_seqlen_q = 64 * 128;  // 64 row blocks of 128: the last length with sections
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 128);
-  p.max_seqlen_q += 1;  // 65 row blocks: one section of every pair
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 32 * 16);
-  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 256).pairs, 128);  // 33 row blocks of 256
-  p.max_seqlen_q = 512;
+  p.max_seqlen_q = 65 * 128 + 1;  // 66 row blocks: sections still (no row-block limit)
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 64);
+  p.max_seqlen_q = p.max_seqlen_k = 16384;  // 128 row blocks; a head's K/V 8 MiB: 2 in 16 MiB
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 2);  // 256 tiles, 1.94 rounds
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 192, 132).pairs, 4);  // 2 pairs: 172 tiles; 32 MiB: 4
+  p.head_dim = p.head_dim_v = 256;  // 16 MiB a head: 128 tiles at 16 MiB, 256 at 32
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 2);
+  EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 1);  // no SM count: the 16 MiB share
+  p.head_dim = p.head_dim_v = 128;
+  {
+    const EnvOverride rows("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", "64");  // a limit: 128 row blocks pass it
+    EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 32 * 16);
+    EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 256, 132).pairs, 4);  // 64 row blocks of 256: sections
+  }
+  p.max_seqlen_q = p.max_seqlen_k = 512;
   p.heads_k = 2;                                          // GQA 8: a kv head's K/V serves 8 pairs
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128).pairs, 64 * 8);  // 64 kv heads' worth
   EXPECT_EQ(fc::sm90::fwd_l2_sections(p, 128, 132).pairs, 64 * 8);

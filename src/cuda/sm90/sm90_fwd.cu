@@ -104,8 +104,9 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m, int s
   const bool alternate = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ALT", 1) != 0;
   if (pairs <= 0) return {1, alternate};
   const std::int64_t m_blocks = (p.max_seqlen_q + block_m - 1) / block_m;
-  const std::int64_t row_blocks = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", kFwdL2SectionRowBlocks);
-  if (m_blocks > row_blocks) return {pairs, alternate};
+  // No limit by default; a limit set (≥ 0) leaves longer calls one section of every pair.
+  const std::int64_t row_blocks = env_int("FLASHATTN_SM90_FWD_L2_SECTION_ROWS", -1);
+  if (row_blocks >= 0 && m_blocks > row_blocks) return {pairs, alternate};
   const std::int64_t element_bytes = 2;
   const std::int64_t kv_head_bytes = std::max<std::int64_t>(
       1, std::int64_t(p.max_seqlen_k) * (p.head_dim + p.head_dim_v) * element_bytes);
@@ -117,12 +118,10 @@ FwdSections fwd_l2_sections(const common::AttentionParams& p, int block_m, int s
   const std::int64_t set_mib = env_int("FLASHATTN_SM90_FWD_L2_SECTION_MB", -1);
   if (set_mib == 0) return {pairs, alternate};
   if (set_mib > 0) return {pairs_in(set_mib), alternate};
-  if (m_blocks <= kFwdL2ShortRowBlocks) {
-    const int short_pairs = pairs_in(kFwdL2SectionShortMiB);
-    // At least 1.5 rounds of tiles (sms of them per round) in a section of the smaller share.
-    if (sms <= 0 || 2 * std::int64_t(short_pairs) * m_blocks >= 3 * std::int64_t(sms)) return {short_pairs, alternate};
-  }
-  return {pairs_in(kFwdL2SectionMiB), alternate};
+  const int small_pairs = pairs_in(kFwdL2SectionMiB);
+  // At least 1.5 rounds of tiles (sms of them per round) in a section of the smaller share.
+  if (sms <= 0 || 2 * std::int64_t(small_pairs) * m_blocks >= 3 * std::int64_t(sms)) return {small_pairs, alternate};
+  return {pairs_in(kFwdL2SectionWideMiB), alternate};
 }
 
 int fwd_fast_divmod_mismatch(const common::AttentionParams& p, int block_m, int section, int splits, bool alternate) {

@@ -196,34 +196,39 @@ int fwd_fast_divmod_mismatch(const common::AttentionParams& p, int block_m, int 
 bool fwd_snake_walk();
 
 // How many (head, batch) pairs one section of a masked call's tile order holds
-// (PersistentTileScheduler::tile, common::MaskedTileOrder): where a pair has at most
-// kFwdL2SectionRowBlocks row blocks (FLASHATTN_SM90_FWD_L2_SECTION_ROWS), as many query heads as
-// share the K/V of the kv heads that fit in FLASHATTN_SM90_FWD_L2_SECTION_MB MiB (default
-// kFwdL2SectionMiB; 0: no sections), at least one kv head's; elsewhere one section of every pair.
-// Sections alternate their directions (the first rises, the last falls;
-// FLASHATTN_SM90_FWD_L2_SECTION_ALT=0: every section highest first). All three are read at each
-// call. With every section highest first, a section's end put the next section's longest tiles
-// beside its shortest in one round, which the snake walk does not even out over rounds that hold
-// many row blocks each: at 16k keys d 128 sections ran 544 TFLOP/s against 674 without.
-// Alternating directions keep each boundary's tiles of like length together. Timed on the H200
-// (bf16, causal, L2 cleared, one call, docs/benchmarks-sm90.md run F), TFLOP/s without sections /
-// alternating sections: 1k keys d 128 359/413, d 256 331/396; 2k d 128 449/529, d 256 498/533;
-// 4k d 64 400/414, d 128 578/621, d 256 598/639. Timed again with the settings taking turns call
-// by call (run G, sections ÷ none): 512 keys–4k 1.01–1.19×; 8k 1.01–1.04× with the limit raised
-// past them; 16k 1.00×. Hence 64 row blocks: 8k queries at the 128-row tiles.
-// Where a pair has at most kFwdL2ShortRowBlocks row blocks (2k queries at 128 rows) the share is
-// kFwdL2SectionShortMiB instead, provided a section of it holds at least one and a half rounds of
-// tiles (`sms` tiles a round, one per persistent CTA; without `sms`, always): a section of about
-// one round put its longest tiles and the next section's in the same CTAs (the snake turns at the
-// round, the directions at the section) and ran the static walk at 0.64–0.69× (d 128 4k keys at
-// 8 MiB, 4 pairs of 32 row blocks; d 256 2k at 16 MiB, 8 pairs of 16). On an H100 (2026-12-07,
-// bf16, causal, L2 cleared, the settings taking turns call by call) 16 ÷ 32 MiB: 1k keys d 64
-// 1.02, d 128 1.07–1.09; 2k d 64 1.02, d 128 1.03; 4k and beyond level or lower, so only short
-// calls take it. A share set by FLASHATTN_SM90_FWD_L2_SECTION_MB is taken as it is.
-inline constexpr int kFwdL2SectionMiB = 32;
-inline constexpr int kFwdL2SectionRowBlocks = 64;
-inline constexpr int kFwdL2SectionShortMiB = 16;
-inline constexpr int kFwdL2ShortRowBlocks = 16;
+// (PersistentTileScheduler::tile, common::MaskedTileOrder): as many query heads as share the K/V
+// of the kv heads that fit in kFwdL2SectionMiB MiB of L2, at least one kv head's, provided a
+// section of them holds at least one and a half rounds of tiles (`sms` tiles a round, one per
+// persistent CTA; without `sms`, always); else those of kFwdL2SectionWideMiB MiB. Sections
+// alternate their directions (the first rises, the last falls). Knobs, read at each call:
+// FLASHATTN_SM90_FWD_L2_SECTION_MB sets the share as it is (0: no sections);
+// FLASHATTN_SM90_FWD_L2_SECTION_ROWS=N leaves calls of more than N row blocks one section of every
+// pair (unset: no limit); FLASHATTN_SM90_FWD_L2_SECTION_ALT=0 takes every section highest first.
+// Why each part (timings in docs/benchmarks-sm90.md, bf16, causal, L2 cleared, one call, the
+// settings taking turns call by call):
+// - alternating directions: with every section highest first, a section's end put the next
+//   section's longest tiles beside its shortest in one round, which the snake walk does not even
+//   out over rounds of many row blocks: at 16k keys d 128 sections ran 544 TFLOP/s against 674
+//   without (H200, run F); alternating keeps each boundary's tiles of like length together.
+// - sections at all: H200 (runs F, G), none / alternating sections, 1k keys d 128 359/413, d 256
+//   331/396; 2k d 128 449/529, d 256 498/533; 4k d 64 400/414, d 128 578/621, d 256 598/639.
+// - at every length (until 2026-12-07 only up to 64 row blocks, 8k queries at 128 rows): at 16k
+//   keys the causal forward without sections read 1.16 GB from DRAM at d 128 and 3.44 GB at d 64
+//   (L2 hit rate 77 % / 32 %; Q + K + V are 201 MB), with 32 MiB sections 0.38 / 0.44 GB
+//   (92 % / 87 %); FlashAttention-3 reads 0.26 / 0.30 GB (ncu, H100). Time, H100, 3 rounds,
+//   16 MiB sections at every length ÷ the former rule: d 64 8k 1.01–1.03, 16k 1.01–1.02; d 128 4k
+//   1.01, 8k 1.00–1.02, 16k 1.00–1.02; 2k and d 64 4k level. The H200's faster memory felt
+//   less of it (run G: 16k at 1.00).
+// - 16 MiB rather than 32: 1k keys d 128 1.07–1.09, d 64 1.02; 2k d 128 1.03, d 64 1.02 (H100,
+//   an earlier run, which found 4k and beyond level or lower); in the run above, 16 ÷ 32 MiB at
+//   d 128 4k 1.01, 8k 1.00–1.02, d 64 8k 1.01–1.02, 16k level.
+// - the 1.5 rounds: a section of about one round put its longest tiles and the next section's in
+//   the same CTAs (the snake turns at the round, the directions at the section) and ran the static
+//   walk at 0.64–0.69× (d 128 4k keys at 8 MiB, 4 pairs of 32 row blocks; d 256 2k at 16 MiB, 8
+//   pairs of 16). So d 256 at 16k keys (a kv head's K/V 16 MiB: 128 tiles in a 16 MiB section)
+//   takes 32 MiB sections.
+inline constexpr int kFwdL2SectionMiB = 16;
+inline constexpr int kFwdL2SectionWideMiB = 32;
 struct FwdSections {
   int pairs;       // pairs per section, ≥ 1
   bool alternate;  // directions alternate
