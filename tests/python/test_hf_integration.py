@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: the torch tests need it")
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/test-python pins it)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/python-pins.sh pins it)")
 
 import flashattn.integrations.transformers as fa_hf  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_continuous_batching(device):
     config = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
     if "page_size" not in inspect.signature(transformers.ContinuousBatchingConfig).parameters:
         pytest.skip(f"transformers {transformers.__version__}: ContinuousBatchingConfig takes no page_size "
-                    f"(this test follows the pinned version, scripts/test-python)")
+                    f"(this test follows the pinned version, scripts/python-pins.sh)")
     # A CPU model on a machine with a GPU: transformers would turn on CUDA graphs and asynchronous
     # batching (chosen by the GPU's presence, not the model's device), which a CPU model cannot take.
     cpu_only = {} if device == "cuda" else dict(use_cuda_graph=False, use_async_batching=False)
