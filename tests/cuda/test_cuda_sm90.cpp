@@ -3,6 +3,7 @@
 // forced (FLASHATTN_CUDA_FAMILY=sm90), its forward matches the fp64 reference by the accuracy rule
 // of SPEC §7 over the shape grid (odd lengths, head dims rounded up, d ≠ dv, GQA, causal), windows
 // and strided layouts, outputs poisoned. Without an sm90 GPU the tests say they were not run.
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -826,6 +827,61 @@ TEST_P(CudaSm90Forward, DynamicScheduleMatchesTheStaticWalkBitForBit) {
         // The static walk's results are checked by the tests above; one reference check here
         // (the fp64 reference of the larger shapes would take minutes of the machine's CPU).
         if (launch == 0 && d == 64 && shape == 0) EXPECT_TRUE(check_forward(p, r));
+      }
+    }
+  }
+}
+
+// The running maximum rising tile after tile (the kernel walks the key tiles from the last to the
+// first): q and k get, in their first column, a query factor a_i and a key ramp c_j that grows
+// toward the first keys, so that rows with a_i = 8 see their maximum rise by about 12 (log2 units,
+// scaled) from each key tile to the next — past the lazy rescale's 8, so O is rescaled at every
+// step — while rows with a_i = −8 or 0.5 keep their first maximum, mixed within warps, and the
+// 16-row slabs with a_i = 0 (warps of their own) never rescale. Dense and varlen kernels, the
+// softcap kernel (its cap far above the scores), the default tiles and the tall d 64 / wide
+// d 256 ones, causal or not, against the fp64 reference.
+TEST_P(CudaSm90Forward, RunningMaxRisesAcrossKeyTiles) {
+  FA_SKIP_WITHOUT_SM90();
+  for (bool other_tiles : {false, true}) {
+    const EnvOverride tall("FLASHATTN_SM90_FWD_D64_TALL_FROM", other_tiles ? "1" : "0");
+    const EnvOverride tall_causal("FLASHATTN_SM90_FWD_D64_TALL_CAUSAL_FROM", other_tiles ? "1" : "0");
+    const EnvOverride wide("FLASHATTN_SM90_FWD_D256_WIDE_FROM", other_tiles ? "1" : "0");
+    for (int d : {64, 128, 256}) {
+      for (bool causal : {false, true}) {
+        for (int variant = 0; variant < 3; ++variant) {  // dense, varlen, softcap
+          if (other_tiles && variant != 0) continue;  // the other tiles serve dense plain calls only
+          AttnConfig cfg = feature_config(GetParam(), d, 200, 700);
+          cfg.heads = cfg.heads_k = 2;
+          cfg.opt.causal = causal;
+          if (variant == 1) {
+            cfg.varlen_q = {200, 77};
+            cfg.varlen_k = {700, 333};
+          } else {
+            cfg.batch = 1;
+          }
+          if (variant == 2) cfg.opt.softcap = 1000.0f;
+          AttnProblem p = make_problem(cfg);
+          const bool varlen = p.is_varlen();
+          const double scale_log2 = 1.4426950408889634 / std::sqrt(double(d));
+          const double ramp = 12.0 / (8.0 * 128.0 * scale_log2);  // a rise of 12 per 128 keys at a_i = 8
+          const std::int64_t rows_q = varlen ? p.q.shape(0) : p.q.shape(1);
+          const std::int64_t rows_k = varlen ? p.k.shape(0) : p.k.shape(1);
+          for (int h = 0; h < cfg.heads; ++h) {
+            for (std::int64_t i = 0; i < rows_q; ++i) {
+              const float factors[4] = {8.0f, -8.0f, 0.5f, 8.0f};
+              const float a = (i / 16) % 2 == 0 ? 0.0f : factors[i % 4];
+              if (varlen) p.q.set({i, h, 0}, a); else p.q.set({0, i, h, 0}, a);
+            }
+            for (std::int64_t j = 0; j < rows_k; ++j) {
+              const float c = float(ramp * double(rows_k - 1 - j));
+              if (varlen) p.k.set({j, h, 0}, c); else p.k.set({0, j, h, 0}, c);
+            }
+          }
+          SCOPED_TRACE(describe(p.cfg) + (other_tiles ? ", tall / wide tiles" : ""));
+          const FamilyOverride family("sm90");
+          const ForwardResult r = run_cuda_forward(p);
+          EXPECT_TRUE(check_forward(p, r));
+        }
       }
     }
   }
