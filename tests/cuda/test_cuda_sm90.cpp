@@ -235,6 +235,10 @@ TEST(CudaSm90Host, TilesAndPingPongByHeadDim) {
   static_assert(fc::sm90::fwd_pingpong(128, true));
   static_assert(fc::sm90::fwd_pingpong(64, true) == (fc::sm90::fwd_tile(64).block_m == 128));
   static_assert(!fc::sm90::fwd_pingpong(256, true) && !fc::sm90::fwd_pingpong(128, false));
+  // O rescaled lazily where dv is 256 (the step rescales 128 fp32 a thread over 64 or 80 keys), not
+  // at dv 64 or 128, where it measured slower or level.
+  static_assert(fc::sm90::fwd_lazy_rescale(256) && !fc::sm90::fwd_lazy_rescale(128) &&
+                !fc::sm90::fwd_lazy_rescale(64));
   {
     const EnvOverride unset("FLASHATTN_SM90_FWD_WALK", "");
     EXPECT_TRUE(fc::sm90::fwd_snake_walk());
@@ -835,9 +839,9 @@ TEST_P(CudaSm90Forward, DynamicScheduleMatchesTheStaticWalkBitForBit) {
 // The running maximum rising tile after tile (the kernel walks the key tiles from the last to the
 // first): q and k get, in their first column, a query factor a_i and a key ramp c_j that grows
 // toward the first keys, so that rows with a_i = 8 see their maximum rise by about 12 (log2 units,
-// scaled) from each key tile to the next — past the lazy rescale's 8, so O is rescaled at every
-// step — while rows with a_i = −8 or 0.5 keep their first maximum, mixed within warps, and the
-// 16-row slabs with a_i = 0 (warps of their own) never rescale. Dense and varlen kernels, the
+// scaled) from each key tile to the next — past the lazy rescale's 8 (d 256; fwd_lazy_rescale), so
+// O is rescaled at every step — while rows with a_i = −8 or 0.5 keep their first maximum, mixed
+// within warps, and the 16-row slabs with a_i = 0 (warps of their own) never rescale. Dense and varlen kernels, the
 // softcap kernel (its cap far above the scores), the default tiles and the tall d 64 / wide
 // d 256 ones, causal or not, against the fp64 reference.
 TEST_P(CudaSm90Forward, RunningMaxRisesAcrossKeyTiles) {

@@ -166,6 +166,22 @@ inline bool fwd_score_mod(const common::AttentionParams& p) {
   return p.softcap > 0.0f || p.alibi_slopes != nullptr || p.dropout_p > 0.0f;
 }
 
+// Whether the kernels of V head dim head_dim_v rescale O lazily (OnlineSoftmax's kLazy,
+// sm90_softmax.cuh: a row's maximum is kept until a key tile passes it by more than 8, scaled, in
+// log2 units, and warps whose rows all kept theirs skip O's rescale): by default where dv is 256,
+// whose step rescales 128 fp32 per thread over only 64 or 80 keys. On an H100 (2026-12-08, bf16,
+// L2 cleared, every kernel built either way, two rounds, the builds alternating;
+// docs/benchmarks-sm90.md) lazy ÷ every step, FA grid 512–16k keys, causal or not: d 256
+// 1.003–1.040 (geometric mean 1.020), d 128 0.987–1.044 (1.000), d 64 0.939–0.981 (0.957).
+// -DFLASHATTN_SM90_FWD_LAZY_RESCALE=0 or 1 sets every head dim alike.
+#ifndef FLASHATTN_SM90_FWD_LAZY_RESCALE
+#define FLASHATTN_SM90_FWD_LAZY_RESCALE -1
+#endif
+static_assert(FLASHATTN_SM90_FWD_LAZY_RESCALE >= -1 && FLASHATTN_SM90_FWD_LAZY_RESCALE <= 1,
+              "FLASHATTN_SM90_FWD_LAZY_RESCALE is 0 or 1 (unset: per head dim)");
+constexpr bool fwd_lazy_rescale(int head_dim_v) {
+  return FLASHATTN_SM90_FWD_LAZY_RESCALE >= 0 ? FLASHATTN_SM90_FWD_LAZY_RESCALE == 1 : head_dim_v > 128;
+}
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
 // softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds
 // then run under the other warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns

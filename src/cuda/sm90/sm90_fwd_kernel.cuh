@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) fwd_kernel(const __grid_c
       const FwdTile t = tile_of(index);
       typename Traits::TiledMmaPV mma_pv;
       Tensor acc_o = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TileShapePV{}));  // ((2,2,dv/8), 1, 1)
-      OnlineSoftmax<2> softmax(params.scale_log2);
+      OnlineSoftmax<2, Traits::kLazyRescale> softmax(params.scale_log2);
       const std::uint32_t count = loaded;
       if (!t.empty()) {
         Mainloop::compute(params, ss, k_pipe, v_pipe, t, thread, count, k_st, v_st, acc_o, softmax);

@@ -97,6 +97,8 @@ struct FwdTraits {
   // O leaves by TMA (fwd_tma_store), stored by the producer warpgroup's warp kOStoreWarp from
   // Q's bytes or from O's own tile.
   static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen && !kSplit;
+  // O rescaled lazily (fwd_lazy_rescale; OnlineSoftmax's kLazy).
+  static constexpr bool kLazyRescale = fwd_lazy_rescale(kHeadDimV);
   // Tiles decoded by the host's FastDivmod constants (FwdParams::divisors) or by division.
   static constexpr bool kFastDivmod = fwd_fast_divmod(kHeadDim);
 

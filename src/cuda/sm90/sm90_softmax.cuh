@@ -62,22 +62,18 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Lazy rescaling (FLASHATTN_SM90_FWD_LAZY_RESCALE=1; off until timed on a GPU): a row keeps the maximum it
-// measures its exponentials from until a key tile's maximum passes it by more than
+// Lazy rescaling (kLazy; which kernels take it: fwd_lazy_rescale in sm90_fwd.h): a row keeps the
+// maximum its exponentials are measured from until a key tile's maximum passes it by more than
 // kLazyRescaleLog2 (scaled, log2 units), so that the probabilities of a later tile stay at most
-// 2^kLazyRescaleLog2 = 256 (exact in fp32 sums and fp32 O; P's 16-bit rounding is relative, the
-// same at any magnitude) and O's rescale (dv / 2 multiplies per thread a step; 128 at d 256) is
-// skipped by every warp whose rows all kept theirs. The result is the same softmax: the row sum
-// and O are relative to the same kept maximum, and lse adds it back.
-#ifndef FLASHATTN_SM90_FWD_LAZY_RESCALE
-#define FLASHATTN_SM90_FWD_LAZY_RESCALE 0
-#endif
-inline constexpr bool kFwdLazyRescale = FLASHATTN_SM90_FWD_LAZY_RESCALE != 0;
+// 2^kLazyRescaleLog2 = 256 (exact in the fp32 sums and O; P's 16-bit rounding is relative, the same
+// at any magnitude), and O's rescale (dv / 2 multiplies per thread and step) is skipped by every
+// warp whose rows all kept theirs. The same softmax: the row sum and O are relative to the same
+// kept maximum, and lse adds it back.
 inline constexpr float kLazyRescaleLog2 = 8.0f;
 
 // Running max and sum of the rows one thread holds. Scores stay raw (q·k) until exp2, which
 // takes x · (softmax_scale · log2 e) − max · (softmax_scale · log2 e) as one FFMA.
-template <int kRows>
+template <int kRows, bool kLazy = false>
 struct OnlineSoftmax {
   float row_max[kRows];  // raw score units; −∞ until a row sees a visible key
   float row_sum[kRows];  // this thread's part of Σ exp, relative to row_max
@@ -94,9 +90,8 @@ struct OnlineSoftmax {
   // s: (rows, cols) view of one key tile's scores (masked ones −∞). Replaces them with
   // exp2(x·c − max·c) and returns in `correction` the factor by which what was accumulated
   // before this tile (O and the sums) shrinks: exp2((old max − new max) · c); 0 where the row had
-  // seen nothing yet; exactly 1 where the row keeps its maximum (kFwdLazyRescale: the new one
-  // passes it by at most kLazyRescaleLog2, scaled). kFirst: nothing was accumulated (correction
-  // unused).
+  // seen nothing yet; exactly 1 where the row keeps its maximum (kLazy: the new one passes it by
+  // at most kLazyRescaleLog2, scaled). kFirst: nothing was accumulated (correction unused).
   template <bool kFirst, class S>
   __device__ __forceinline__ void step(S& s, float (&correction)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows, "one running max per row");
@@ -112,7 +107,7 @@ struct OnlineSoftmax {
         const float old_scaled = row_max[r] == -device::kInf ? -device::kInf : row_max[r] * scale_log2;
         // Kept: a finite old maximum that the new one passes by at most kLazyRescaleLog2 (false
         // for an old −∞, whose difference is +∞, and for NaN).
-        const bool keep = kFwdLazyRescale && max_scaled - old_scaled <= kLazyRescaleLog2;
+        const bool keep = kLazy && max_scaled - old_scaled <= kLazyRescaleLog2;
         if (keep) {
           max_scaled = old_scaled;
           tile_max = row_max[r];
@@ -133,12 +128,12 @@ struct OnlineSoftmax {
     }
   }
 
-  // o: (rows, cols) view of the output accumulator; multiplies row r by correction[r]. With
-  // kFwdLazyRescale, only where a row of the warp changed its maximum (a warp-uniform branch:
-  // the others' corrections are exactly 1).
+  // o: (rows, cols) view of the output accumulator; multiplies row r by correction[r]. With kLazy,
+  // only where a row of the warp changed its maximum (a warp-uniform branch: the others'
+  // corrections are exactly 1).
   template <class O>
   __device__ __forceinline__ static void rescale(O& o, const float (&correction)[kRows]) {
-    if constexpr (kFwdLazyRescale) {
+    if constexpr (kLazy) {
       bool changed = false;
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.0f;
