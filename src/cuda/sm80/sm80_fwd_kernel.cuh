@@ -19,6 +19,7 @@
 
 #include "common/params.h"
 #include "common/sink.h"
+#include "cuda/device/cp_async.cuh"
 #include "cuda/device/math.cuh"
 #include "cuda/index_check.cuh"
 #include "cuda/device/score_mod.cuh"
@@ -132,11 +133,7 @@ __device__ __forceinline__ int opaque(int x) {
   return x;
 }
 
-// 4-byte cp.async global → shared (.ca: the L2-only .cg form copies 16 bytes only).
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
-  const std::uint32_t dst = cast_smem_ptr_to_uint(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
-}
+using device::cp_async_4;  // cuda/device/cp_async.cuh
 
 // 16-byte cp.async global → shared; when !valid nothing is read and the 16 bytes are zero-filled
 // (out-of-range rows and columns must be zeros: a stale NaN times P = 0 would still be NaN).

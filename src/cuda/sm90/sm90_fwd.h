@@ -182,6 +182,18 @@ static_assert(FLASHATTN_SM90_FWD_LAZY_RESCALE >= -1 && FLASHATTN_SM90_FWD_LAZY_R
 constexpr bool fwd_lazy_rescale(int head_dim_v) {
   return FLASHATTN_SM90_FWD_LAZY_RESCALE >= 0 ? FLASHATTN_SM90_FWD_LAZY_RESCALE == 1 : head_dim_v > 128;
 }
+// The paged kernels' block_table entries (FwdMainloop::request_pages): 1 copies each key tile's
+// entries into shared memory by cp.async a key tile ahead of its TMA boxes; 0 (the default until
+// timed) loads them into the producer thread's registers as the tile's boxes are issued, where
+// ptxas serialises them (each moved to a uniform register right after its load). On an H100
+// pages of 16 rows (eight 16-row boxes per 128-key tile) ran at 0.56–0.59 of a contiguous cache,
+// a step taking about 2.95 µs at d 64 and d 128 alike — in proportion to the entries of a step
+// rather than its boxes or bytes (docs/benchmarks-sm90.md).
+#ifndef FLASHATTN_SM90_FWD_PAGE_AHEAD
+#define FLASHATTN_SM90_FWD_PAGE_AHEAD 0
+#endif
+static_assert(FLASHATTN_SM90_FWD_PAGE_AHEAD == 0 || FLASHATTN_SM90_FWD_PAGE_AHEAD == 1,
+              "FLASHATTN_SM90_FWD_PAGE_AHEAD is 0 or 1");
 // Whether the two consumer warpgroups take turns to issue their products (ping-pong): the
 // softcap/ALiBi/dropout kernels with two consumer warpgroups (d 128), whose tanh and Philox rounds
 // then run under the other warpgroup's products. Not the plain kernel: on the H200 (bf16, d 64/128, s 512…16k) turns

@@ -12,6 +12,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/philox.h"
+#include "cuda/device/cp_async.cuh"
 #include "cuda/device/score_mod.cuh"
 #include "cuda/sm90/sm90_fwd_traits.cuh"
 #include "cuda/sm90/sm90_pipeline.cuh"
@@ -85,15 +86,15 @@ struct FwdMainloop {
   // reads it) into `stage`, completing on `full`, from the pages of sequence t.batch, in boxes of
   // kRows rows (Traits::kPageChunkRows, or kPageWideRows where the pages allow it) × kAtomCols
   // columns.
-  // Box c holds keys j = n·kBlockN + c·kRows …: page box_page[c] (tile_pages: block_table[t.batch]
-  // [j / page_size]), from row j % page_size (a page holds whole boxes). Boxes past the sequence's
+  // Box c holds keys j = n·kBlockN + c·kRows …: page box_page[c] (block_table[t.batch][j / page_size]:
+  // tile_pages' registers, or the shared-memory slot of request_pages), from row j % page_size (a
+  // page holds whole boxes). Boxes past the sequence's
   // keys are not loaded (the block_table entries there may be anything): their K rows are masked
   // and their V rows zeroed (compute), as are the rows past the keys inside the last box.
   // kColumnBlocks: the tensor's tile in blocks of Traits::kAtomCols columns (K: d, V: dv).
-  template <int kRows, int kColumnBlocks, class Tma, class MKV>
+  template <int kRows, int kColumnBlocks, class Tma, class MKV, class Pages>
   __device__ static void load_paged_tile(const Tma& tma, const MKV& mKV, Element* stage, std::uint64_t& full,
-                                         const int (&box_page)[Traits::kChunksPerTile], int page_size,
-                                         const FwdTile& t, int n) {
+                                         const Pages& box_page, int page_size, const FwdTile& t, int n) {
     constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST;
     auto slice = tma.get_slice(_0{});
     const int j0 = n * kBlockN;
@@ -126,6 +127,31 @@ struct FwdMainloop {
     for (int c = 0; c < kBlockN / kRows; ++c) {
       const int j = j0 + c * kRows;
       box_page[c] = j < j0 + rows ? __ldg(pages + j / page_size) : 0;
+    }
+  }
+  // Traits::kPageAhead: the block_table entry of every box of kRows rows of paged key tile n of t
+  // that holds a key, copied into `slot` (shared memory) by 4-byte cp.async — one group, which the
+  // caller closes — a key tile ahead of the loads that read it. The copies are in flight together;
+  // loaded into registers (tile_pages), each entry is moved to a uniform register for the TMA
+  // coordinates right after its load (sm_90a SASS of the d 128 paged kernel, whose producer keeps
+  // 24 registers), so a tile's entries arrive one L2 round trip after another.
+  template <int kRows>
+  __device__ __forceinline__ static void request_pages(const std::int32_t* pages, int page_size, const FwdTile& t,
+                                                       int n, int* slot) {
+    constexpr int kBoxes = kBlockN / kRows;
+    const std::uint32_t boxes = paged_tile_boxes<kRows>(t, n);
+    const int boxes_per_page = page_size / kRows;  // fwd_page_box_rows: pages of whole boxes
+    const int box0 = n * kBoxes;                   // the tile's first box, from the sequence's first key
+    int page = box0 / boxes_per_page;
+    int in_page = box0 - page * boxes_per_page;
+    CUTE_UNROLL
+    for (int c = 0; c < kBoxes; ++c) {
+      if (std::uint32_t(c) >= boxes) break;
+      device::cp_async_4(slot + c, pages + page);
+      if (++in_page == boxes_per_page) {
+        in_page = 0;
+        ++page;
+      }
     }
   }
   // The boxes of kRows rows of paged key tile n of t that hold a key (each loaded with every column
@@ -202,19 +228,51 @@ struct FwdMainloop {
     Tensor mV = tma_v.get_tma_tensor(params.shape_v);  // (page rows, dv, hk, pages)
     const std::int32_t* pages = params.p.block_table + std::int64_t(t.batch) * params.p.block_table_batch_stride;
     const int page_size = params.p.page_size;
+    // kPageAhead: the entries of key tile n wait in slot n mod 2 of ss.pages, those of the next one
+    // requested before this one's boxes (a cp.async group per key tile, the last one empty).
+    [[maybe_unused]] auto slot = [&](int n) -> int* {
+      if constexpr (Traits::kPageAhead) {
+        return ss.pages.entry[n & 1];
+      } else {
+        return nullptr;
+      }
+    };
+    if constexpr (Traits::kPageAhead) {
+      request_pages<kRows>(pages, page_size, t, t.n_block_max - 1, slot(t.n_block_max - 1));
+      cute::cp_async_fence();
+    }
     for (int n = t.n_block_max - 1; n >= t.n_block_min; --n) {
       const std::uint32_t boxes = paged_tile_boxes<kRows>(t, n);
-      int box_page[Traits::kChunksPerTile];
-      tile_pages<kRows>(pages, page_size, t, n, box_page);
-      load_paged_tile<kRows, Traits::kColumnBlocksK>(
-          tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
-          k_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxK<kRows>), box_page, page_size, t, n);
-      load_paged_tile<kRows, Traits::kColumnBlocksV>(
-          tma_v, mV, ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
-          v_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxV<kRows>), box_page, page_size, t, n);
+      if constexpr (Traits::kPageAhead) {
+        if (n > t.n_block_min) request_pages<kRows>(pages, page_size, t, n - 1, slot(n - 1));
+        cute::cp_async_fence();
+        cute::cp_async_wait<1>();  // key tile n's entries have landed
+        const int* box_page = slot(n);
+        load_paged_step<kRows>(params, tma_k, tma_v, mK, mV, ss, k_pipe, v_pipe, box_page, t, n, boxes, st);
+      } else {
+        int box_page[Traits::kChunksPerTile];
+        tile_pages<kRows>(pages, page_size, t, n, box_page);
+        load_paged_step<kRows>(params, tma_k, tma_v, mK, mV, ss, k_pipe, v_pipe, box_page, t, n, boxes, st);
+      }
       st.advance();
       if (Traits::kQStages == 2 && has_next && n == t.n_block_max - 1) load_q(params, ss, next, count + 1);
     }
+  }
+  // K(n) and V(n) of a paged tile into the stage st, the page of box c at box_page[c].
+  template <int kRows, class TmaK, class TmaV, class MK, class MV, class Pages>
+  __device__ __forceinline__ static void load_paged_step(const FwdParams<Traits>& params, const TmaK& tma_k,
+                                                         const TmaV& tma_v, const MK& mK, const MV& mV,
+                                                         SharedStorage& ss, const Pipeline& k_pipe,
+                                                         const Pipeline& v_pipe, const Pages& box_page,
+                                                         const FwdTile& t, int n, std::uint32_t boxes,
+                                                         const PipelineState<kStages>& st) {
+    const int page_size = params.p.page_size;
+    load_paged_tile<kRows, Traits::kColumnBlocksK>(
+        tma_k, mK, ss.k.data() + Traits::stage_offset(st.index, kHeadDim),
+        k_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxK<kRows>), box_page, page_size, t, n);
+    load_paged_tile<kRows, Traits::kColumnBlocksV>(
+        tma_v, mV, ss.v.data() + Traits::stage_offset(st.index, Traits::kHeadDimV),
+        v_pipe.producer_acquire(st, boxes * Traits::template kTmaBytesBoxV<kRows>), box_page, page_size, t, n);
   }
 
   // --- consumers: kConsumerWarpgroups warpgroups ----------------------------------------------

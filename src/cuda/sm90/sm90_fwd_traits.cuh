@@ -255,6 +255,13 @@ struct FwdTraits {
     std::uint64_t empty[kFwdTileSlots];
   };
   using TileRingStorage = std::conditional_t<kFwdDynamic, TileRing, NoStorage>;
+  // The paged kernels' block_table entries of a key tile's boxes a tile ahead (FwdMainloop::
+  // request_pages): two slots, the tile being loaded and the next one.
+  static constexpr bool kPageAhead = kPaged && FLASHATTN_SM90_FWD_PAGE_AHEAD == 1;
+  struct PageSlots {
+    alignas(16) int entry[2][kBlockN / kPageChunkRows];
+  };
+  using PageStorage = std::conditional_t<kPageAhead, PageSlots, NoStorage>;
   using OStorage = std::conditional_t<kSeparateO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoStorage>;
 
   struct SharedStorage {
@@ -273,6 +280,7 @@ struct FwdTraits {
     std::uint64_t v_full[kStages];
     std::uint64_t v_empty[kStages];
     TileRingStorage ring;  // kFwdDynamic: the tile indices the producer fetched
+    PageStorage pages;     // kPageAhead: block_table entries of the producer's next key tiles
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   // The Q buffer of the CTA's `count`-th non-empty tile, and the parity of that buffer's barriers
