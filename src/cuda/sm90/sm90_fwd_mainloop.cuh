@@ -416,15 +416,40 @@ struct FwdMainloop {
       }
     }
     [[maybe_unused]] const std::uint64_t dropout_stream = params.p.dropout_stream(t.batch, t.head);
+    // The keep bits of block jb of key tile n (this thread's 8 of the 16 × 16 block), i0 the
+    // thread's first row.
+    constexpr int kDropBlocks = decltype(size<1>(s_rc))::value / 4;
+    auto keep_bits = [&](int i0, int n, int jb) {
+      const int j0 = n * kBlockN + get<1>(c_rc(0, 4 * jb));
+      return common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4, common::dropout_lane(i0, j0));
+    };
+    // Traits::kDropoutEarly: key tile n's keep bits drawn as soon as the warpgroup has issued its
+    // products — their Philox rounds (about 600 of a d 128 step's instructions) run while Q·Kᵀ is
+    // computed instead of after it, between the wait for S and the wait for P·V — and kept 4
+    // blocks to a register until apply_dropout.
+    [[maybe_unused]] std::uint32_t early_bits[(kDropBlocks + 3) / 4];
+    auto draw_dropout = [&](int n) {
+      if constexpr (Traits::kDropoutEarly) {
+        if (!use_dropout) return;
+        const int i0 = t.m_block * kBlockM + get<0>(c_rc(0, 0));
+        CUTE_UNROLL
+        for (int w = 0; w < (kDropBlocks + 3) / 4; ++w) early_bits[w] = 0;
+        CUTE_UNROLL
+        for (int jb = 0; jb < kDropBlocks; ++jb) early_bits[jb / 4] |= keep_bits(i0, n, jb) << (8 * (jb % 4));
+      }
+    };
     auto apply_dropout = [&](int n) {
       if constexpr (Traits::kScoreMod) {
         if (!use_dropout) return;
         const int i0 = t.m_block * kBlockM + get<0>(c_rc(0, 0));
         CUTE_UNROLL
-        for (int jb = 0; jb < decltype(size<1>(s_rc))::value / 4; ++jb) {
-          const int j0 = n * kBlockN + get<1>(c_rc(0, 4 * jb));
-          const std::uint32_t bits =
-              common::dropout_keep_bits(dropout, dropout_stream, i0 >> 4, j0 >> 4, common::dropout_lane(i0, j0));
+        for (int jb = 0; jb < kDropBlocks; ++jb) {
+          std::uint32_t bits;
+          if constexpr (Traits::kDropoutEarly) {
+            bits = early_bits[jb / 4] >> (8 * (jb % 4));
+          } else {
+            bits = keep_bits(i0, n, jb);
+          }
           CUTE_UNROLL
           for (int r = 0; r < kRows; ++r) {
             CUTE_UNROLL
@@ -467,6 +492,7 @@ struct FwdMainloop {
     turn_begin(wg);
     wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, k_st.index), acc_s);
     turn_end(wg);
+    draw_dropout(n);
     cute::warpgroup_wait<0>();
     k_pipe.consumer_release(k_st, leader);
     k_st.advance();
@@ -495,6 +521,7 @@ struct FwdMainloop {
       v_pipe.consumer_wait(v_st);
       wgmma<false>(mma_pv, p_frag, tOrV(_, _, _, v_st.index), acc_o);
       turn_end(wg);
+      draw_dropout(n);
       cute::warpgroup_wait<1>();  // S has landed; P·V still runs
       k_pipe.consumer_release(k_st, leader);
       k_st.advance();

@@ -99,6 +99,8 @@ struct FwdTraits {
   static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen && !kSplit;
   // O rescaled lazily (fwd_lazy_rescale; OnlineSoftmax's kLazy).
   static constexpr bool kLazyRescale = fwd_lazy_rescale(kHeadDimV);
+  // Dropout's keep bits drawn before the wait for S (fwd_dropout_early; the score-mod kernels).
+  static constexpr bool kDropoutEarly = kScoreMod && FLASHATTN_SM90_FWD_DROPOUT_EARLY == 1;
   // Tiles decoded by the host's FastDivmod constants (FwdParams::divisors) or by division.
   static constexpr bool kFastDivmod = fwd_fast_divmod(kHeadDim);
 
