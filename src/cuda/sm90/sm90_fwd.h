@@ -193,6 +193,17 @@ constexpr bool fwd_lazy_rescale(int head_dim_v) {
 #endif
 static_assert(FLASHATTN_SM90_FWD_DROPOUT_EARLY == 0 || FLASHATTN_SM90_FWD_DROPOUT_EARLY == 1,
               "FLASHATTN_SM90_FWD_DROPOUT_EARLY is 0 or 1");
+// The softcap kernels' exponentials: of every 8 columns of a thread's scores, the first N take
+// 2^x from common::exp2_poly (a cubic on the FMA pipe, 11 instructions, relative error 1.03e-4,
+// below P's 16-bit rounding) instead of the MUFU, where the step's tanh queues too: 128 MUFU
+// operations per thread and 128-key step, 8 cycles each per warp scheduler (16 results per clock
+// per SM), against 66 without softcap. 0 (the default until timed): every exponential on the MUFU.
+// Calls without softcap (ALiBi, dropout) take the MUFU path either way.
+#ifndef FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP
+#define FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP 0
+#endif
+static_assert(FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP >= 0 && FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP <= 8,
+              "FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP is 0 … 8 (columns of every 8)");
 // The paged kernels' block_table entries (FwdMainloop::request_pages): 1 copies each key tile's
 // entries into shared memory by cp.async a key tile ahead of its TMA boxes; 0 (the default until
 // timed) loads them into the producer thread's registers as the tile's boxes are issued, where

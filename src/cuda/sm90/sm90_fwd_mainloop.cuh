@@ -498,7 +498,7 @@ struct FwdMainloop {
     k_st.advance();
     apply_score_mod(n);
     if (needs_mask(n)) apply_mask(n);
-    softmax.template step<true>(s_rc, correction);
+    softmax.template step_poly_if<true, Traits::kSoftcapPolyCols>(mod.softcap, s_rc, correction);
     apply_dropout(n);
     to_p();
     mma_pv.accumulate_ = GMMA::ScaleOut::Zero;  // the first P·V overwrites acc_o
@@ -527,7 +527,7 @@ struct FwdMainloop {
       k_st.advance();
       apply_score_mod(n);
       if (needs_mask(n)) apply_mask(n);
-      softmax.template step<false>(s_rc, correction);
+      softmax.template step_poly_if<false, Traits::kSoftcapPolyCols>(mod.softcap, s_rc, correction);
       apply_dropout(n);
       cute::warpgroup_wait<0>();
       v_pipe.consumer_release(v_st, leader);

@@ -101,6 +101,8 @@ struct FwdTraits {
   static constexpr bool kLazyRescale = fwd_lazy_rescale(kHeadDimV);
   // Dropout's keep bits drawn before the wait for S (fwd_dropout_early; the score-mod kernels).
   static constexpr bool kDropoutEarly = kScoreMod && FLASHATTN_SM90_FWD_DROPOUT_EARLY == 1;
+  // Softcap calls: exponentials per 8 columns on the FMA pipe (FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP).
+  static constexpr int kSoftcapPolyCols = kScoreMod ? FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP : 0;
   // Tiles decoded by the host's FastDivmod constants (FwdParams::divisors) or by division.
   static constexpr bool kFastDivmod = fwd_fast_divmod(kHeadDim);
 

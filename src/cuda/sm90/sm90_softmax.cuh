@@ -6,6 +6,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "common/exp2_poly.h"
 #include "cuda/device/math.cuh"
 
 namespace flashattn::cuda::sm90 {
@@ -92,7 +93,10 @@ struct OnlineSoftmax {
   // before this tile (O and the sums) shrinks: exp2((old max − new max) · c); 0 where the row had
   // seen nothing yet; exactly 1 where the row keeps its maximum (kLazy: the new one passes it by
   // at most kLazyRescaleLog2, scaled). kFirst: nothing was accumulated (correction unused).
-  template <bool kFirst, class S>
+  // kPolyCols: of every 8 columns of the thread's rows, the first kPolyCols take their exponential
+  // from common::exp2_poly (FMA and integer pipes) instead of the MUFU (the softcap kernels, whose
+  // tanh queues on the MUFU too: FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP).
+  template <bool kFirst, int kPolyCols = 0, class S>
   __device__ __forceinline__ void step(S& s, float (&correction)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows, "one running max per row");
     CUTE_UNROLL
@@ -121,10 +125,26 @@ struct OnlineSoftmax {
       float sum = 0.0f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = device::exp2_ftz(fmaf(s(r, c), scale_log2, -max_scaled));
+        const float x = fmaf(s(r, c), scale_log2, -max_scaled);
+        s(r, c) = c % 8 < kPolyCols ? common::exp2_poly(x) : device::exp2_ftz(x);
         sum += s(r, c);
       }
       row_sum[r] += sum;
+    }
+  }
+
+  // step, with kPolyCols of every 8 columns on the FMA pipe where `poly` (warp-uniform: the
+  // softcap kernels' call has softcap on) and every exponential on the MUFU otherwise.
+  template <bool kFirst, int kPolyCols, class S>
+  __device__ __forceinline__ void step_poly_if(bool poly, S& s, float (&correction)[kRows]) {
+    if constexpr (kPolyCols > 0) {
+      if (poly) {
+        step<kFirst, kPolyCols>(s, correction);
+      } else {
+        step<kFirst>(s, correction);
+      }
+    } else {
+      step<kFirst>(s, correction);
     }
   }
 
