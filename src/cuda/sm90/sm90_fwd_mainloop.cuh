@@ -99,10 +99,19 @@ struct FwdMainloop {
     auto slice = tma.get_slice(_0{});
     const int j0 = n * kBlockN;
     const int rows = min(kBlockN, t.seqlen_k - j0);
+    // kPageAhead: the box's row in its page stepped box by box from one division a tile (the
+    // producer's one thread does the tile's boxes alone, one division per box otherwise).
+    [[maybe_unused]] int next_in_page = Traits::kPageAhead ? j0 % page_size : 0;
     CUTE_UNROLL
     for (int c = 0; c < kBlockN / kRows; ++c) {
       if (c * kRows >= rows) break;
-      const int in_page = (j0 + c * kRows) % page_size;
+      int in_page;
+      if constexpr (Traits::kPageAhead) {
+        in_page = next_in_page;
+        next_in_page = in_page + kRows == page_size ? 0 : in_page + kRows;
+      } else {
+        in_page = (j0 + c * kRows) % page_size;
+      }
       Tensor gPage = mKV(_, _, t.kv_head, box_page[c]);  // (page rows, cols)
       CUTE_UNROLL
       for (int block = 0; block < kColumnBlocks; ++block) {
