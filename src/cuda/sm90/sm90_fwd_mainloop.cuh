@@ -88,9 +88,9 @@ struct FwdMainloop {
   // columns.
   // Box c holds keys j = n·kBlockN + c·kRows …: page box_page[c] (block_table[t.batch][j / page_size]:
   // tile_pages' registers, or the shared-memory slot of request_pages), from row j % page_size (a
-  // page holds whole boxes). Boxes past the sequence's
-  // keys are not loaded (the block_table entries there may be anything): their K rows are masked
-  // and their V rows zeroed (compute), as are the rows past the keys inside the last box.
+  // page holds whole boxes). Boxes past the sequence's keys are not loaded (the block_table entries
+  // there may be anything): their K rows are masked and their V rows zeroed (compute), as are the
+  // rows past the keys inside the last box.
   // kColumnBlocks: the tensor's tile in blocks of Traits::kAtomCols columns (K: d, V: dv).
   template <int kRows, int kColumnBlocks, class Tma, class MKV, class Pages>
   __device__ static void load_paged_tile(const Tma& tma, const MKV& mKV, Element* stage, std::uint64_t& full,
