@@ -99,7 +99,7 @@ struct FwdTraits {
   static constexpr bool kTmaStoreO = fwd_tma_store(kHeadDim, kScoreMod) && !kVarlen && !kSplit;
   // O rescaled lazily (fwd_lazy_rescale; OnlineSoftmax's kLazy).
   static constexpr bool kLazyRescale = fwd_lazy_rescale(kHeadDimV);
-  // Dropout's keep bits drawn before the wait for S (fwd_dropout_early; the score-mod kernels).
+  // Dropout's keep bits drawn before the wait for S (FLASHATTN_SM90_FWD_DROPOUT_EARLY; the score-mod kernels).
   static constexpr bool kDropoutEarly = kScoreMod && FLASHATTN_SM90_FWD_DROPOUT_EARLY == 1;
   // Softcap calls: exponentials per 8 columns on the FMA pipe (FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP).
   static constexpr int kSoftcapPolyCols = kScoreMod ? FLASHATTN_SM90_FWD_SOFTCAP_POLY_EXP : 0;
